@@ -1,0 +1,717 @@
+"""
+Prepare the datasets nanoroute trains on (SPEC.md, "Data the project prepares").
+
+    python prepare_data.py demo                      # generated offline in seconds; train.py's default
+    python prepare_data.py text8                     # 31 MB zip, 27 characters, 90M/5M/5M
+    python prepare_data.py tinystories               # ~2.2 GB of text, characters, train/val
+    python prepare_data.py fineweb_edu --shards 20   # GPT-2 tokens, 100M per train shard
+
+Output contract: a prepared dataset is a folder (default data/NAME/) holding
+
+    train.bin, val.bin, test.bin   flat arrays of token ids, no header: uint8 when the vocabulary
+                                   fits in 256 ids, else uint16. tinystories has no test.bin.
+                                   Read them with open_split() or np.memmap(path, dtype, mode="r").
+    meta.json                      {"dataset", "level": "char" | "gpt2", "dtype", "vocab_size",
+                                    "chars": the character of each id, in id order (char level only),
+                                    "splits": {"train": n_tokens, ...}, "source": URLs or
+                                    "generated (seed S)", "format_version": 1, "options": {...}}
+    encoder.json, vocab.bpe        gpt2 level only: GPT-2's BPE files, to turn ids back into text.
+
+meta.json is written last, atomically: a folder with a valid meta.json is finished. Each .bin is
+written as NAME.tmp and renamed when complete; each download goes to NAME.part and is renamed only
+once verified. So an interrupted run never leaves a file that looks complete, and re-running the
+same command resumes it (finished downloads and splits are kept; progress.json tracks them).
+Never pickle. With --base_url URL or $NANOROUTE_BASE_URL, every file is fetched as URL/<filename>.
+"""
+
+import argparse
+import errno
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+import zipfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import requests
+import urllib3
+from tqdm import tqdm
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "val", "test")
+EOT = "<|endoftext|>"  # story / document separator, kept as one reserved symbol
+REPLACEMENT = "\ufffd"  # '�': the one symbol every rare TinyStories character maps to
+GPT2_VOCAB, GPT2_EOT = 50257, 50256
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER = 20240520, 1, 256 * 4  # llm.c: 256 int32, then uint16
+CHUNK = 1 << 23  # characters / tokens handled at a time, so memory stays bounded on huge files
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+TEXT8_URL = "http://mattmahoney.net/dc/text8.zip"
+TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/"
+FINEWEB_URL = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main/"
+GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+# (bytes, sha256) of official files, checked only when the file comes from that exact URL: a mirror's
+# files are checked by their structure instead (zip test, shard header, JSON), so tests can serve
+# tiny stand-ins. The GPT-2 hashes are the ones tiktoken pins.
+KNOWN = {
+    TEXT8_URL: (31344016, None),
+    GPT2_URL + "encoder.json": (None, "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+    GPT2_URL + "vocab.bpe": (None, "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
+}
+
+# name: (line for --help, the options that decide its data, with their defaults)
+DATASETS = {
+    "demo": ("generated stories, ~2 MB, char level, offline in ~1 s; train.py's default",
+             {"seed": 1337, "demo_mb": 2.0}),
+    "text8": ("Wikipedia text, 27 chars, 90M/5M/5M; 31 MB zip from mattmahoney.net/dc", {}),
+    "tinystories": ("children's stories, char level, train/val; ~2.2 GB of text from "
+                    "huggingface.co/datasets/roneneldan/TinyStories", {"v1": False, "min_count": 1000}),
+    "fineweb_edu": ("FineWeb-Edu in GPT-2 tokens, train/val/test; 200 MB per 100M-token shard from "
+                    "huggingface.co/datasets/kjj0/finewebedu10B-gpt2", {"shards": 20}),
+}
+RUN_OPTIONS = {"base_url": None, "retries": 5, "backoff": None, "keep_downloads": False}  # how, not what
+
+
+class DataError(Exception):
+    """A problem the user can fix; its message is one line that says what failed and what to do."""
+
+
+class _Transient(Exception):
+    """A download failure worth retrying: network hiccup, cut connection, HTTP 5xx."""
+
+
+# -----------------------------------------------------------------------------
+# Downloads: streamed, resumed with Range, verified, renamed.
+
+def _write(f, data):
+    f.write(data)  # every byte this script writes goes through here (tests inject faults)
+
+
+def download(url, dest, retries=5, backoff=1.0, verify=None):
+    """Fetch url to dest via dest.part; verify(part) returns None or why the file is bad."""
+    dest = Path(dest)
+    if dest.exists():
+        return dest  # only a verified download is ever renamed to its final name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    for attempt in range(retries + 1):
+        try:
+            _fetch(url, part)
+            break
+        except _Transient as e:
+            if attempt == retries:
+                raise DataError(f"download of {url} failed after {retries + 1} tries ({e}); check the "
+                                "network or the mirror, then re-run (the download resumes)") from None
+            time.sleep(backoff * 2 ** attempt)
+    why = _check_known(part, url) or (verify(part) if verify else None)
+    if why:
+        part.unlink()
+        raise DataError(f"{dest.name} from {url} is corrupt or truncated ({why}); it was deleted, "
+                        "re-run to download it again")
+    os.replace(part, dest)
+    return dest
+
+
+def _fetch(url, part):
+    have = part.stat().st_size if part.exists() else 0
+    headers = {"Accept-Encoding": "identity"}  # bytes as stored: sizes and Range offsets must agree
+    headers.update({"Range": f"bytes={have}-"} if have else {})
+    try:
+        with requests.get(url, headers=headers, stream=True, timeout=(10, 60)) as r:
+            if r.status_code == 416 and have:  # nothing after `have`: the part may already be whole
+                total = r.headers.get("Content-Range", "").rpartition("/")[2]
+                if total.isdigit() and int(total) == have:
+                    return
+                part.unlink()
+                raise _Transient("partial file longer than the remote one, restarting")
+            if r.status_code in (408, 429) or r.status_code >= 500:
+                raise _Transient(f"HTTP {r.status_code}")
+            if r.status_code not in (200, 206):
+                raise DataError(f"HTTP {r.status_code} {r.reason} for {url}; check the dataset name and "
+                                "--base_url / $NANOROUTE_BASE_URL")
+            if r.status_code == 206 and not r.headers.get("Content-Range", "").startswith(f"bytes {have}-"):
+                part.unlink()
+                raise _Transient("server sent another range than asked, restarting")
+            if r.status_code == 200:
+                have = 0  # the server ignored our Range: start over rather than append a second copy
+            length = int(r.headers.get("Content-Length", -1))
+            with open(part, "ab" if have else "wb") as f, tqdm(
+                    total=have + length if length >= 0 else None, initial=have, unit="B",
+                    unit_scale=True, desc=part.name[:-5], disable=None) as bar:
+                # read1 hands over whatever arrived, so a cut connection loses nothing already received
+                while chunk := r.raw.read1(1 << 20):
+                    _write(f, chunk)
+                    bar.update(len(chunk))
+            if length >= 0 and part.stat().st_size != have + length:
+                raise _Transient("connection closed early")
+    except (requests.ConnectionError, requests.Timeout, urllib3.exceptions.HTTPError) as e:
+        raise _Transient(f"{type(e).__name__} talking to {url.split('/')[2]}") from None
+
+
+def _check_known(path, url):
+    size, sha256 = KNOWN.get(url, (None, None))
+    if size is not None and path.stat().st_size != size:
+        return f"{path.stat().st_size} bytes, expected {size}"
+    if sha256 is not None:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        if h.hexdigest() != sha256:
+            return "sha256 differs from the official file"
+    return None
+
+
+def _url(official, base_url):
+    return f"{base_url.rstrip('/')}/{official.rsplit('/', 1)[1]}" if base_url else official
+
+
+# -----------------------------------------------------------------------------
+# Writing outputs: atomically, and remembering finished splits in progress.json.
+
+def _write_bin(path, chunks, dtype):
+    """Write token arrays to path (via path.tmp); returns the number of tokens."""
+    tmp, n = path.with_name(path.name + ".tmp"), 0
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                c = np.ascontiguousarray(c, dtype=dtype)
+                _write(f, c.tobytes())
+                n += c.size
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return n
+
+
+def _write_json(path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            _write(f, json.dumps(obj, indent=1, ensure_ascii=False))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _load_progress(out, recorded):
+    try:
+        state = json.loads((out / "progress.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        state = {}
+    if state.get("options") != recorded:  # other options: nothing done so far is reusable
+        state = {"options": recorded, "splits": {}}
+    return state
+
+
+def _todo(out, state, splits, dtype):
+    """The splits still to write: done means listed in progress.json with a file of that length."""
+    def done(split):
+        path, n = out / f"{split}.bin", state["splits"].get(split)
+        return n is not None and path.exists() and path.stat().st_size == n * np.dtype(dtype).itemsize
+    return [s for s in splits if not done(s)]
+
+
+def _finish_split(out, state, split, chunks, dtype):
+    state["splits"][split] = _write_bin(out / f"{split}.bin", chunks, dtype)
+    _write_json(out / "progress.json", state)
+
+
+def _chunks(a, n=None):
+    n = n or CHUNK
+    return (a[i:i + n] for i in range(0, len(a), n))
+
+
+def _char_lut(chars, default):
+    """Code point -> id table (single-character entries only); everything else gets `default`."""
+    lut = np.full(0x110000, default, dtype=np.int32)
+    for i, c in enumerate(chars):
+        if len(c) == 1:
+            lut[ord(c)] = i
+    return lut
+
+
+def _codepoints(text):
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+# -----------------------------------------------------------------------------
+# demo: short stories from a small grammar, generated offline from a seed.
+
+_NAMES = ("Lily:she Tom:he Mia:she Ben:he Sara:she Max:he Anna:she Leo:he Zoe:she Sam:he Emma:she "
+          "Jack:he Lucy:she Finn:he Ruby:she Noah:he Ella:she Jake:he Amy:she Tim:he Rosa:she Omar:he "
+          "Ivy:she Dan:he Nina:she Hugo:he Kate:she Ravi:he Maya:she Eli:he Lena:she Otto:he").split()
+_WORDS = dict(
+    place="park forest beach garden village library river hill market farm school castle lake meadow "
+          "bakery harbor cave zoo field kitchen attic bridge mountain island".split(),
+    object="red ball|kite|little boat|blue hat|shiny key|big book|drum|lantern|map|teddy bear|cake|"
+           "basket|feather|smooth stone|shell|whistle|box|umbrella|apple|flower|toy car|rope|bell|"
+           "ring|scarf|cup|paper star|letter".split("|"),
+    animal="cat dog bird fox rabbit owl frog duck bear mouse turtle horse lion fish bee squirrel".split(),
+    adj="happy tiny brave curious sleepy kind shy clever silly gentle proud quiet friendly busy "
+        "grumpy bright old funny lonely little".split(),
+    feeling="happy sad scared excited surprised tired proud worried angry calm".split(),
+    time="One sunny morning|One rainy day|One cold winter night|On a windy afternoon|Early one day|"
+         "One warm summer evening|Long ago|Once upon a time".split("|"),
+    act="play in the sun|read books|sing songs|run fast|draw pictures|build sand castles|climb trees|"
+        "bake cookies|dance|look at the stars|swim in the lake|ride a bike|pick flowers|fly a kite"
+        .split("|"),
+    rel="mom|dad|grandma|grandpa|little brother|big sister|dog|best friend".split("|"),
+    water="river pond lake mud well sea".split(), weather="rain|snow|get dark|blow hard".split("|"),
+    spot="bed|big rock|old tree|table|stairs|bench".split("|"),
+    trap="mud|hole|net|bush|fence|tall grass".split("|"),
+    lesson="share|be kind|tell the truth|help others|be patient|listen to mom|try again|say sorry"
+           .split("|"),
+)
+_BEATS = [  # a story takes one or more sentences from each beat, in order
+    ["{time}, there was a {adj} {kind} named {N}.", "Once upon a time, there was a {adj} {animal} "
+     "named {N}.", "{N} was a {adj} {kind} who lived near the {place}.",
+     "{time}, {N} went to the {place} with {his} {rel}."],
+    ["{He} loved to {act} every day.", "{He} had a {object} that {he} liked very much.",
+     "Every morning, {N} liked to {act} with {F}.", "{N} and {his} friend {F} liked to play at the "
+     "{place}.", "{He} felt very {feeling} that day."],
+    ["One day, {he} found a {object2} near the {place2}.", "Suddenly, {N} saw a {adj2} {animal} by "
+     "the {place}.", "Then {F} came to visit with a {object2}.", "When {he} got to the {place2}, "
+     "{he} saw something {adj2} under a tree."],
+    ['"Look at this {object}!" said {N}.', '{F} asked, "Can I play with your {object}?"',
+     '"Yes, you can," {N} said with a smile.', '"I am so {feeling}," said {N}. "Will you help me?"',
+     '"Where are you going?" asked the {animal}.', '"Let\'s go to the {place2}!" said {F}.',
+     '"Oh no!" cried {N}. "My {object} is gone!"', '"What is that?" asked {F}.'],
+    ["But then the {object} fell into the {water}.", "Suddenly, it began to {weather}.",
+     "{F} felt {feeling2} because {fhe} could not find {fhis} {object2}.",
+     "The {animal} was stuck in the {trap}, and it could not get out."],
+    ["{N} and {F} worked together to get it back.", "{N} thought hard and had a {adj2} idea.",
+     "{He} shared {his} {object} with {F}, and they both laughed.", "They looked everywhere, and at "
+     "last they found it under the {spot}.", "{N} was brave and helped the {animal}."],
+    ['"Thank you, {F}," said {N}. "You are a good friend."', "From that day on, {N} and {F} were "
+     "best friends.", "{N} learned that it is good to {lesson}.", "They went home {feeling2} and "
+     "tired.", "That night, {N} went to bed with a big smile."],
+]
+
+
+def _story(rng):
+    (n, he), (f, fhe) = rng.sample([x.split(":") for x in _NAMES], 2)
+    w = {k: rng.choice(v) for k, v in _WORDS.items()}
+    w.update({k + "2": rng.choice(_WORDS[k]) for k in ("place", "object", "adj", "feeling")})
+    w.update(N=n, F=f, he=he, He=he.title(), his="his" if he == "he" else "her",
+             fhe=fhe, fhis="his" if fhe == "he" else "her", kind="boy" if he == "he" else "girl")
+    sentences = [s.format(**w) for i, beat in enumerate(_BEATS)
+                 for s in rng.sample(beat, 1 if i == 0 else rng.choice((1, 1, 2)))]
+    sentences += ["The end."] if rng.random() < 0.3 else []
+    cut = rng.randint(4, len(sentences) - 1)  # paragraph breaks inside the story
+    paragraphs = [sentences[:2], sentences[2:cut], sentences[cut:]]
+    story = "\n".join(" ".join(p) for p in paragraphs if p) + "\n\n"
+    return re.sub(r"\b([Aa]) (?=[aeiou])", r"\1n ", story)  # a apple -> an apple
+
+
+def demo_stories(seed=1337, demo_mb=2.0):
+    """{split: text}: ~90/5/5 % of demo_mb million characters, split at story boundaries."""
+    rng, texts = random.Random(seed), {}
+    for split, share in zip(SPLITS, (0.90, 0.05, 0.05)):
+        stories, n = [], 0
+        while n < share * demo_mb * 1e6:
+            stories.append(_story(rng))
+            n += len(stories[-1])
+        texts[split] = "".join(stories)
+    return texts
+
+
+def _prepare_demo(out, o, state):
+    texts = demo_stories(o["seed"], o["demo_mb"])
+    chars = sorted(set("".join(texts.values())))
+    lut = _char_lut(chars, -1)
+    for split in _todo(out, state, SPLITS, "uint8"):
+        _finish_split(out, state, split, [lut[_codepoints(texts[split])]], "uint8")
+    return dict(level="char", dtype="uint8", vocab_size=len(chars), chars=chars,
+                source=f"generated (seed {o['seed']})")
+
+
+# -----------------------------------------------------------------------------
+# text8: the first 10^8 bytes of cleaned Wikipedia, a-z and space.
+
+def _check_zip(member):
+    def check(path):
+        try:
+            with zipfile.ZipFile(path) as z:
+                if member not in z.namelist():
+                    return f"no '{member}' inside"
+                bad = z.testzip()  # reads every member and checks its CRC
+                return f"bad CRC in {bad}" if bad else None
+        except (zipfile.BadZipFile, EOFError, zlib.error) as e:
+            return f"not a valid zip: {e}"
+    return check
+
+
+def _prepare_text8(out, o, state):
+    url, chars = _url(TEXT8_URL, o["base_url"]), list(" abcdefghijklmnopqrstuvwxyz")
+    todo = _todo(out, state, SPLITS, "uint8")
+    if todo:
+        path = download(url, out / "downloads" / "text8.zip", o["retries"], o["backoff"], _check_zip("text8"))
+        with zipfile.ZipFile(path) as z:
+            data = np.frombuffer(z.read("text8"), dtype=np.uint8)
+        ids = _char_lut(chars, 255)[:256].astype(np.uint8)[data]
+        if (ids == 255).any() or (url == TEXT8_URL and len(ids) != 10 ** 8):
+            path.unlink()
+            raise DataError(f"{path} does not hold text8 (characters other than a-z and space, or not "
+                            "10^8 of them); it was deleted, re-run to download it again")
+        # Proportional 90/5/5 %: exactly the standard 90M / 5M / 5M for the official 10^8 characters.
+        a, b = len(ids) * 90 // 100, len(ids) * 95 // 100
+        parts = dict(train=ids[:a], val=ids[a:b], test=ids[b:])
+        for split in todo:
+            _finish_split(out, state, split, [parts[split]], "uint8")
+    return dict(level="char", dtype="uint8", vocab_size=len(chars), chars=chars, source=[url])
+
+
+# -----------------------------------------------------------------------------
+# tinystories: character level, vocabulary from train, streamed in chunks (the train file is ~2 GB).
+
+def _read_chunks(path):
+    """Yield the text of path in pieces of ~CHUNK characters that never cut EOT in two."""
+    carry = ""
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        while piece := f.read(CHUNK):
+            text = carry + piece
+            k = next((k for k in range(len(EOT) - 1, 0, -1) if text.endswith(EOT[:k])), 0)
+            carry, text = text[len(text) - k:], text[:len(text) - k]
+            yield text
+    if carry:
+        yield carry
+
+
+def _encode_stream(path, lut, eot_id):
+    eot = np.array([eot_id], dtype=np.int32)
+    for text in _read_chunks(path):
+        parts = []
+        for i, story in enumerate(text.split(EOT)):
+            parts += [eot, lut[_codepoints(story)]] if i else [lut[_codepoints(story)]]
+        yield np.concatenate(parts)
+
+
+def _prepare_tinystories(out, o, state):
+    prefix = "TinyStories-" if o["v1"] else "TinyStoriesV2-GPT4-"
+    names = dict(train=prefix + "train.txt", val=prefix + "valid.txt")
+    urls = {s: _url(TINYSTORIES_URL + n, o["base_url"]) for s, n in names.items()}
+    get = lambda s: download(urls[s], out / "downloads" / names[s], o["retries"], o["backoff"])
+    if "chars" not in state:  # first pass over train: character frequencies
+        counts = np.zeros(0x110000, dtype=np.int64)
+        for text in _read_chunks(get("train")):
+            counts += np.bincount(_codepoints(text.replace(EOT, "")), minlength=0x110000)
+        frequent = [chr(c) for c in np.flatnonzero(counts >= o["min_count"]) if chr(c) != REPLACEMENT]
+        # ids: frequent characters by code point, then EOT, then the replacement symbol (last id)
+        state["chars"] = frequent + [EOT, REPLACEMENT]
+        _write_json(out / "progress.json", state)
+    chars = state["chars"]
+    dtype = "uint8" if len(chars) <= 256 else "uint16"
+    lut = _char_lut(chars, len(chars) - 1)  # rare and unseen characters -> the replacement symbol
+    for split in _todo(out, state, ("train", "val"), dtype):
+        _finish_split(out, state, split, _encode_stream(get(split), lut, len(chars) - 2), dtype)
+    return dict(level="char", dtype=dtype, vocab_size=len(chars), chars=chars, source=list(urls.values()))
+
+
+# -----------------------------------------------------------------------------
+# fineweb_edu: llm.c shards of GPT-2 tokens.
+
+def _check_shard(path):
+    header = np.fromfile(path, dtype="<i4", count=256)
+    if header.size < 256:
+        return "shorter than the 1024-byte llm.c header"
+    if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION or header[2] <= 0:
+        return f"bad header (magic {header[0]}, version {header[1]}, {header[2]} tokens)"
+    want, size = SHARD_HEADER + 2 * int(header[2]), path.stat().st_size
+    return f"{size} bytes, but its header says {header[2]} tokens ({want} bytes)" if size != want else None
+
+
+def _shard_tokens(path):
+    why = _check_shard(path)
+    if why is None:
+        tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER)
+        bad = next((int(c.max()) for c in _chunks(tokens) if c.size and c.max() >= GPT2_VOCAB), None)
+        why = None if bad is None else f"token id {bad} is not a GPT-2 token"
+    if why:
+        path.unlink()
+        raise DataError(f"{path} is corrupt ({why}); it was deleted, re-run to download it again")
+    return tokens
+
+
+def _val_test_cut(tokens):
+    """First EOT at or after the middle (llm.c starts each document with EOT), else the middle."""
+    mid = len(tokens) // 2
+    for i in range(mid, len(tokens), CHUNK):
+        hits = np.flatnonzero(tokens[i:i + CHUNK] == GPT2_EOT)
+        if hits.size:
+            return i + int(hits[0])
+    return mid
+
+
+def _check_encoder_json(path):
+    try:
+        return None if EOT in json.loads(path.read_text(encoding="utf-8")) else "no <|endoftext|>"
+    except (ValueError, TypeError) as e:
+        return f"not GPT-2's encoder.json: {e}"
+
+
+def _check_vocab_bpe(path):
+    with open(path, "rb") as f:
+        return None if f.read(8) == b"#version" else "not GPT-2's vocab.bpe"
+
+
+def _prepare_fineweb(out, o, state):
+    get = lambda name, url, check: download(url, name, o["retries"], o["backoff"], check)
+    sources = []
+    for name, check in (("encoder.json", _check_encoder_json), ("vocab.bpe", _check_vocab_bpe)):
+        sources.append(_url(GPT2_URL + name, o["base_url"]))
+        get(out / name, sources[-1], check)
+    names = ["finewebedu_val_000000.bin"]
+    names += [f"finewebedu_train_{i:06d}.bin" for i in range(1, o["shards"] + 1)]
+    urls = [_url(FINEWEB_URL + n, o["base_url"]) for n in names]
+    shard = lambda i: _shard_tokens(get(out / "downloads" / names[i], urls[i], _check_shard))
+    todo = _todo(out, state, SPLITS, "uint16")
+    if "val" in todo or "test" in todo:
+        # SPEC's deterministic split: the official val shard, cut at the first document boundary at
+        # or after its middle; the first part is val, the rest is test.
+        tokens = shard(0)
+        cut = _val_test_cut(tokens)
+        for split in [s for s in ("val", "test") if s in todo]:
+            part = tokens[:cut] if split == "val" else tokens[cut:]
+            _finish_split(out, state, split, _chunks(part), "uint16")
+    if "train" in todo:
+        shards = [shard(i) for i in range(1, len(names))]  # fetch and check all before writing
+        _finish_split(out, state, "train", (c for s in shards for c in _chunks(s)), "uint16")
+    return dict(level="gpt2", dtype="uint16", vocab_size=GPT2_VOCAB, source=sources + urls,
+                tokenizer=dict(encoder="encoder.json", vocab_bpe="vocab.bpe", eot=GPT2_EOT))
+
+
+BUILDERS = dict(demo=_prepare_demo, text8=_prepare_text8, tinystories=_prepare_tinystories,
+                fineweb_edu=_prepare_fineweb)
+
+
+# -----------------------------------------------------------------------------
+# The API train.py and sample.py use.
+
+def prepare(name, out_dir=None, **options):
+    """Prepare dataset `name` into out_dir (default data/NAME); a finished folder is left as is."""
+    if name not in DATASETS:
+        raise DataError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
+    defaults = DATASETS[name][1]
+    for k in options:
+        if k not in defaults and k not in RUN_OPTIONS:
+            allowed = ", ".join(f"--{a}" for a in defaults) or "none"
+            raise DataError(f"option --{k} does not apply to {name} (its own options: {allowed})")
+    o = {**RUN_OPTIONS, **defaults, **{k: v for k, v in options.items() if v is not None}}
+    o["base_url"] = o["base_url"] or os.environ.get("NANOROUTE_BASE_URL") or None
+    if o["base_url"] and not re.match(r"https?://", o["base_url"]):
+        raise DataError(f"--base_url / NANOROUTE_BASE_URL must start with http:// or https:// "
+                        f"(got '{o['base_url']}')")
+    if o["backoff"] is None:
+        o["backoff"] = float(os.environ.get("NANOROUTE_RETRY_BACKOFF", "1"))
+    for k, low in (("retries", 0), ("shards", 1), ("min_count", 1), ("demo_mb", 0.001)):
+        if k in o and o[k] < low:
+            raise DataError(f"--{k} must be at least {low} (got {o[k]})")
+    recorded = {k: o[k] for k in defaults}
+    out = Path(out_dir) if out_dir else Path("data") / name
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise DataError(f"cannot write to output folder {out} ({e.strerror or e}); "
+                        "choose a writable one with --out") from None
+    if _finished(out, name, recorded):
+        print(f"{out} is already prepared (delete its meta.json to prepare it again)")
+        return out
+    (out / "meta.json").unlink(missing_ok=True)  # unfinished from here until meta.json is rewritten
+    state = _load_progress(out, recorded)
+    meta = {"dataset": name, **BUILDERS[name](out, o, state)}
+    meta["splits"] = {s: state["splits"][s] for s in SPLITS if s in state["splits"]}
+    meta.update(format_version=FORMAT_VERSION, options=recorded)
+    _write_json(out / "meta.json", meta)  # last: from now on the folder is finished
+    (out / "progress.json").unlink(missing_ok=True)
+    if not o["keep_downloads"]:
+        shutil.rmtree(out / "downloads", ignore_errors=True)
+    counts = ", ".join(f"{s} {n:,}" for s, n in meta["splits"].items())
+    print(f"wrote {out}: {counts} tokens ({meta['level']}, vocab {meta['vocab_size']}, {meta['dtype']})")
+    return out
+
+
+def _finished(out, name, recorded):
+    try:
+        meta = load_meta(out)
+        return (meta["dataset"] == name and meta.get("options") == recorded
+                and all(open_split(out, s, meta) is not None for s in meta["splits"]))
+    except DataError:
+        return False
+
+
+def _command(data_dir, name=None):
+    name = name or (data_dir.name if data_dir.name in DATASETS else "NAME")
+    if data_dir.resolve() == (Path("data") / name).resolve():
+        return f"python prepare_data.py {name}"
+    return f"python prepare_data.py {name} --out {data_dir}"
+
+
+def load_meta(data_dir):
+    """Read and check data_dir/meta.json; DataError says which command prepares the folder."""
+    d = Path(data_dir)
+    path = d / "meta.json"
+    if not path.exists():
+        what = "does not exist" if not d.exists() else "is not a finished dataset (no meta.json)"
+        raise DataError(f"data folder {d} {what}; run: {_command(d)}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {path} ({e}); prepare it again: {_command(d)}") from None
+    keys = ("dataset", "level", "dtype", "vocab_size", "splits", "source", "format_version")
+    ok = (isinstance(meta, dict) and all(k in meta for k in keys)
+          and meta["format_version"] == FORMAT_VERSION and meta["dtype"] in ("uint8", "uint16")
+          and meta["level"] in ("char", "gpt2")
+          and (meta["level"] == "gpt2" or len(meta.get("chars", ())) == meta["vocab_size"]))
+    if not ok:
+        raise DataError(f"{path} is not a nanoroute dataset (format {FORMAT_VERSION}); prepare it "
+                        f"again: {_command(d, meta.get('dataset') if isinstance(meta, dict) else None)}")
+    return meta
+
+
+def open_split(data_dir, split, meta=None):
+    """The tokens of one split as a read-only np.memmap, checked against meta's token count."""
+    d = Path(data_dir)
+    meta = meta or load_meta(d)
+    if split not in meta["splits"]:
+        raise DataError(f"{d} has no '{split}' split (it has: {', '.join(meta['splits'])})")
+    path, n = d / f"{split}.bin", meta["splits"][split]
+    want = n * np.dtype(meta["dtype"]).itemsize
+    size = path.stat().st_size if path.exists() else None
+    if size != want:
+        have = "missing" if size is None else f"{size} bytes"
+        raise DataError(f"{path} is {have}, expected {want} bytes ({n} tokens); prepare it again: "
+                        f"{_command(d, meta['dataset'])}")
+    if n == 0:
+        return np.zeros(0, dtype=meta["dtype"])
+    return np.memmap(path, dtype=meta["dtype"], mode="r", shape=(n,))
+
+
+def _bytes_to_unicode():
+    """GPT-2's map from each byte to a printable character, as used in encoder.json."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _gpt2_table(data_dir):
+    """{id: bytes} from the local encoder.json (its ids are also GPT-2's BPE merge ranks)."""
+    path = Path(data_dir) / "encoder.json"
+    if not path.exists():
+        raise DataError(f"{path} is missing; prepare the folder again: "
+                        f"{_command(Path(data_dir), 'fineweb_edu')}")
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    vocab = json.loads(path.read_text(encoding="utf-8"))
+    return {i: bytes(byte_of[c] for c in tok) for tok, i in vocab.items()}
+
+
+def decoder(meta, data_dir):
+    """ids -> text. Ids outside the vocabulary (a padded model head) decode to '\ufffd'."""
+    if meta["level"] == "char":
+        chars = meta["chars"]
+        return lambda ids: "".join(chars[i] if 0 <= i < len(chars) else REPLACEMENT for i in map(int, ids))
+    table = _gpt2_table(data_dir)  # byte-level BPE decodes without tiktoken: join the bytes
+    unknown = REPLACEMENT.encode()
+    return lambda ids: b"".join(table.get(int(i), unknown) for i in ids).decode("utf-8", "replace")
+
+
+def encoder(meta, data_dir):
+    """text -> ids. Char level: DataError names characters outside the vocabulary."""
+    if meta["level"] == "gpt2":
+        try:
+            import tiktoken
+        except ImportError:
+            raise DataError("encoding a GPT-2 prompt needs tiktoken: pip install tiktoken") from None
+        table = _gpt2_table(data_dir)
+        special = {EOT: next(i for i, b in table.items() if b == EOT.encode())}
+        enc = tiktoken.Encoding(name="gpt2-local", pat_str=GPT2_PATTERN, special_tokens=special,
+                                mergeable_ranks={b: i for i, b in table.items() if i != special[EOT]})
+        return lambda text: enc.encode(text, allowed_special={EOT})
+    index = {c: i for i, c in enumerate(meta["chars"])}
+    reserved = [c for c in meta["chars"] if len(c) > 1]  # typed in a prompt, EOT means its own symbol
+    splitter = re.compile("(" + "|".join(map(re.escape, reserved)) + ")") if reserved else None
+
+    def encode(text):
+        pieces = splitter.split(text) if splitter else [text]
+        missing = sorted({c for p in pieces if p not in reserved for c in p if c not in index})
+        if missing:
+            raise DataError(f"characters not in the {meta['dataset']} vocabulary: "
+                            f"{' '.join(map(repr, missing))}; remove or replace them")
+        ids = []
+        for p in pieces:
+            ids += [index[p]] if p in reserved else [index[c] for c in p]
+        return ids
+    return encode
+
+
+# -----------------------------------------------------------------------------
+# Command line.
+
+def _parser():
+    listing = "\n".join(f"  {n:<12} {d[0]}" for n, d in DATASETS.items())
+    p = argparse.ArgumentParser(
+        description="Prepare a dataset folder (train.bin, val.bin, test.bin, meta.json) for train.py.",
+        epilog=f"datasets:\n{listing}\n\nmirror: --base_url URL or NANOROUTE_BASE_URL=URL fetches every "
+               "file as URL/<filename>.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", help="dataset: " + ", ".join(DATASETS))
+    p.add_argument("--out", help="output folder (default: data/NAME)")
+    p.add_argument("--base_url", help="mirror holding the files by name (env: NANOROUTE_BASE_URL)")
+    p.add_argument("--retries", type=int, help="retries per download (default 5); backoff doubles from "
+                   "NANOROUTE_RETRY_BACKOFF seconds (default 1)")
+    p.add_argument("--keep_downloads", action="store_true", default=None,
+                   help="keep raw downloads in OUT/downloads/ after preparing")
+    p.add_argument("--seed", type=int, help="demo: generator seed (default 1337)")
+    p.add_argument("--demo_mb", type=float, help="demo: corpus size in millions of characters (default 2)")
+    p.add_argument("--v1", action="store_true", default=None,
+                   help="tinystories: the V1 files (GPT-3.5 and GPT-4 stories) instead of V2 (GPT-4)")
+    p.add_argument("--min_count", type=int, help="tinystories: characters seen fewer times in train "
+                   "become the replacement symbol (default 1000)")
+    p.add_argument("--shards", type=int,
+                   help="fineweb_edu: 100M-token train shards to fetch (default 20, official max 99)")
+    return p
+
+
+def _os_error_line(e):
+    what = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    if e.errno == errno.ENOSPC:
+        return f"{what}; free some disk space (or use --out on a bigger disk) and re-run"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{what}; choose a writable folder with --out"
+    return f"{what}; fix that and re-run"
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    options = {k: v for k, v in vars(args).items() if v is not None and k not in ("name", "out")}
+    try:
+        prepare(args.name, args.out, **options)
+        return 0
+    except KeyboardInterrupt:
+        msg = "interrupted; re-run the same command to resume (finished downloads and splits are kept)"
+    except DataError as e:
+        msg = str(e)
+    except requests.RequestException as e:  # before OSError, which it subclasses
+        msg = f"download failed: {e}; check the network and --base_url"
+    except OSError as e:
+        msg = _os_error_line(e)
+    print("error: " + " ".join(msg.split()), file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
