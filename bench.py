@@ -1,0 +1,344 @@
+"""
+bench.py: speed and memory of every residual variant at one shape, measured in one run.
+
+Training: the step (forward + backward + AdamW step + zero_grad) of every variant is timed round-robin,
+A B C A B C ... after warm-up, so that machine noise falls on all variants alike. Every model starts
+from the same seed and trains on the same fixed random batch. Reported: median and min ms/step,
+tokens/s (B·T / median), memory, and the ratios of medians to PreNorm and to Block AttnRes.
+Generation: greedy decoding of --gen_tokens tokens after a 1-token prompt, model.generate (KV cache)
+against a full-recompute loop (nanoGPT style: re-run the whole context for every new token), with a
+check that both produce the same tokens.
+
+Memory (a separate, untimed step per variant, after warm-up):
+- cuda: allocator peak of one training step (torch.cuda.max_memory_allocated) above what was allocated
+  just before it, plus the model's own parameters and AdamW state. All models stay resident, so the
+  raw peak would count the other variants too.
+- cpu: there is no allocator statistic, so an exact count instead: bytes of parameters + gradients +
+  AdamW state + the tensors saved for backward by one (eager) forward pass, as unique storages recorded
+  with torch.autograd.graph.saved_tensors_hooks, parameter storages excluded. That is the training-step
+  footprint at its usual peak, the end of the forward; temporaries are not counted.
+
+Variants: prenorm, rezero, layerscale; block (Block AttnRes, auto routing block), full (Full AttnRes,
+one sublayer per block), wav (WAV v1, both bases), rd (RD-AttnRes, decoupled), naive (block with
+fast_routing=False: the readable reference read, to show what the fast path saves).
+
+Usage:
+    python bench.py --shape s12                            # 12 layers, d=256, T=256, B=8, CPU
+    python bench.py --shape s48 --variants prenorm,block,wav,rd --iters 20 --json out/bench_s48.json
+    python bench.py --shape demo --variants prenorm --gen_variants prenorm,block,wav,rd
+    python bench.py --shape gpu12 --device cuda --compile  # bf16 autocast, reports MFU
+    python bench.py --shape s12 --variants block --gen_tokens 0 --profile block
+    python bench.py --n_layer 6 --n_embd 192 --n_head 6 --sequence_len 128 --batch_size 4
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import weakref
+
+import torch
+
+import nanoroute
+
+SHAPES = {  # batch_size is B; sequence_len is both the context and the T of the training batch
+    "tiny": dict(n_layer=2, n_embd=32, n_head=2, sequence_len=32, batch_size=2, vocab_size=256),
+    "demo": dict(n_layer=4, n_embd=128, n_head=4, sequence_len=128, batch_size=8, vocab_size=256),
+    "s12": dict(n_layer=12, n_embd=256, n_head=4, sequence_len=256, batch_size=8, vocab_size=256),
+    "s48": dict(n_layer=48, n_embd=128, n_head=4, sequence_len=128, batch_size=8, vocab_size=256),
+    "gpu12": dict(n_layer=12, n_embd=768, n_head=12, sequence_len=1024, batch_size=16, vocab_size=50304),
+}
+VARIANTS = {
+    "prenorm": dict(residual="prenorm"),
+    "rezero": dict(residual="rezero"),
+    "layerscale": dict(residual="layerscale"),
+    "block": dict(residual="attnres"),
+    "full": dict(residual="attnres", attnres_block=1),
+    "wav": dict(residual="attnres", wav=True, wav_bases="both"),
+    "rd": dict(residual="attnres", rd="decoupled"),
+    "naive": dict(residual="attnres", fast_routing=False),
+}
+MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "sequence_len", "vocab_size")
+
+# -----------------------------------------------------------------------------
+# small helpers (the test imports these)
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def ratios(values, base):
+    """{variant: value / values[base]}, or {} when base was not run."""
+    return {k: v / values[base] for k, v in values.items()} if base in values else {}
+
+
+def summarize(times_s, tokens_per_step):
+    """Timing summary of one variant from its per-step times in seconds."""
+    med = median(times_s)
+    return dict(ms_median=1e3 * med, ms_min=1e3 * min(times_s), ms_all=[1e3 * t for t in times_s],
+                tokens_per_s=tokens_per_step / med)
+
+
+def parse_list(text, flag):
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"{flag}={text!r}: unknown variant(s) {', '.join(bad)}; choose from {','.join(VARIANTS)}")
+    return names
+
+
+def sync(device_type):
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_step(model, opt, x, y, amp):
+    with amp:
+        _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def static_bytes(model, opt):
+    """Bytes of the parameters (unique storages: the tied embedding counts once) and of the optimizer state."""
+    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    return params, state
+
+
+def saved_bytes(model, x, y, amp, exclude):
+    """Bytes of the unique storages saved for backward by one forward pass and still held by the graph
+    at its end (weak references, so a freed storage whose address is reused is not counted twice),
+    minus the storages whose data_ptr is in `exclude`."""
+    saved = []
+
+    def pack(t):
+        saved.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+        _, loss = model(x, y)
+    alive = [t.untyped_storage() for t in (r() for r in saved) if t is not None]
+    del loss  # frees the graph
+    return sum({s.data_ptr(): s.nbytes() for s in alive if s.data_ptr() not in exclude}.values())
+
+
+def memory_bytes(model, step_model, opt, x, y, amp, device_type):
+    """Training-step footprint in bytes; see the docstring at the top for the method on each device."""
+    params, state = static_bytes(model, opt)
+    if device_type == "cuda":
+        sync(device_type)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        train_step(step_model, opt, x, y, amp)
+        sync(device_type)
+        return torch.cuda.max_memory_allocated() - before + sum(params.values()) + state
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
+    return sum(params.values()) + grads + state + saved_bytes(model, x, y, amp, set(params) | buffers)
+
+
+@torch.no_grad()
+def generate_recompute(model, idx, max_new_tokens):
+    """Greedy decoding without a cache, nanoGPT style: re-run the whole (cropped) context per token."""
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -model.config.sequence_len:])
+        idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return idx
+
+
+def timed(fn, device_type):
+    sync(device_type)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device_type)
+    return time.perf_counter() - t0, out
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def md_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="s12", choices=SHAPES)
+    for f in (*MODEL_FIELDS, "batch_size"):
+        p.add_argument(f"--{f}", type=int, default=None, help="overrides the shape's value")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list, in timing order")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per variant (default 10 cpu, 20 cuda)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (covers --compile)")
+    p.add_argument("--gen_tokens", type=int, default=None,
+                   help="new tokens per generation, 0 = skip; default min(256, sequence_len), the most that fit the"
+                        " context after the 1-token prompt (past it, both methods re-encode the window every step)")
+    p.add_argument("--gen_variants", default="prenorm,block,wav,rd")
+    p.add_argument("--gen_repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true", help="torch.compile each model for the training step")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
+    p.add_argument("--profile", default=None, choices=VARIANTS, help="variant to run under torch.profiler for 3 steps")
+    p.add_argument("--json", default=None, help="write every number to this path")
+    args = p.parse_args(argv)
+    variants = parse_list(args.variants, "--variants")
+    gen_variants = parse_list(args.gen_variants, "--gen_variants")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, device_type = args.device, torch.device(args.device).type
+    shape = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in SHAPES[args.shape].items()}
+    B, T = shape["batch_size"], shape["sequence_len"]
+    iters = args.iters or (20 if device_type == "cuda" else 10)
+    amp = torch.autocast(device_type, dtype=torch.bfloat16) if device_type == "cuda" else contextlib.nullcontext()
+
+    machine = dict(torch=torch.__version__, python=platform.python_version(), device=device,
+                   device_name=torch.cuda.get_device_name(device) if device_type == "cuda"
+                   else cpu_name(),
+                   cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
+                   dtype="bf16 autocast" if device_type == "cuda" else "fp32", compiled=args.compile,
+                   date=datetime.datetime.now().isoformat(timespec="seconds"),
+                   command="python bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print(f"bench: {machine['device_name']} ({machine['cpu_count']} CPUs, {machine['threads']} threads), "
+          f"torch {machine['torch']}, {machine['dtype']}{', compiled' if args.compile else ''}, {machine['date']} | "
+          f"{machine['command']}")
+    print(f"shape {args.shape}: " + ", ".join(f"{k}={v}" for k, v in shape.items()))
+
+    def build(name):
+        torch.manual_seed(0)  # paired: every variant starts from the same shared weights
+        model = nanoroute.GPT(nanoroute.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS}, **VARIANTS[name]))
+        model.to(device)
+        opt = model.configure_optimizers(0.1, 1e-3, device_type=device_type)
+        return model, (torch.compile(model) if args.compile else model), opt
+
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(shape["vocab_size"], (B, T + 1), generator=gen).to(device)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()  # the same fixed batch for every variant and step
+
+    # ----- training step, interleaved ---------------------------------------------------
+    models = {name: build(name) for name in variants}
+    times = {name: [] for name in variants}
+    for r in range(args.warmup + iters):
+        for name, (_, step_model, opt) in models.items():
+            dt, _ = timed(lambda: train_step(step_model, opt, x, y, amp), device_type)
+            if r >= args.warmup:
+                times[name].append(dt)
+    results = {}
+    for name, (model, step_model, opt) in models.items():
+        res = summarize(times[name], B * T)
+        res["params"] = model.get_num_params()
+        res["routing_block"] = model.config.routing_block if model.config.residual == "attnres" else None
+        # CPU: count on the eager model (saved-tensor hooks and compiled graphs do not mix)
+        res["memory_bytes"] = memory_bytes(model, step_model if device_type == "cuda" else model,
+                                           opt, x, y, amp, device_type)
+        res["mfu"] = model.estimate_mfu(B * T, res["ms_median"] / 1e3) if device_type == "cuda" else None
+        results[name] = res
+    medians = {k: v["ms_median"] for k, v in results.items()}
+    mems = {k: v["memory_bytes"] for k, v in results.items()}
+    to_prenorm, to_block, mem_to_prenorm = ratios(medians, "prenorm"), ratios(medians, "block"), ratios(mems, "prenorm")
+    for name, res in results.items():
+        res.update(ratio_prenorm=to_prenorm.get(name), ratio_block=to_block.get(name),
+                   memory_ratio_prenorm=mem_to_prenorm.get(name))
+
+    mem_kind = "peak MB" if device_type == "cuda" else "counted MB"
+    header = ["variant", "params", "median ms/step", "min ms", "tokens/s", "/ prenorm", "/ block",
+              f"memory ({mem_kind})", "memory / prenorm"] + (["MFU"] if device_type == "cuda" else [])
+    rows = [[name, f"{r['params'] / 1e6:.2f}M", f"{r['ms_median']:.1f}", f"{r['ms_min']:.1f}",
+             f"{r['tokens_per_s']:.0f}", fmt(r["ratio_prenorm"]), fmt(r["ratio_block"]),
+             f"{r['memory_bytes'] / 2**20:.1f}", fmt(r["memory_ratio_prenorm"])]
+            + ([f"{100 * r['mfu']:.1f}%"] if device_type == "cuda" else []) for name, r in results.items()]
+    print(f"\n### Training step: B={B}, T={T}, {iters} interleaved steps per variant after {args.warmup} warm-up"
+          f" rounds; ratios are of medians")
+    if device_type != "cuda":
+        print("memory (counted) = params + grads + AdamW state + tensors saved for backward (unique storages),"
+              " not an allocator peak")
+    print(md_table(header, rows))
+
+    # ----- generation: KV cache against full recompute ------------------------------------
+    n_new = min(256, T) if args.gen_tokens is None else args.gen_tokens
+    generation = {}
+    if n_new > 0:
+        if n_new > T:  # prompt (1) + n_new - 1 fed tokens exceed the context
+            print(f"\nnote: --gen_tokens={n_new} > sequence_len={T}: past the context both methods re-encode the"
+                  f" last {T} tokens at every step, so the KV-cache speed-up shrinks")
+        gen_models = {name: (models[name][0] if name in models else build(name)[0]).eval() for name in gen_variants}
+        prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
+        kv = lambda m, n: m.generate(prompt, n, top_k=1)  # noqa: E731  (top_k=1: greedy)
+        full = lambda m, n: generate_recompute(m, prompt, n)  # noqa: E731
+        gen_times = {name: ([], []) for name in gen_variants}
+        outputs = {}
+        with amp:
+            for model in gen_models.values():  # warm-up
+                kv(model, 2)
+                full(model, 2)
+            for _ in range(args.gen_repeats):
+                for name, model in gen_models.items():
+                    dt_kv, out_kv = timed(lambda: kv(model, n_new), device_type)
+                    dt_full, out_full = timed(lambda: full(model, n_new), device_type)
+                    gen_times[name][0].append(dt_kv)
+                    gen_times[name][1].append(dt_full)
+                    outputs[name] = (out_kv, out_full)
+        for name, (t_kv, t_full) in gen_times.items():
+            out_kv, out_full = outputs[name]
+            same = torch.equal(out_kv, out_full)
+            if not same:
+                first = (out_kv != out_full).nonzero()[0, 1].item()
+                print(f"WARNING: {name}: KV-cache and recompute tokens differ from position {first} "
+                      f"(near-tied logits or a cache bug)")
+            generation[name] = dict(kv_ms=1e3 * median(t_kv), recompute_ms=1e3 * median(t_full),
+                                    speedup=median(t_full) / median(t_kv), kv_tokens_per_s=n_new / median(t_kv),
+                                    same_tokens=same)
+        print(f"\n### Generation: {n_new} new tokens, B=1, 1-token prompt, greedy, median of {args.gen_repeats}")
+        print(md_table(["variant", "KV cache ms", "recompute ms", "speed-up", "KV tokens/s", "same tokens"],
+                       [[k, f"{g['kv_ms']:.1f}", f"{g['recompute_ms']:.1f}", f"{g['speedup']:.2f}x",
+                         f"{g['kv_tokens_per_s']:.0f}", "yes" if g["same_tokens"] else "NO"]
+                        for k, g in generation.items()]))
+
+    # ----- optional profile -------------------------------------------------------------
+    if args.profile:
+        model, step_model, opt = models[args.profile] if args.profile in models else build(args.profile)
+        model.train()
+        for _ in range(args.warmup):
+            train_step(step_model, opt, x, y, amp)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device_type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(3):
+                train_step(step_model, opt, x, y, amp)
+            sync(device_type)
+        sort_by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+        print(f"\n### Profile: {args.profile}, 3 training steps, top ops by {sort_by}")
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=20))
+
+    out = dict(machine=machine, args=vars(args), shape=shape, iters=iters, variants=results,
+               generation=dict(new_tokens=n_new, prompt_len=1, repeats=args.gen_repeats, variants=generation))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"\nwrote {args.json}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
