@@ -127,9 +127,10 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),), eps=EPS)
 
 
-def inv_rms(v):
-    # per-token 1/sqrt(mean(v²)+ε) in float32: the key RMSNorm of a source, computed once per source
-    return torch.rsqrt(v.float().pow(2).mean(-1) + EPS)
+def mean_square(v):
+    # per-token mean(v²) in float32, one fused pass (B, T)
+    v = v.float()
+    return torch.linalg.vecdot(v, v) / v.size(-1)
 
 
 # -----------------------------------------------------------------------------
@@ -145,56 +146,83 @@ def depth_read_reference(query, bias, values):
     return (weights[..., None] * V).sum(0), weights
 
 
-@torch.no_grad()
-def read_prefix(queries, biases, values, rinv):
-    """Phase 1 of the two-phase read (SPEC: Two-phase computation): all R reads of a routing block
-    against its S completed sources in one batched pass. queries (R, d), biases (R, S).
-    Returns the dot products vᵀw (B, T, S, R) and each read's mixture of the completed sources alone,
-    normalised over them, (B, T, R, d). DepthRead merges in the partial block."""
-    V = torch.stack(values, dim=2).float()  # (B, T, S, d)
-    dots = V @ queries.float().t()  # (B, T, S, R)
-    logits = dots * torch.stack(rinv, dim=2)[..., None] + biases.t()
-    return dots, logits.softmax(2).transpose(2, 3) @ V  # (B, T, R, S) @ (B, T, S, d)
-
-
-class DepthRead(torch.autograd.Function):
-    """The fast form of depth_read_reference, same inputs and outputs (plus each source's inverse
-    RMS, computed once by the caller). Given a phase-1 prefix for the first sources it only adds the
-    rest (the partial block). It saves no copy of the sources, only its output h and the S×B×T
-    weights and dot products, and its backward is written out:
-        g_s = ⟨dh, v_s⟩,  dlogit_s = α_s (g_s − ⟨dh, h⟩),  dv_s = α_s dh + dlogit_s·rinv_s·w,
-        dw = Σ dlogit_s·rinv_s·v_s,  drinv_s = dlogit_s·(v_s·w),  dbias_s = Σ dlogit_s."""
+class Phase1(torch.autograd.Function):
+    """Phase 1 of the two-phase read (SPEC: Two-phase computation): the R reads of a routing block
+    against its S completed sources, in one batched pass. For read r it returns the mixture of the
+    completed sources normalised over them, mix_r (B, T, d), and its log-sum-exp lse_r (B, T), which
+    phase 2 treats as one source with logit lse_r; and the weights p (B, T, S, R), for diagnostics.
+    The backward is batched the same way, so each source gets one gradient per block instead of one
+    per read; only p is saved (the sources are held by the model anyway):
+        dlogit_rs = p_rs (⟨dmix_r, v_s⟩ − Σ_s' p_rs' ⟨dmix_r, v_s'⟩ + dlse_r)
+        dv_s = Σ_r p_rs dmix_r + dlogit_rs·rinv_s·w_r,  dw_r = Σ dlogit_rs·rinv_s·v_s,
+        drinv_s = Σ_r dlogit_rs·(v_s·w_r),  dbias_rs = Σ dlogit_rs."""
 
     @staticmethod
-    def forward(ctx, query, bias, prefix_dots, prefix_mix, *values_and_rinv):
+    def forward(ctx, queries, biases, *values_and_rinv):
         S = len(values_and_rinv) // 2
-        values, rinv = values_and_rinv[:S], torch.stack(values_and_rinv[S:])  # rinv (S, B, T)
-        with torch.autocast(values[0].device.type, enabled=False):  # routing stays float32
+        with torch.autocast(values_and_rinv[0].device.type, enabled=False):  # routing stays float32
+            V = torch.stack(values_and_rinv[:S], dim=2).float()  # (B, T, S, d)
+            rinv = torch.stack(values_and_rinv[S:], dim=2)  # (B, T, S)
+            logits = (V @ queries.float().t()) * rinv[..., None] + biases.float().t()  # (B, T, S, R)
+            lse = logits.logsumexp(2)  # (B, T, R)
+            p = (logits - lse[:, :, None]).exp()
+            mix = p.transpose(2, 3) @ V  # (B, T, R, S) @ (B, T, S, d) -> (B, T, R, d)
+        ctx.save_for_backward(queries, rinv, p, *values_and_rinv[:S])
+        ctx.mark_non_differentiable(p)
+        return (*mix.unbind(2), *lse.unbind(2), p)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        queries, rinv, p, *values = ctx.saved_tensors
+        R = queries.size(0)
+        Q = queries.float()
+        dmix = torch.stack(grads[:R], dim=2).float()  # (B, T, R, d)
+        dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R)
+        V = torch.stack(values, dim=2).float()  # (B, T, S, d)
+        g = (dmix @ V.transpose(2, 3)).transpose(2, 3)  # (B, T, S, R): ⟨dmix_r, v_s⟩
+        dlogits = p * (g - (p * g).sum(2, keepdim=True) + dlse[:, :, None])
+        c = dlogits * rinv[..., None]
+        dV = p @ dmix + c @ Q  # (B, T, S, d)
+        dQ = c.flatten(0, 2).t() @ V.flatten(0, 2)  # (R, d)
+        drinv = (dlogits * (V @ Q.t())).sum(-1)  # (B, T, S)
+        dbiases = dlogits.sum((0, 1)).t()  # (R, S)
+        return dQ.to(queries.dtype), dbiases, *(t.to(v.dtype) for t, v in zip(dV.unbind(2), values)), \
+            *drinv.unbind(2)
+
+
+class Phase2(torch.autograd.Function):
+    """Phase 2: one read merges its phase-1 summary (mix, lse) with the sources of the partial block,
+    by a softmax over [lse, logits of the partial sources] (the online-softmax merge). Returns h and the
+    merge weights a (1+P, B, T). Saves h and P×B×T numbers. Its backward needs no copy of mix, since
+    softmax logit gradients sum to zero: dlse = −Σ_p dlogit_p."""
+
+    @staticmethod
+    def forward(ctx, mix, lse, query, bias, *values_and_rinv):
+        P = len(values_and_rinv) // 2
+        values, rinv = values_and_rinv[:P], torch.stack(values_and_rinv[P:])  # rinv (P, B, T)
+        with torch.autocast(mix.device.type, enabled=False):
             q = query.float()
-            n_done = 0 if prefix_dots is None else prefix_dots.size(0)
-            dots = [prefix_dots] if n_done else []
-            dots += [(v.float() @ q)[None] for v in values[n_done:]]
-            dots = torch.cat(dots)  # (S, B, T)
-            weights = (dots * rinv + bias[:, None, None].float()).softmax(0)
-            h = prefix_mix * weights[:n_done].sum(0)[..., None] if n_done else 0
-            for v, w in zip(values[n_done:], weights[n_done:]):
-                h = h + w[..., None] * v.float()
-        ctx.save_for_backward(query, rinv, dots, weights, h, *values)
-        ctx.mark_non_differentiable(weights)
-        return h, weights
+            dots = torch.stack([v.float() @ q for v in values])  # (P, B, T)
+            a = torch.cat([lse[None], dots * rinv + bias.float()[:, None, None]]).softmax(0)  # (1+P, B, T)
+            h = a[0][..., None] * mix
+            for v, w in zip(values, a[1:]):
+                h.addcmul_(w[..., None], v.float())
+        ctx.save_for_backward(query, rinv, dots, a, h, *values)
+        ctx.mark_non_differentiable(a)
+        return h, a
 
     @staticmethod
     def backward(ctx, dh, _):
-        query, rinv, dots, weights, h, *values = ctx.saved_tensors
-        dh = dh.float()
-        g = torch.stack([torch.linalg.vecdot(dh, v.float()) for v in values])  # (S, B, T)
-        dlogit = weights * (g - torch.linalg.vecdot(dh, h))
-        c = dlogit * rinv  # (S, B, T)
-        dquery = sum(c[s].flatten() @ values[s].float().flatten(0, 1) for s in range(len(values)))
-        dvalues = [(weights[s][..., None] * dh + c[s][..., None] * query.float()).to(v.dtype)
-                   for s, v in enumerate(values)]
-        drinv = dlogit * dots
-        return (dquery.to(query.dtype), dlogit.sum((1, 2)), None, None, *dvalues, *drinv.unbind(0))
+        query, rinv, dots, a, h, *values = ctx.saved_tensors
+        dh, q = dh.float(), query.float()
+        g = torch.stack([torch.linalg.vecdot(dh, v.float()) for v in values])  # (P, B, T)
+        dlogit = a[1:] * (g - torch.linalg.vecdot(dh, h))
+        c = dlogit * rinv
+        dquery = sum(c[i].flatten() @ v.float().flatten(0, 1) for i, v in enumerate(values))
+        dvalues = [torch.addcmul(c[i][..., None] * q, a[1 + i][..., None], dh).to(v.dtype)
+                   for i, v in enumerate(values)]
+        return (a[0][..., None] * dh, -dlogit.sum(0), dquery.to(query.dtype), dlogit.sum((1, 2)),
+                *dvalues, *(dlogit * dots).unbind(0))
 
 
 class Source(NamedTuple):
@@ -430,10 +458,11 @@ class GPT(nn.Module):
                 done = done + self._sources(partial, f"C{l // m}")
                 partial = {}
         # SPEC: final readout, one more read over the final pool (details only if asked for)
-        pool = done + self._sources(partial, "P")
         if not cfg.wav_readout_details:
-            pool = [s for s in pool if s.basis == 0]
-        return self._read("readout", pool, None, routes)
+            done = [s for s in done if s.basis == 0]
+        prefix = self._prefix(["readout"], done)["readout"] if cfg.fast_routing else None
+        pool = done + [s for s in self._sources(partial, "P") if cfg.wav_readout_details or s.basis == 0]
+        return self._read("readout", pool, prefix, routes)
 
     def _sublayer_reads(self, l):
         return self._layer_reads(l // 2)[:-1] if l % 2 == 0 else [f"layer{l // 2}.mlp"]
@@ -449,19 +478,21 @@ class GPT(nn.Module):
 
     def _sources(self, sums, name):
         """Pool entries of one block from its running sums: the state source, then each detail
-        basis, RMS-matched to the state with a detached scale capped at rho (SPEC: WAV stability 2)."""
+        basis, RMS-matched to the state with a detached scale capped at rho (SPEC: WAV stability 2).
+        Each source's mean square is computed once: it gives the key norm (RMSNorm(v)·w =
+        (v·w)·rsqrt(mean(v²)+ε)) and the matching scale, and mean((s·D)²) = s²·mean(D²)."""
         if not sums:
             return []
-        state = sums["state"]
-        out = [Source(name, state, inv_rms(state), 0)]
+        state_ms = mean_square(sums["state"])
+        out = [Source(name, sums["state"], torch.rsqrt(state_ms + EPS), 0)]
         for k, basis in enumerate(self.config.detail_bases, start=1):
             if basis not in sums:  # the embedding e is a state source only
                 continue
-            with torch.no_grad():
-                scale = (state.float().pow(2).mean(-1).sqrt() / (sums[basis].float().pow(2).mean(-1).sqrt() + EPS))
-                scale = scale.clamp(max=self.config.wav_rho)
+            detail_ms = mean_square(sums[basis])
+            with torch.no_grad():  # s = min(rho, rms(C) / (rms(D) + ε)), no gradient through s
+                scale = (state_ms.sqrt() / (detail_ms.sqrt() + EPS)).clamp(max=self.config.wav_rho)
             detail = sums[basis] * scale[..., None]
-            out.append(Source(f"{name}.{basis}", detail, inv_rms(detail), k))
+            out.append(Source(f"{name}.{basis}", detail, torch.rsqrt(scale.square() * detail_ms + EPS), k))
         return out
 
     def _route_params(self, name, pool):
@@ -477,20 +508,28 @@ class GPT(nn.Module):
         return query, torch.cat([beta.new_zeros(1), group.repeat((len(pool) - 1) // len(group))])
 
     def _prefix(self, names, done):
-        """Phase 1 for reads `names` over the completed sources `done`: {name: (dots, mix)}."""
+        """Phase 1 for the reads `names` over the completed sources: {name: (mix, lse, p)}."""
         params = [self._route_params(name, done) for name in names]
-        queries = torch.stack([q for q, _ in params])
-        biases = torch.stack([b for _, b in params])
-        dots, mix = read_prefix(queries, biases, [s.value for s in done], [s.rinv for s in done])
-        return {name: (dots[..., r].permute(2, 0, 1), mix[:, :, r]) for r, name in enumerate(names)}
+        out = Phase1.apply(torch.stack([q for q, _ in params]), torch.stack([b for _, b in params]),
+                           *[s.value for s in done], *[s.rinv for s in done])
+        R = len(names)
+        return {name: (out[r], out[R + r], out[-1][..., r]) for r, name in enumerate(names)}
 
     def _read(self, name, pool, prefix, routes):
+        """SPEC: one depth read h = Σ_s α_s v_s. Fast: phase 1's summary of the completed sources
+        merged with the rest of the pool (phase 2); else the reference form over the whole pool."""
         query, bias = self._route_params(name, pool)
-        values = [s.value for s in pool]
-        if self.config.fast_routing:
-            h, weights = DepthRead.apply(query, bias, *(prefix or (None, None)), *values, *[s.rinv for s in pool])
+        if prefix is None:
+            h, weights = depth_read_reference(query, bias, [s.value for s in pool])
         else:
-            h, weights = depth_read_reference(query, bias, values)
+            mix, lse, p = prefix
+            rest = pool[p.size(2):]  # the partial block's sources
+            if rest:
+                h, a = Phase2.apply(mix, lse, query, bias[p.size(2):], *[s.value for s in rest],
+                                    *[s.rinv for s in rest])
+                weights = torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if routes is not None else None
+            else:
+                h, weights = mix, p.permute(2, 0, 1)
         if routes is not None:
             routes.append(dict(name=name, sources=[s.name for s in pool], weights=weights.detach()))
         return h
