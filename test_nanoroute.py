@@ -533,3 +533,20 @@ def test_invalid_configs_raise_one_line_value_error(overrides, message):
     with pytest.raises(ValueError) as err:
         GPTConfig(**{**TINY, **overrides})
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_torch_compile_traces_every_routing_path_without_graph_breaks():
+    # fullgraph=True fails on any graph break; the aot_eager backend traces forward and backward
+    # (our autograd Functions included) like inductor does, without its minute-long C++ build.
+    # (Inductor itself was checked by hand: same logits and gradients.)
+    model = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
+    ref = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    logits, loss = compiled(tokens(), tokens(seed=4))
+    loss.backward()
+    ref_logits, ref_loss = ref(tokens(), tokens(seed=4))
+    ref_loss.backward()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
