@@ -146,6 +146,33 @@ def depth_read_reference(query, bias, values):
     return (weights[..., None] * V).sum(0), weights
 
 
+def phase1(queries, biases, values, rinv):
+    """The forward math of Phase1: queries (R, d), biases (R, S), S sources (B, T, d) and their rinv.
+    Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R) and the stacked rinv (B, T, S)."""
+    with torch.autocast(values[0].device.type, enabled=False):  # routing stays float32
+        V = torch.stack(values, dim=2).float()  # (B, T, S, d)
+        rinv = torch.stack(rinv, dim=2)  # (B, T, S)
+        logits = (V @ queries.float().t()) * rinv[..., None] + biases.float().t()  # (B, T, S, R)
+        lse = logits.logsumexp(2)  # (B, T, R)
+        p = (logits - lse[:, :, None]).exp()
+        mix = p.transpose(2, 3) @ V  # (B, T, R, S) @ (B, T, S, d) -> (B, T, R, d)
+    return mix, lse, p, rinv
+
+
+def phase2(mix, lse, query, bias, values, rinv):
+    """The forward math of Phase2: one read's phase-1 summary, its query (d,), the biases (P,) of the
+    P partial sources (B, T, d) and their rinv. Returns h (B, T, d), the merge weights a (1+P, B, T),
+    the dot products vᵀw (P, B, T) and the stacked rinv (P, B, T)."""
+    with torch.autocast(mix.device.type, enabled=False):
+        rinv, q = torch.stack(rinv), query.float()
+        dots = torch.stack([v.float() @ q for v in values])
+        a = torch.cat([lse[None], dots * rinv + bias.float()[:, None, None]]).softmax(0)
+        h = a[0][..., None] * mix
+        for v, w in zip(values, a[1:]):
+            h.addcmul_(w[..., None], v.float())
+    return h, a, dots, rinv
+
+
 class Phase1(torch.autograd.Function):
     """Phase 1 of the two-phase read (SPEC: Two-phase computation): the R reads of a routing block
     against its S completed sources, in one batched pass. For read r it returns the mixture of the
@@ -160,13 +187,7 @@ class Phase1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, queries, biases, *values_and_rinv):
         S = len(values_and_rinv) // 2
-        with torch.autocast(values_and_rinv[0].device.type, enabled=False):  # routing stays float32
-            V = torch.stack(values_and_rinv[:S], dim=2).float()  # (B, T, S, d)
-            rinv = torch.stack(values_and_rinv[S:], dim=2)  # (B, T, S)
-            logits = (V @ queries.float().t()) * rinv[..., None] + biases.float().t()  # (B, T, S, R)
-            lse = logits.logsumexp(2)  # (B, T, R)
-            p = (logits - lse[:, :, None]).exp()
-            mix = p.transpose(2, 3) @ V  # (B, T, R, S) @ (B, T, S, d) -> (B, T, R, d)
+        mix, lse, p, rinv = phase1(queries, biases, values_and_rinv[:S], values_and_rinv[S:])
         ctx.save_for_backward(queries, rinv, p, *values_and_rinv[:S])
         ctx.mark_non_differentiable(p)
         return (*mix.unbind(2), *lse.unbind(2), p)
@@ -199,15 +220,8 @@ class Phase2(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mix, lse, query, bias, *values_and_rinv):
         P = len(values_and_rinv) // 2
-        values, rinv = values_and_rinv[:P], torch.stack(values_and_rinv[P:])  # rinv (P, B, T)
-        with torch.autocast(mix.device.type, enabled=False):
-            q = query.float()
-            dots = torch.stack([v.float() @ q for v in values])  # (P, B, T)
-            a = torch.cat([lse[None], dots * rinv + bias.float()[:, None, None]]).softmax(0)  # (1+P, B, T)
-            h = a[0][..., None] * mix
-            for v, w in zip(values, a[1:]):
-                h.addcmul_(w[..., None], v.float())
-        ctx.save_for_backward(query, rinv, dots, a, h, *values)
+        h, a, dots, rinv = phase2(mix, lse, query, bias, values_and_rinv[:P], values_and_rinv[P:])
+        ctx.save_for_backward(query, rinv, dots, a, h, *values_and_rinv[:P])
         ctx.mark_non_differentiable(a)
         return h, a
 
@@ -510,10 +524,15 @@ class GPT(nn.Module):
     def _prefix(self, names, done):
         """Phase 1 for the reads `names` over the completed sources: {name: (mix, lse, p)}."""
         params = [self._route_params(name, done) for name in names]
-        out = Phase1.apply(torch.stack([q for q, _ in params]), torch.stack([b for _, b in params]),
-                           *[s.value for s in done], *[s.rinv for s in done])
-        R = len(names)
-        return {name: (out[r], out[R + r], out[-1][..., r]) for r, name in enumerate(names)}
+        queries, biases = torch.stack([q for q, _ in params]), torch.stack([b for _, b in params])
+        values, rinv = [s.value for s in done], [s.rinv for s in done]
+        if torch.is_grad_enabled():
+            out = Phase1.apply(queries, biases, *values, *rinv)
+            mix, lse, p = out[:len(names)], out[len(names):-1], out[-1]
+        else:  # no graph to build (eval, generation): the same math without the autograd.Function
+            mix, lse, p, _ = phase1(queries, biases, values, rinv)
+            mix, lse = mix.unbind(2), lse.unbind(2)
+        return {name: (mix[r], lse[r], p[..., r]) for r, name in enumerate(names)}
 
     def _read(self, name, pool, prefix, routes):
         """SPEC: one depth read h = Σ_s α_s v_s. Fast: phase 1's summary of the completed sources
@@ -525,11 +544,11 @@ class GPT(nn.Module):
             mix, lse, p = prefix
             rest = pool[p.size(2):]  # the partial block's sources
             if rest:
-                h, a = Phase2.apply(mix, lse, query, bias[p.size(2):], *[s.value for s in rest],
-                                    *[s.rinv for s in rest])
+                args = (mix, lse, query, bias[p.size(2):], [s.value for s in rest], [s.rinv for s in rest])
+                h, a = Phase2.apply(*args[:4], *args[4], *args[5]) if torch.is_grad_enabled() else phase2(*args)[:2]
                 weights = torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if routes is not None else None
-            else:
-                h, weights = mix, p.permute(2, 0, 1)
+            else:  # a compact copy: a view would keep phase 1's output for the whole block alive
+                h, weights = mix.contiguous(), p.permute(2, 0, 1)
         if routes is not None:
             routes.append(dict(name=name, sources=[s.name for s in pool], weights=weights.detach()))
         return h
@@ -591,7 +610,7 @@ def _key(read_name):  # ParameterDict keys cannot contain "."
 
 def route_entropy(weights):
     """Entropy in nats of a route's weights (S, B, T) over sources, averaged over tokens."""
-    return -torch.xlogy(weights, weights).sum(0).mean().item()
+    return max(0.0, -torch.xlogy(weights, weights).sum(0).mean().item())  # (no -0.0 for one source)
 
 
 def js_divergence(p, q):

@@ -550,3 +550,5 @@ def test_torch_compile_traces_every_routing_path_without_graph_breaks():
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():  # eval and generation take the no-graph path: it must compile too
+        torch.testing.assert_close(compiled(tokens())[0], ref_logits, atol=1e-5, rtol=1e-5)
