@@ -1,0 +1,163 @@
+"""
+Write text with a checkpoint trained by train.py, or look at how it routes through depth.
+
+    python sample.py                                        # out/best.pt, 3 samples after a newline
+    python sample.py --out_dir out/rd --start "Once upon a time" --num_samples 1
+    python sample.py --out_dir out/rd --start FILE:prompt.txt --temperature 0.8 --top_k 20
+    python sample.py --out_dir out/rd --routes              # routing heatmap over a val crop
+
+Text is encoded and decoded through the dataset's meta.json (the --data folder the checkpoint was
+trained on), so char-level and GPT-2-token checkpoints both work. Generation uses the model's KV cache.
+"""
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import prepare_data
+from nanoroute import GPT, GPTConfig, routing_stats
+from train import UsageError, load_checkpoint, pick_device
+
+SHADES = " ░▒▓█"  # weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; blank: the read cannot see it
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("--out_dir", default="out", help="train.py's output folder (default: out)")
+    p.add_argument("--ckpt", default="best", choices=("best", "last"), help="best.pt or last.pt (default: best)")
+    p.add_argument("--data", help="dataset folder for meta.json (default: the one the checkpoint was trained on)")
+    p.add_argument("--start", help="prompt text, or FILE:path to read it from a file (default: a newline for "
+                   "char level, <|endoftext|> for GPT-2 tokens; with --routes: the first sequence_len tokens of val)")
+    p.add_argument("--num_samples", type=int, default=3, help="samples to write (default: 3)")
+    p.add_argument("--max_new_tokens", type=int, default=300, help="tokens per sample (default: 300)")
+    p.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more conservative (default: 0.8)")
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens, >= 1 (default: 200)")
+    p.add_argument("--seed", type=int, default=1337, help="sampling seed (default: 1337)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--routes", action="store_true", help="show the depth routing over the prompt instead of sampling")
+    return p
+
+
+def main(argv=None):
+    try:
+        sample(build_parser().parse_args(argv))
+    except (prepare_data.DataError, UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def sample(a):
+    # settings first, so a typo fails before anything loads
+    if not a.temperature > 0:
+        raise UsageError(f"--temperature {a.temperature}: must be > 0 (use --top_k 1 for greedy decoding)")
+    if a.top_k < 1:
+        raise UsageError(f"--top_k {a.top_k}: must be >= 1")
+    for name in ("num_samples", "max_new_tokens"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name} {getattr(a, name)}: must be a positive integer")
+
+    # the checkpoint, its model and its dataset
+    path = Path(a.out_dir) / f"{a.ckpt}.pt"
+    ckpt = load_checkpoint(path, f"no checkpoint at {path}: train one with python train.py --out_dir {a.out_dir}")
+    try:
+        config = GPTConfig(**ckpt["config"])
+        model = GPT(config)
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise UsageError(f"checkpoint {path} does not hold a model of its own config: "
+                         f"{str(e).strip().splitlines()[0][:160]}; delete it or retrain") from None
+    data_dir = a.data or ckpt["train_args"]["data"]
+    meta = prepare_data.load_meta(data_dir)
+    if meta["vocab_size"] != config.vocab_size:
+        raise UsageError(f"dataset {data_dir} has vocab_size {meta['vocab_size']} but {path} was trained with "
+                         f"{config.vocab_size}: pass --data with the dataset it was trained on")
+    device = pick_device(a.device)
+    model.to(device).eval()
+    decode = prepare_data.decoder(meta, data_dir)
+
+    # the prompt
+    if a.start is None and a.routes:
+        ids = prepare_data.open_split(data_dir, "val", meta)[:config.sequence_len].tolist()
+    elif a.start is None and meta["level"] == "gpt2":
+        ids = [prepare_data.GPT2_EOT]
+    elif a.start is None:  # a newline, or a space in a vocabulary without one (text8)
+        ids = [next((meta["chars"].index(c) for c in "\n " if c in meta["chars"]), 0)]
+    else:
+        text = a.start
+        if text.startswith("FILE:"):
+            try:
+                text = Path(text[5:]).read_text(encoding="utf-8")
+            except OSError as e:
+                raise UsageError(f"--start {a.start}: cannot read {text[5:]} ({e.strerror})") from None
+        ids = prepare_data.encoder(meta, data_dir)(text)
+    if not ids:
+        raise UsageError("--start is empty: give at least one character")
+    if len(ids) > config.sequence_len:
+        print(f"note: the prompt is {len(ids)} tokens, longer than sequence_len={config.sequence_len}: "
+              f"using its last {config.sequence_len}", file=sys.stderr)
+        ids = ids[-config.sequence_len:]
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+
+    if a.routes:
+        show_routes(model, idx, path, decode(ids))
+        return
+    torch.manual_seed(a.seed)
+    t0 = time.time()
+    out = model.generate(idx.expand(a.num_samples, -1), a.max_new_tokens, a.temperature, a.top_k)
+    dt = time.time() - t0
+    for row in out.tolist():
+        print(decode(row))
+        print("-" * 40)
+    n = a.num_samples * a.max_new_tokens
+    print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
+
+
+def _source_order(name):
+    """Pool order: emb, C0, C0.phase, C0.split, C1, ..., P, P.phase, P.split."""
+    base, _, basis = name.partition(".")
+    block = -1 if base == "emb" else math.inf if base == "P" else int(base[1:])
+    return block, ("", "phase", "split").index(basis)
+
+
+@torch.no_grad()
+def show_routes(model, idx, path, prompt):
+    """A terminal heatmap of every read's mean weight per source over the prompt, and RD's JS divergence."""
+    cfg = model.config
+    if cfg.residual != "attnres":
+        raise UsageError(f"{path} is a residual={cfg.residual} model: it has no depth routing to show "
+                         "(--routes needs a --residual attnres checkpoint)")
+    stats = routing_stats(model(idx, return_routes=True)[2])
+    reads = stats["reads"]
+    sources = sorted({s for r in reads.values() for s in r["sources"]}, key=_source_order)
+    short = [s.replace(".phase", ".ph").replace(".split", ".sp") for s in sources]
+    width = max(5, *map(len, short))
+    name_w = max(map(len, reads)) + 2
+    snippet = prompt if len(prompt) <= 60 else "..." + prompt[-57:]
+    print(f"depth routing of {path} over a {idx.size(1)}-token prompt: {snippet!r}")
+    print(f"mean weight per source in %; shade {SHADES[1]} <=25 {SHADES[2]} <=50 {SHADES[3]} <=75 {SHADES[4]} >75, "
+          "blank: not visible to that read; H: entropy of the read (nats)")
+    print(" " * name_w + "".join(f"{s:>{width}}" for s in short) + "      H")
+    for name, r in reads.items():
+        weight = dict(zip(r["sources"], r["mean_weight"]))
+        cells = []
+        for s in sources:
+            if s not in weight:
+                cells.append(" " * width)
+            else:
+                w = weight[s]
+                shade = SHADES[min(4, max(1, math.ceil(w * 4)))]
+                cells.append(f"{shade}{round(100 * w):>3}".rjust(width))
+        print(f"{name:<{name_w}}" + "".join(cells) + f"  {r['entropy'] + 0.0:5.2f}")
+    if stats["js"]:
+        print("\nRD: JS divergence between the QK and the V route, per attention layer (nats, max ln 2 = 0.693)")
+        for layer, js in stats["js"].items():
+            print(f"  {layer:<8} {js:.4f}  " + SHADES[4] * round(40 * js / math.log(2)))
+        print(f"  {'mean':<8} {stats['js_mean']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

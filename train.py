@@ -1,0 +1,592 @@
+"""
+Train a nanoroute GPT on a prepared dataset: one CPU or GPU, or several under torchrun (DDP).
+
+    python train.py                                            # demo data, small model, CPU, minutes
+    python train.py --residual attnres --rd decoupled --out_dir out/rd
+    python train.py --preset rd_s --seed 1 --out_dir out/rd_s_seed1
+    torchrun --nproc_per_node=8 train.py --preset rd_s --rd off --out_dir out/rd_s_off
+
+Every GPTConfig field is a flag of the same name (`python train.py --help`). The batches depend only
+on --seed and the step, never on the model or the number of processes, and the model is initialised
+right after torch.manual_seed(seed): runs with the same seed are paired across routing variants
+(SPEC: Paired experiments). Output in --out_dir: metrics.jsonl, last.pt, best.pt, summary.json.
+"""
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import os
+import re
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import prepare_data
+from nanoroute import GPT, GPTConfig, routing_stats
+
+# -----------------------------------------------------------------------------
+# Settings: defaults, presets, flags
+
+# Training defaults: a run that learns on two CPU cores in a few minutes (the demo data, ~1.6M tokens).
+TRAIN_DEFAULTS = dict(
+    data="data/demo", out_dir="out", preset=None,
+    batch_size=32, grad_accum=1,  # sequences per micro-step (the global batch, split over processes)
+    lr=2e-3, min_lr=None, warmup_iters=20, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0,
+    max_iters=400, max_tokens=None, eval_interval=100, eval_tokens=32768, milestones=None,
+    log_interval=20, seed=1337, device="auto", dtype="auto", compile=False, resume=False, stop_after=None)
+# train.py's small model; the other GPTConfig fields keep the dataclass defaults
+MODEL_DEFAULTS = dict(sequence_len=128, n_layer=4, n_head=4, n_embd=128)
+# flags that say how this invocation runs, not what the run is: never taken from a checkpoint
+RUNTIME_ARGS = ("out_dir", "preset", "device", "dtype", "compile", "resume", "stop_after")
+
+# The papers' set-ups (SPEC.md). Explicit flags override them. WAV v1 (char level, 12/24/48 layers):
+# SPEC.md does not give the paper's width or schedule, so these are our choices (head size 64).
+# Compare with --wav False (Block AttnRes), --residual rezero or --residual layerscale.
+_WAV = dict(data="data/tinystories", residual="attnres", wav=True, n_embd=256, n_head=4, sequence_len=256,
+            batch_size=64, lr=1e-3, warmup_iters=500, max_iters=20000, eval_interval=1000, eval_tokens=1 << 20)
+# RD-AttnRes (FineWeb-Edu, GPT-2 tokens, 2.0B tokens, milestones as in the paper); batch 0.5M tokens.
+# Compare with --rd off (the parent), tied, average, frozen_v; pair with --seed.
+_RD = dict(data="data/fineweb_edu", residual="attnres", rd="decoupled", sequence_len=1024, batch_size=64,
+           grad_accum=8, lr=6e-4, warmup_iters=200, max_tokens=2_000_000_000, eval_interval=250,
+           eval_tokens=1 << 20, milestones="0.25B,0.5B,1B,2B", log_interval=10)
+PRESETS = {
+    "wav12": dict(_WAV, n_layer=12),
+    "wav24": dict(_WAV, n_layer=24),
+    "wav48": dict(_WAV, n_layer=48),
+    # the paper's S and M have 120M and 343M parameters; this GPT (tied embeddings, 4x MLP) has 93M and 241M
+    "rd_s": dict(_RD, n_layer=16, n_embd=576, n_head=9),
+    "rd_m": dict(_RD, n_layer=24, n_embd=832, n_head=13, lr=3e-4),
+}
+
+TRAIN_HELP = dict(
+    data="prepared dataset folder (python prepare_data.py NAME); data/demo is prepared automatically",
+    out_dir="output folder: metrics.jsonl, last.pt, best.pt, summary.json",
+    preset="named paper set-up: " + ", ".join(PRESETS) + "; explicit flags override it",
+    batch_size="sequences per micro-step, for all processes together (each takes batch_size/world)",
+    grad_accum="micro-steps per optimizer step; a step sees batch_size*grad_accum sequences",
+    lr="peak learning rate", min_lr="floor of the cosine decay, reached at the last step (default: lr/10)",
+    warmup_iters="steps of linear warmup", weight_decay="AdamW weight decay (matrices only)",
+    beta1="AdamW beta1", beta2="AdamW beta2", grad_clip="clip the gradient norm to this (0: off)",
+    max_iters="optimizer steps (the schedule length)",
+    max_tokens="token budget instead of --max_iters: 2B, 500M, 64K or an integer",
+    eval_interval="evaluate and write last.pt (best.pt if better) every this many steps",
+    eval_tokens="tokens per split (train, val) in each evaluation",
+    milestones="also evaluate when the token count crosses these, e.g. 0.25B,0.5B,1B,2B",
+    log_interval="print and log the train loss every this many steps", seed="data order and init",
+    device="auto (cuda if available, else cpu), cpu, cuda, cuda:N", dtype="auto (bfloat16 autocast on CUDA, "
+    "float32 on CPU), float32, bfloat16", compile="torch.compile the model", resume="continue from OUT_DIR/last.pt",
+    stop_after="stop after this step, saving last.pt (then --resume); the schedule still ends at --max_iters")
+
+
+class UsageError(Exception):
+    """A problem the user can fix; main() prints its one-line message and exits with code 2."""
+
+
+def _bool(text):
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True/False/1/0, got {text!r}")
+
+
+def count(text):
+    """'0.25B' -> 250_000_000; also M, K and plain integers."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmb]?)\s*", str(text), re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count such as 2B, 500M, 64K or 10000")
+    return int(round(float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}[m[2].lower()]))
+
+
+def _milestones(text):
+    for label in text.split(","):
+        count(label)  # check now, so a typo fails before training
+    return text
+
+
+def _field_help():
+    """GPTConfig's field comments, read from its source, as --help text (one place to maintain),
+    plus a few words for the fields without a comment."""
+    comments = dict(re.findall(r"^\s+(\w+): \w+ = [^#\n]*#\s*(.*)$", inspect.getsource(GPTConfig), re.M))
+    return {"vocab_size": "vocabulary size", "n_head": "attention heads (head size n_embd/n_head, even)",
+            "n_embd": "width of the residual stream", "dropout": "dropout probability", **comments,
+            "attnres_block": "sublayers per routing block; 1 = Full AttnRes; 0 = auto: whole layers, at most "
+                             "8 blocks (at least 4 sublayers with WAV)"}
+
+
+METAVARS = {int: "N", float: "X", str: "S", count: "N", _milestones: "LIST"}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                epilog="Bool flags take True/False/1/0; alone they mean True.")
+    # default=None everywhere: then we know what was given, for presets and for --resume
+    g = p.add_argument_group("training")
+    types = dict(data=str, out_dir=str, preset=str, lr=float, min_lr=float, weight_decay=float, beta1=float,
+                 beta2=float, grad_clip=float, max_tokens=count, eval_tokens=count, milestones=_milestones,
+                 device=str, dtype=str, compile=_bool, resume=_bool)
+    for name, default in TRAIN_DEFAULTS.items():
+        kind = types.get(name, int)
+        extra = dict(nargs="?", const=True, metavar="BOOL") if kind is _bool else dict(metavar=METAVARS[kind])
+        if name == "preset":
+            extra = dict(choices=list(PRESETS), metavar="NAME")
+        shown = "" if default is None else f" (default: {default})"
+        g.add_argument(f"--{name}", type=kind, help=TRAIN_HELP[name] + shown, **extra)
+    g = p.add_argument_group("model (GPTConfig fields)")
+    comments = _field_help()
+    for f in dataclasses.fields(GPTConfig):
+        if f.name == "vocab_size":
+            default = "the dataset's"
+        elif f.name in MODEL_DEFAULTS:
+            default = f"{MODEL_DEFAULTS[f.name]} here; GPTConfig's is {f.default}"
+        else:
+            default = f.default
+        extra = dict(type=_bool, nargs="?", const=True, metavar="BOOL") if f.type is bool else \
+            dict(type=f.type, metavar=METAVARS[f.type])
+        g.add_argument(f"--{f.name}", help=f"{comments.get(f.name, '')} (default: {default})", **extra)
+    return p
+
+
+def resolve_settings(explicit, ckpt, ckpt_path):
+    """defaults < checkpoint (--resume) < preset < explicit flags. With --resume the checkpoint's
+    config wins: a config flag (or preset value) that differs from it is an error."""
+    preset = PRESETS.get(explicit.get("preset"), {})
+    given = {**preset, **explicit}
+    config_defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    settings = {**TRAIN_DEFAULTS, **config_defaults, **MODEL_DEFAULTS, "vocab_size": None}
+    if ckpt is not None:
+        for name, value in ckpt["config"].items():
+            if name in given and given[name] != value:
+                raise UsageError(f"--{name} {given[name]} conflicts with {ckpt_path}'s {name}={value}: drop the "
+                                 "flag to resume that run, or start a new one in another --out_dir")
+        restored = {k: v for k, v in ckpt["train_args"].items() if k not in RUNTIME_ARGS}
+        settings.update(restored, **ckpt["config"])
+    if "max_iters" in explicit and "max_tokens" in explicit:
+        raise UsageError("give --max_iters or --max_tokens, not both")
+    settings.update(given)
+    if "max_iters" in explicit:
+        settings["max_tokens"] = None  # an explicit step count beats a preset's or checkpoint's budget
+    return argparse.Namespace(**settings), preset
+
+
+def check_settings(a, world):
+    positive = ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_tokens", "log_interval")
+    for name in positive + ("stop_after",) * (a.stop_after is not None):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name} {getattr(a, name)}: must be a positive integer")
+    for name in ("lr", "weight_decay", "grad_clip", "warmup_iters", "seed") + ("min_lr",) * (a.min_lr is not None):
+        if not getattr(a, name) >= 0:
+            raise UsageError(f"--{name} {getattr(a, name)}: must be >= 0")
+    if a.max_tokens is not None and a.max_tokens < 1:
+        raise UsageError(f"--max_tokens {a.max_tokens}: must be positive")
+    if a.dtype not in ("auto", "float32", "bfloat16"):
+        raise UsageError(f"--dtype {a.dtype}: choose auto, float32 or bfloat16")
+    if a.batch_size % world:
+        raise UsageError(f"--batch_size {a.batch_size} is not divisible by the {world} processes: "
+                         "each process takes an equal share of the batch")
+
+
+def pick_device(name, local_rank=0):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise UsageError(f"--device {name}: choose auto, cpu, cuda or cuda:N")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available here; use --device cpu")
+    if name == "cuda":
+        name = f"cuda:{local_rank}"  # under torchrun: one GPU per process
+    return torch.device(name)
+
+
+# -----------------------------------------------------------------------------
+# Data: random crops at offsets that depend only on (seed, step, micro-step)
+
+
+def open_dataset(data_dir, master=True):
+    """meta.json of data_dir; the demo dataset is prepared on the spot if missing (only the demo:
+    every other dataset is a download, and load_meta names the command that fetches it)."""
+    if Path(data_dir).name == "demo" and not (Path(data_dir) / "meta.json").exists() and master:
+        print(f"preparing the demo dataset in {data_dir}")
+        prepare_data.prepare("demo", data_dir)
+    if dist.is_initialized():
+        dist.barrier()  # the other processes wait for rank 0 to prepare it
+    return prepare_data.load_meta(data_dir)
+
+
+def batch_offsets(seed, step, micro, n_tokens, T, rows):
+    """Start positions of the global micro-batch `rows` crops for (step, micro). A function of the
+    position alone: the same for every model and every number of processes, and resume needs only
+    the step. Process r of W takes rows r::W."""
+    return np.random.default_rng([seed, step, micro]).integers(0, n_tokens - T, size=rows)
+
+
+EVAL_SEED = 20260501  # evaluation crops ignore --seed: every run is scored on the same text
+
+
+def eval_offsets(n_tokens, T, rows, eval_tokens, split_id):
+    n_batches = max(1, math.ceil(eval_tokens / (rows * T)))
+    return np.random.default_rng([EVAL_SEED, split_id]).integers(0, n_tokens - T, size=(n_batches, rows))
+
+
+def get_batch(data, offsets, T, device):
+    x = torch.from_numpy(np.stack([data[o:o + T] for o in offsets]).astype(np.int64))
+    y = torch.from_numpy(np.stack([data[o + 1:o + 1 + T] for o in offsets]).astype(np.int64))
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x, y
+
+
+# -----------------------------------------------------------------------------
+# Schedule, evaluation, checkpoints
+
+
+def get_lr(step, a, max_iters):
+    """Linear warmup over warmup_iters steps, then cosine decay to min_lr at the last step."""
+    min_lr = a.lr / 10 if a.min_lr is None else a.min_lr
+    if step < a.warmup_iters:
+        return a.lr * (step + 1) / a.warmup_iters
+    progress = min(1.0, (step - a.warmup_iters) / max(1, max_iters - 1 - a.warmup_iters))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (a.lr - min_lr)
+
+
+@torch.no_grad()
+def evaluate(model, data, batches, T, device, ctx, rank, world):
+    """Mean loss over fixed crops; each process takes its rows of every batch."""
+    model.eval()
+    losses = []
+    for offsets in batches:
+        x, y = get_batch(data, offsets[rank::world], T, device)
+        with ctx:
+            losses.append(model(x, y)[1].float())
+    model.train()
+    loss = torch.stack(losses).mean()
+    if world > 1:
+        dist.all_reduce(loss)  # equal shares: the mean of the means is the global mean
+        loss /= world
+    return loss.item()
+
+
+@torch.no_grad()
+def routes_block(model, data, offsets, T, device, ctx):
+    """Routing diagnostics of one eval batch (8 rows): entropy per read, RD's JS divergence."""
+    if model.config.residual != "attnres":
+        return None
+    model.eval()
+    x, y = get_batch(data, offsets[:8], T, device)
+    with ctx:
+        routes = model(x, y, return_routes=True)[2]
+    model.train()
+    stats = routing_stats(routes)
+    return dict(entropy={name: r["entropy"] + 0.0 for name, r in stats["reads"].items()}, js=stats["js"],
+                js_mean=stats["js_mean"])
+
+
+def save_atomic(obj, path):
+    """Write path.tmp, then rename: a crash never leaves a half-written file under the real name."""
+    tmp = Path(f"{path}.tmp")
+    if isinstance(obj, dict) and "model" in obj:
+        torch.save(obj, tmp)
+    else:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+CKPT_KEYS = ("model", "optimizer", "step", "tokens", "best_val_loss", "config", "train_args", "meta", "rng")
+
+
+def load_checkpoint(path, missing):
+    """A checkpoint as plain tensors and Python types (weights_only: never unpickles objects)."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(missing)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        absent = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+        if absent:
+            raise ValueError(f"no {', '.join(absent)}")
+    except Exception as e:  # torch raises many kinds for a damaged zip or pickle stream
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UsageError(f"checkpoint {path} is corrupt or truncated: {why}; delete it or retrain") from None
+    return ckpt
+
+
+def rng_states(device, world):
+    """Each process's torch RNG state (dropout), gathered so rank 0 can save them all."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    if world == 1:
+        return [state]
+    states = [None] * world
+    dist.all_gather_object(states, state)
+    return [{k: v.cpu() for k, v in s.items()} for s in states]
+
+
+def strip_prefixes(state_dict):  # torch.compile adds _orig_mod., DDP adds module.
+    return {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in state_dict.items()}
+
+
+def write_metrics(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def keep_metrics_until(path, step):
+    """On resume: drop lines an interrupted run wrote after its checkpoint (and a cut last line)."""
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    path.write_text("".join(kept))
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+
+def main(argv=None):
+    try:
+        train(argv)
+        if dist.is_initialized():
+            dist.barrier()  # finish together: a process leaving early can abort the others' gloo threads
+    except (prepare_data.DataError, UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(argv=None):
+    # a lone "--" is dropped: `torchrun train.py -- --rd off` keeps torchrun from reading --rd as its --rdzv_*
+    argv = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--"]
+    explicit = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
+
+    # processes: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK
+    ddp = "RANK" in os.environ
+    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) if ddp else (0, 1, 0)
+    master = rank == 0
+    log = print if master else (lambda *args, **kwargs: None)
+    device = pick_device(explicit.get("device", "auto"), local_rank)
+    if ddp:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+    # settings, from a checkpoint too with --resume
+    out_dir = Path(explicit.get("out_dir", TRAIN_DEFAULTS["out_dir"]))
+    ckpt_path, ckpt = out_dir / "last.pt", None
+    if explicit.get("resume"):
+        ckpt = load_checkpoint(ckpt_path, f"--resume: no checkpoint at {ckpt_path}; train without --resume first")
+    elif ckpt_path.exists():
+        raise UsageError(f"{out_dir} already holds a run ({ckpt_path}): add --resume to continue it, or choose "
+                         "another --out_dir (or delete that folder)")
+    a, preset = resolve_settings(explicit, ckpt, ckpt_path)
+    check_settings(a, world)
+    if preset:
+        log(f"preset {a.preset}: " + " ".join(f"{k}={v}" + (f" (overridden: {explicit[k]})" if k in explicit else "")
+                                             for k, v in preset.items()))
+
+    # data and model config
+    meta = open_dataset(a.data, master)
+    train_data, val_data = prepare_data.open_split(a.data, "train", meta), prepare_data.open_split(a.data, "val", meta)
+    if ckpt is not None and ckpt["config"]["vocab_size"] != meta["vocab_size"]:
+        raise UsageError(f"dataset {a.data} has vocab_size {meta['vocab_size']} but {ckpt_path} was trained with "
+                         f"{ckpt['config']['vocab_size']}: resume with the --data it was trained on")
+    if a.vocab_size is not None and a.vocab_size != meta["vocab_size"]:
+        raise UsageError(f"--vocab_size {a.vocab_size} differs from dataset {a.data}'s vocab_size "
+                         f"{meta['vocab_size']}: drop the flag (it defaults to the dataset's)")
+    a.vocab_size = meta["vocab_size"]
+    try:
+        config = GPTConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(GPTConfig)})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    T, char_level = config.sequence_len, meta["level"] == "char"
+    for split, data in (("train", train_data), ("val", val_data)):
+        if len(data) < T + 2:
+            raise UsageError(f"--sequence_len {T} is longer than the {split} split of {a.data} "
+                             f"({len(data)} tokens): lower --sequence_len")
+    if a.batch_size * T > len(train_data):
+        raise UsageError(f"a batch of --batch_size {a.batch_size} x sequence_len {T} = {a.batch_size * T} tokens "
+                         f"is larger than the training data ({len(train_data)} tokens): lower --batch_size")
+    tokens_per_step = a.batch_size * a.grad_accum * T
+    a.max_iters = math.ceil(a.max_tokens / tokens_per_step) if a.max_tokens else a.max_iters
+    milestones = [(m.strip(), count(m)) for m in a.milestones.split(",")] if a.milestones else []
+    has_test = meta["splits"].get("test", 0) >= T + 2
+
+    # model and optimizer: torch.manual_seed right before GPT() gives paired runs identical shared weights
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(a.seed)
+    raw_model = GPT(config).to(device)
+    optimizer = raw_model.configure_optimizers(a.weight_decay, a.lr, (a.beta1, a.beta2), device.type)
+    step, tokens, best_val, wall_before, reached = 0, 0, math.inf, 0.0, {}
+    if ckpt is None:
+        torch.manual_seed(a.seed + rank)  # dropout: a different stream per process
+        if master:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    else:
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step, tokens, best_val = ckpt["step"], ckpt["tokens"], ckpt["best_val_loss"]
+        wall_before, reached = ckpt.get("wall_time_s", 0.0), ckpt.get("milestones", {})
+        if len(ckpt["rng"]) == world:
+            torch.set_rng_state(ckpt["rng"][rank]["torch"])
+            if "cuda" in ckpt["rng"][rank] and device.type == "cuda":
+                torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"], device)
+        else:
+            log(f"note: {ckpt_path} was written by {len(ckpt['rng'])} processes, not {world}: dropout is "
+                "reseeded (the data order is unaffected)")
+            torch.manual_seed(a.seed + 1000 * step + rank)
+        if master:
+            keep_metrics_until(out_dir / "metrics.jsonl", step)
+        log(f"resuming {ckpt_path} at step {step} ({tokens:,} tokens)")
+    model = torch.compile(raw_model) if a.compile else raw_model
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp else model
+
+    train_args = {k: getattr(a, k) for k in TRAIN_DEFAULTS}
+    val_batches = eval_offsets(len(val_data), T, a.batch_size, a.eval_tokens, 1)
+    train_batches = eval_offsets(len(train_data), T, a.batch_size, a.eval_tokens, 0)
+    log(f"data: {a.data} ({meta['dataset']}, {meta['level']} level, vocab {meta['vocab_size']}; "
+        f"train {len(train_data):,} / val {len(val_data):,} tokens)")
+    log(f"model: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, sequence_len {T}, residual "
+        f"{config.residual}" + (f" (block {config.routing_block}, wav {config.wav}, rd {config.rd})"
+                                if config.residual == "attnres" else "")
+        + f"; {raw_model.get_num_params() / 1e6:.2f}M parameters")
+    log(f"training: {a.max_iters} steps x {tokens_per_step:,} tokens (batch {a.batch_size} x accum {a.grad_accum} "
+        f"x {T}) = {a.max_iters * tokens_per_step / 1e6:.1f}M tokens; lr {a.lr:g} warmup {a.warmup_iters} cosine "
+        f"to {a.lr / 10 if a.min_lr is None else a.min_lr:g}; {world} process(es) on {device}, "
+        f"{str(dtype).removeprefix('torch.')}")
+
+    t_start, last_eval = time.time(), ckpt.get("last_eval") if ckpt else None
+
+    def checkpoint(improved):
+        if not all(p.isfinite().all() for p in raw_model.parameters()):
+            raise diverged("weights", step)
+        state = dict(model=strip_prefixes(raw_model.state_dict()), optimizer=optimizer.state_dict(), step=step,
+                     tokens=tokens, best_val_loss=best_val, milestones=reached, last_eval=last_eval,
+                     rng=rng_states(device, world),
+                     wall_time_s=wall_before + time.time() - t_start, config=dataclasses.asdict(config),
+                     train_args=train_args, meta=dict(dataset=meta["dataset"], vocab_size=meta["vocab_size"],
+                                                      level=meta["level"]))
+        if master:  # the step is the data position: batches are a function of (seed, step)
+            save_atomic(state, out_dir / "last.pt")
+            if improved:
+                save_atomic(state, out_dir / "best.pt")
+
+    def diverged(what, at_step):
+        kept = f"last good checkpoint kept at {ckpt_path}" if ckpt_path.exists() else "no checkpoint was written"
+        return UsageError(f"non-finite {what} at step {at_step}; {kept} (lower --lr or raise --warmup_iters)")
+
+    def eval_and_save(lr, crossed=()):
+        nonlocal best_val, last_eval
+        train_loss = evaluate(model, train_data, train_batches, T, device, ctx, rank, world)
+        val_loss = evaluate(model, val_data, val_batches, T, device, ctx, rank, world)
+        if not (math.isfinite(val_loss) and math.isfinite(train_loss)):
+            raise diverged("validation loss", step)
+        routes = routes_block(raw_model, val_data, val_batches[0], T, device, ctx) if master else None
+        for label in crossed:
+            reached[label] = dict(step=step, tokens=tokens, val_loss=val_loss)
+        last_eval = dict(type="eval", step=step, tokens=tokens, train_loss=train_loss, val_loss=val_loss,
+                         val_bpc=val_loss / math.log(2) if char_level else None, lr=lr,
+                         elapsed_s=round(wall_before + time.time() - t_start, 3),
+                         milestone=",".join(crossed) or None, routes=routes)
+        if master:
+            write_metrics(out_dir / "metrics.jsonl", last_eval)
+        log(f"eval step {step} | train {train_loss:.4f} | val {val_loss:.4f}"
+            + (f" | bpc {last_eval['val_bpc']:.4f}" if char_level else "")
+            + (f" | js_mean {routes['js_mean']:.4f}" if routes and routes["js_mean"] is not None else "")
+            + (f" | milestone {last_eval['milestone']}" if crossed else ""))
+        improved, best_val = val_loss < best_val, min(best_val, val_loss)
+        checkpoint(improved)
+
+    if step == 0:
+        eval_and_save(get_lr(0, a, a.max_iters))
+    train_time, steps_since_log = 0.0, 0  # time in training steps since the last log line (no evals)
+    while step < a.max_iters:
+        t0 = time.time()
+        lr = get_lr(step, a, a.max_iters)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(a.grad_accum):
+            offsets = batch_offsets(a.seed, step, micro, len(train_data), T, a.batch_size)[rank::world]
+            x, y = get_batch(train_data, offsets, T, device)
+            # DDP: all-reduce the gradients only on the last micro-step
+            sync = model.no_sync() if ddp and micro < a.grad_accum - 1 else nullcontext()
+            with sync:
+                with ctx:
+                    _, loss = model(x, y)
+                (loss / a.grad_accum).backward()
+            loss_sum += loss.detach().float()
+        loss = loss_sum / a.grad_accum
+        if ddp:
+            dist.all_reduce(loss)
+            loss /= world
+        loss = loss.item()
+        if not math.isfinite(loss):  # before the update, and no checkpoint is written after this
+            raise diverged("loss", step + 1)
+        if a.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), a.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step, tokens, steps_since_log = step + 1, tokens + tokens_per_step, steps_since_log + 1
+        train_time += time.time() - t0  # loss.item() above waited for the GPU
+
+        if step % a.log_interval == 0 or step == 1:
+            dt = train_time / steps_since_log
+            mfu = raw_model.estimate_mfu(tokens_per_step / world, dt) if device.type == "cuda" else None
+            if master:
+                write_metrics(out_dir / "metrics.jsonl", dict(
+                    type="train", step=step, tokens=tokens, loss=loss, lr=lr, tok_per_s=round(tokens_per_step / dt, 1),
+                    ms_per_step=round(1000 * dt, 2), mfu=mfu))
+            log(f"step {step} | loss {loss:.4f} | lr {lr:.1e} | {tokens_per_step / dt / 1e3:.1f}k tok/s | "
+                f"{1000 * dt:.1f} ms/step" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""))
+            train_time, steps_since_log = 0.0, 0
+        crossed = [label for label, n in milestones if tokens - tokens_per_step < n <= tokens]
+        if step % a.eval_interval == 0 or step == a.max_iters or crossed:
+            eval_and_save(lr, crossed)
+        if a.stop_after is not None and step >= a.stop_after and step < a.max_iters:
+            if last_eval is None or last_eval["step"] != step:
+                checkpoint(improved=False)
+            log(f"stopped after step {step} (--stop_after); continue with --resume")
+            return
+
+    # the end: final losses (val from the last evaluation, test if the dataset has one) and summary.json
+    if last_eval is None or last_eval["step"] != step:
+        eval_and_save(get_lr(step - 1, a, a.max_iters))
+    test_loss = None
+    if has_test:
+        test_data = prepare_data.open_split(a.data, "test", meta)
+        test_batches = eval_offsets(len(test_data), T, a.batch_size, a.eval_tokens, 2)
+        test_loss = evaluate(model, test_data, test_batches, T, device, ctx, rank, world)
+    bpc = (lambda v: v / math.log(2) if char_level and v is not None else None)
+    summary = dict(config=dataclasses.asdict(config), train=train_args,
+                   final=dict(val_loss=last_eval["val_loss"], val_bpc=bpc(last_eval["val_loss"]),
+                              test_loss=test_loss, test_bpc=bpc(test_loss)),
+                   best_val_loss=best_val, step=step, tokens_seen=tokens,
+                   wall_time_s=round(wall_before + time.time() - t_start, 3), milestones=reached,
+                   routes=last_eval["routes"], dataset=meta["dataset"], level=meta["level"])
+    if master:
+        save_atomic(summary, out_dir / "summary.json")
+    log(f"done: {step} steps, {tokens:,} tokens, val {last_eval['val_loss']:.4f}"
+        + (f", test {test_loss:.4f}" if test_loss is not None else "")
+        + f", {summary['wall_time_s']:.0f} s; wrote {out_dir}/summary.json")
+
+
+if __name__ == "__main__":
+    main()
