@@ -5,13 +5,32 @@ The model tests check every routing mechanism against a small reference written 
 loops over sources (no batching, no online softmax, no custom autograd), from SPEC.md's equations.
 """
 
+import concurrent.futures
+import errno
+import http.server
+import io
+import json
 import math
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
+import bench
 import nanoroute
+import prepare_data
+import sample
+import train
 from nanoroute import GPT, GPTConfig, js_divergence, routing_stats
 
 # -----------------------------------------------------------------------------
@@ -552,3 +571,829 @@ def test_torch_compile_traces_every_routing_path_without_graph_breaks():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
     with torch.no_grad():  # eval and generation take the no-graph path: it must compile too
         torch.testing.assert_close(compiled(tokens())[0], ref_logits, atol=1e-5, rtol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# Data: prepare_data.py against a local HTTP server (no test touches the internet)
+
+_DATA_SCRIPT = str(Path(prepare_data.__file__).resolve())
+
+
+# -----------------------------------------------------------------------------
+# helpers: a small HTTP server that honours Range, and tiny stand-ins for the real files
+
+class _DataHandler(http.server.BaseHTTPRequestHandler):
+    files, log, status, cut_once, ignore_range = {}, [], {}, set(), False  # replaced per server
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        name, rng = self.path.lstrip("/"), self.headers.get("Range")
+        self.log.append((name, rng))
+        if name in self.status or name not in self.files:
+            self.send_error(self.status.get(name, 404))
+            return
+        data, start = self.files[name], 0
+        if rng and not self.ignore_range:
+            start = int(rng.removeprefix("bytes=").split("-")[0])
+            if start >= len(data):
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(data)}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        else:
+            self.send_response(200)
+        body = data[start:]
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if name in self.cut_once and start == 0:  # promise the whole file, send half, hang up
+            self.cut_once.discard(name)
+            self.wfile.write(body[:len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def _data_server():
+    handler = type("Handler", (_DataHandler,), dict(files={}, log=[], status={}, cut_once=set()))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    handler.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield handler
+    server.shutdown()
+    server.server_close()
+
+
+def _data_text8(n=2000, seed=0):
+    rng = random.Random(seed)
+    text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(n)).encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("text8", text)
+    return text, buf.getvalue()
+
+
+def _data_shard(tokens, magic=20240520, version=1):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, len(tokens)
+    return header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes()
+
+
+def _data_gpt2_files():
+    """A tiny encoder.json / vocab.bpe: the 256 byte tokens, three merges, and <|endoftext|>."""
+    b2u = prepare_data._bytes_to_unicode()
+    enc = {b2u[b]: b for b in range(256)}
+    enc.update({"he": 256, "Ġt": 257, "Ġthe": 258, "<|endoftext|>": 50256})
+    bpe = "#version: 0.2\nh e\nĠ t\nĠt he\n"
+    return {"encoder.json": json.dumps(enc).encode(), "vocab.bpe": bpe.encode()}
+
+
+def _data_fineweb_files():
+    val = [50256, 1, 2, 3, 50256, 4, 5, 6, 7, 50256, 8, 9, 10, 11, 50256, 12]  # middle is 8
+    train = [[50256, 100, 101, 102, 50000], [50256, 200, 201]]
+    files = {"finewebedu_val_000000.bin": _data_shard(val),
+             "finewebedu_train_000001.bin": _data_shard(train[0]),
+             "finewebedu_train_000002.bin": _data_shard(train[1]), **_data_gpt2_files()}
+    return files, val, train
+
+
+def _data_cli(*args, env=None):
+    full_env = {k: v for k, v in os.environ.items() if k != "NANOROUTE_BASE_URL"}
+    full_env.update(NANOROUTE_RETRY_BACKOFF="0.001", **(env or {}))
+    return subprocess.run([sys.executable, _DATA_SCRIPT, *args], capture_output=True, text=True,
+                          env=full_env, timeout=60)
+
+
+def _data_one_error_line(stderr):
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def _data_fast(**kw):
+    return dict(retries=2, backoff=0.001, **kw)
+
+
+# -----------------------------------------------------------------------------
+# demo
+
+def test_data_demo_deterministic_fast_and_readable(tmp_path):
+    t0 = time.time()
+    a = prepare_data.prepare("demo", tmp_path / "a")
+    seconds = time.time() - t0
+    b = prepare_data.prepare("demo", tmp_path / "b")
+    c = prepare_data.prepare("demo", tmp_path / "c", seed=7, demo_mb=0.2)
+    assert seconds < 5
+    meta = prepare_data.load_meta(a)
+    assert meta == prepare_data.load_meta(b)
+    assert meta["level"] == "char" and meta["dtype"] == "uint8" and meta["format_version"] == 1
+    assert meta["source"] == "generated (seed 1337)" and meta["vocab_size"] == len(meta["chars"]) <= 256
+    n = meta["splits"]
+    assert 1.9e6 < sum(n.values()) < 2.2e6 and abs(n["train"] / sum(n.values()) - 0.9) < 0.01
+    for split in ("train", "val", "test"):
+        assert (Path(a) / f"{split}.bin").read_bytes() == (Path(b) / f"{split}.bin").read_bytes()
+    assert (Path(a) / "val.bin").read_bytes()[:1000] != (Path(c) / "val.bin").read_bytes()[:1000]
+    text = prepare_data.decoder(meta, a)(prepare_data.open_split(a, "val")[:20000])
+    assert text.endswith("\n\n") or len(text) == 20000
+    assert '"' in text and "said" in text and "\n" in text and ". " in text
+    assert len(set(text.split())) > 200  # varied words
+    assert not (Path(a) / "progress.json").exists() and not list(Path(a).glob("*.tmp"))
+
+
+def test_data_api_roundtrip_and_clear_errors(tmp_path):
+    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.1)
+    meta = prepare_data.load_meta(out)
+    enc, dec = prepare_data.encoder(meta, out), prepare_data.decoder(meta, out)
+    assert dec(enc('Lily said, "Hello!"\n')) == 'Lily said, "Hello!"\n'
+    with pytest.raises(prepare_data.DataError, match="€"):
+        enc("10 €")
+    with pytest.raises(prepare_data.DataError, match="python prepare_data.py demo --out"):
+        prepare_data.load_meta(tmp_path / "nothing" / "demo")
+    with pytest.raises(prepare_data.DataError, match="no 'bogus' split"):
+        prepare_data.open_split(out, "bogus")
+    with open(out / "val.bin", "r+b") as f:  # a damaged split is refused, and the command repairs it
+        f.truncate(10)
+    with pytest.raises(prepare_data.DataError, match="expected .* prepare_data.py demo"):
+        prepare_data.open_split(out, "val")
+    prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.1)
+    assert len(prepare_data.open_split(out, "val")) == meta["splits"]["val"]
+    assert dec([meta["vocab_size"] + 5]) == "\ufffd"  # a padded head's extra ids decode harmlessly
+
+
+# -----------------------------------------------------------------------------
+# text8
+
+def _data_text8_expected(text):
+    ids = np.array([0 if ch == 32 else ch - 96 for ch in text], dtype=np.uint8)
+    n = len(ids)
+    return dict(train=ids[:n * 90 // 100], val=ids[n * 90 // 100:n * 95 // 100], test=ids[n * 95 // 100:])
+
+
+def _data_check_text8(out, text, url):
+    meta = prepare_data.load_meta(out)
+    assert meta["chars"] == list(" abcdefghijklmnopqrstuvwxyz") and meta["vocab_size"] == 27
+    assert meta["source"] == [url + "/text8.zip"] and meta["dtype"] == "uint8"
+    for split, ids in _data_text8_expected(text).items():
+        assert np.array_equal(prepare_data.open_split(out, split), ids)
+        assert meta["splits"][split] == len(ids)
+
+
+def test_data_text8_from_mirror(tmp_path, _data_server):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
+    _data_check_text8(out, text, _data_server.url)
+    assert not (out / "downloads").exists() and not (out / "progress.json").exists()
+
+
+def test_data_cut_download_resumes_with_range(tmp_path, _data_server):
+    text, zipped = _data_text8(5000)
+    _data_server.files["text8.zip"] = zipped
+    _data_server.cut_once.add("text8.zip")
+    out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
+    _data_check_text8(out, text, _data_server.url)
+    ranges = [r for name, r in _data_server.log if name == "text8.zip" and r]
+    assert len(ranges) == 1 and 0 < int(ranges[0].split("=")[1].rstrip("-")) < len(zipped)
+
+
+def test_data_server_ignoring_range_restarts_from_zero(tmp_path, _data_server):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    _data_server.ignore_range = True
+    (tmp_path / "t8" / "downloads").mkdir(parents=True)
+    (tmp_path / "t8" / "downloads" / "text8.zip.part").write_bytes(b"junk" * 50)
+    out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
+    assert _data_server.log[0][1] == "bytes=200-"  # it did ask to resume; the server sent it all
+    _data_check_text8(out, text, _data_server.url)
+
+
+def test_data_whole_part_file_is_finished_not_refetched(tmp_path, _data_server):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    (tmp_path / "t8" / "downloads").mkdir(parents=True)  # killed after the last byte, before the rename
+    (tmp_path / "t8" / "downloads" / "text8.zip.part").write_bytes(zipped)
+    out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
+    assert _data_server.log == [("text8.zip", f"bytes={len(zipped)}-")]  # answered 416: nothing left
+    _data_check_text8(out, text, _data_server.url)
+
+
+def test_data_truncated_zip_is_rejected(tmp_path, _data_server, capsys):
+    _, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped[:len(zipped) // 2]
+    out = tmp_path / "t8"
+    rc = prepare_data.main(["text8", "--out", str(out), "--base_url", _data_server.url, "--retries", "0"])
+    line = _data_one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "text8.zip" in line and "corrupt" in line and "re-run" in line
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == []  # nothing a later run would trust
+
+
+def test_data_rerun_skips_finished_work(tmp_path, _data_server, monkeypatch):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    kw = dict(base_url=_data_server.url, **_data_fast())
+    # a crash right before meta.json: the splits are done, a re-run must reuse them
+    real = prepare_data._write_json
+
+    def crash(path, obj):
+        if path.name == "meta.json":
+            raise OSError(errno.EIO, "I/O error")
+        real(path, obj)
+    monkeypatch.setattr(prepare_data, "_write_json", crash)
+    with pytest.raises(OSError):
+        prepare_data.prepare("text8", tmp_path / "t8", **kw)
+    monkeypatch.setattr(prepare_data, "_write_json", real)
+    assert not (tmp_path / "t8" / "meta.json").exists()
+    stamp = (tmp_path / "t8" / "train.bin").stat().st_mtime_ns
+    _data_server.log.clear()
+    _data_server.files.clear()  # nothing more may be downloaded
+    out = prepare_data.prepare("text8", tmp_path / "t8", **kw)
+    _data_check_text8(out, text, _data_server.url)
+    assert (out / "train.bin").stat().st_mtime_ns == stamp and _data_server.log == []
+    prepare_data.prepare("text8", out, **kw)  # finished folder: nothing to do
+    assert (out / "train.bin").stat().st_mtime_ns == stamp and _data_server.log == []
+
+
+def test_data_full_disk_and_ctrl_c_leave_nothing_complete(tmp_path, _data_server, monkeypatch, capsys):
+    text, zipped = _data_text8(5000)
+    _data_server.files["text8.zip"] = zipped
+    out, real = tmp_path / "t8", prepare_data._write
+    args = ["text8", "--out", str(out), "--base_url", _data_server.url]
+
+    def full_disk(f, data):
+        if f.name.endswith(".bin.tmp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f.name)
+        real(f, data)
+    monkeypatch.setattr(prepare_data, "_write", full_disk)
+    assert prepare_data.main(args) == 2
+    line = _data_one_error_line(capsys.readouterr().err)
+    assert "No space left" in line and "free some disk space" in line
+    assert not list(out.glob("*.bin*")) and not (out / "meta.json").exists()
+
+    shutil.rmtree(out)
+
+    def ctrl_c(f, data):  # Ctrl-C once the first 1000 bytes of the download have landed
+        real(f, data[:1000])
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_data, "_write", ctrl_c)
+    assert prepare_data.main(args) == 2
+    assert "interrupted" in _data_one_error_line(capsys.readouterr().err)
+    assert [p.name for p in out.rglob("*") if p.is_file()] == ["text8.zip.part"]
+    monkeypatch.undo()
+    assert prepare_data.main(args) == 0
+    assert any(r == "bytes=1000-" for _, r in _data_server.log)
+    _data_check_text8(out, text, _data_server.url)
+
+
+# -----------------------------------------------------------------------------
+# tinystories
+
+def test_data_tinystories_vocab_eot_and_replacement(tmp_path, _data_server, monkeypatch):
+    train = ("Once upon a time, Tom saw a cat.\n<|endoftext|>\nLily said \"hi\" to Tom. é!\n"
+             "<|endoftext|>\nThe cat ran to Lily and Tom.\n<|endoftext|>")
+    valid = "Tom saw Lily. Zoë ran.\n<|endoftext|>\n"
+    _data_server.files.update({"TinyStoriesV2-GPT4-train.txt": train.encode(),
+                               "TinyStoriesV2-GPT4-valid.txt": valid.encode()})
+    monkeypatch.setattr(prepare_data, "CHUNK", 5)  # stories and <|endoftext|> cut across chunks
+    out = prepare_data.prepare("tinystories", tmp_path / "ts", base_url=_data_server.url,
+                               min_count=2, **_data_fast())
+    meta = prepare_data.load_meta(out)
+    plain = train.replace("<|endoftext|>", "")
+    frequent = sorted(c for c in set(plain) if plain.count(c) >= 2)
+    assert meta["chars"] == frequent + ["<|endoftext|>", "\ufffd"] and meta["dtype"] == "uint8"
+    assert "é" not in meta["chars"] and "T" in meta["chars"]
+
+    def expected(text):
+        ids = []
+        for i, story in enumerate(text.split("<|endoftext|>")):
+            ids += [len(frequent)] if i else []
+            ids += [frequent.index(c) if c in frequent else len(frequent) + 1 for c in story]
+        return ids
+    assert prepare_data.open_split(out, "train").tolist() == expected(train)
+    assert prepare_data.open_split(out, "val").tolist() == expected(valid)
+    assert set(meta["splits"]) == {"train", "val"}
+    dec, enc = prepare_data.decoder(meta, out), prepare_data.encoder(meta, out)
+    shown = "<|endoftext|>".join("".join(c if c in frequent else "\ufffd" for c in story)
+                                 for story in valid.split("<|endoftext|>"))
+    assert dec(prepare_data.open_split(out, "val")) == shown and "\ufffdo\ufffd" in shown
+    assert enc("Tom<|endoftext|>") == expected("Tom<|endoftext|>")
+
+
+# -----------------------------------------------------------------------------
+# fineweb_edu
+
+def test_data_fineweb_shards_split_and_decoding(tmp_path, _data_server):
+    files, val, train = _data_fineweb_files()
+    _data_server.files.update(files)
+    out = prepare_data.prepare("fineweb_edu", tmp_path / "fw", base_url=_data_server.url, shards=2,
+                               **_data_fast())
+    meta = prepare_data.load_meta(out)
+    assert meta["level"] == "gpt2" and meta["dtype"] == "uint16" and meta["vocab_size"] == 50257
+    assert meta["splits"] == {"train": 8, "val": 9, "test": 7} and "chars" not in meta
+    assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]
+    assert prepare_data.open_split(out, "val").tolist() == val[:9]  # cut at the first EOT >= middle
+    assert prepare_data.open_split(out, "test").tolist() == val[9:]
+    assert (out / "encoder.json").exists() and (out / "vocab.bpe").exists()
+    assert prepare_data.decoder(meta, out)([258, 99, 97, 116, 50256]) == " thecat<|endoftext|>"
+    try:
+        import tiktoken  # noqa: F401
+        assert prepare_data.encoder(meta, out)(" the cat") == [258, 32, 99, 97, 116]
+    except ImportError:
+        with pytest.raises(prepare_data.DataError, match="pip install tiktoken"):
+            prepare_data.encoder(meta, out)
+
+
+def test_data_fineweb_more_shards_fetches_only_new_files(tmp_path, _data_server):
+    files, _, train = _data_fineweb_files()
+    _data_server.files.update(files)
+    kw = dict(base_url=_data_server.url, keep_downloads=True, **_data_fast())
+    prepare_data.prepare("fineweb_edu", tmp_path / "fw", shards=1, **kw)
+    _data_server.log.clear()
+    out = prepare_data.prepare("fineweb_edu", tmp_path / "fw", shards=2, **kw)
+    assert [name for name, _ in _data_server.log] == ["finewebedu_train_000002.bin"]
+    assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]
+
+
+@pytest.mark.parametrize("bad", ["magic", "size", "token"])
+def test_data_corrupt_shard_is_rejected(tmp_path, _data_server, capsys, bad):
+    files, _, _ = _data_fineweb_files()
+    name = "finewebedu_train_000002.bin"
+    files[name] = {"magic": _data_shard([1, 2, 3], magic=1234), "size": _data_shard([1, 2, 3])[:-2],
+                   "token": _data_shard([1, 60000, 3])}[bad]
+    _data_server.files.update(files)
+    out = tmp_path / "fw"
+    rc = prepare_data.main(["fineweb_edu", "--shards", "2", "--out", str(out), "--base_url",
+                            _data_server.url, "--retries", "0"])
+    line = _data_one_error_line(capsys.readouterr().err)
+    assert rc == 2 and name in line and "corrupt" in line and "re-run" in line
+    assert not (out / "train.bin").exists() and not (out / "meta.json").exists()
+    assert not list(out.rglob(name + "*"))
+
+
+# -----------------------------------------------------------------------------
+# command line: exit code 2, one line, no traceback
+
+def test_data_cli_http_404_and_500(tmp_path, _data_server):
+    r = _data_cli("text8", "--out", str(tmp_path / "a"), "--base_url", _data_server.url)
+    assert r.returncode == 2 and "404" in _data_one_error_line(r.stderr)
+    _data_server.status["text8.zip"] = 500
+    r = _data_cli("text8", "--out", str(tmp_path / "b"), "--base_url", _data_server.url, "--retries", "2")
+    line = _data_one_error_line(r.stderr)
+    assert r.returncode == 2 and "HTTP 500" in line and "3 tries" in line
+    assert [name for name, _ in _data_server.log].count("text8.zip") == 4  # one 404, three 500s
+    assert not (tmp_path / "b" / "meta.json").exists()
+
+
+def test_data_cli_bad_input_and_no_network(tmp_path):
+    r = _data_cli("wikipedia")
+    assert r.returncode == 2 and "unknown dataset 'wikipedia'" in _data_one_error_line(r.stderr)
+    (tmp_path / "file").write_text("not a folder")
+    r = _data_cli("demo", "--out", str(tmp_path / "file" / "demo"))
+    assert r.returncode == 2 and "cannot write to output folder" in _data_one_error_line(r.stderr)
+    r = _data_cli("demo", "--shards", "3", "--out", str(tmp_path / "d"))
+    assert r.returncode == 2 and "--shards does not apply to demo" in _data_one_error_line(r.stderr)
+    with socket.socket() as s:  # a port nobody listens on: like having no network
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _data_cli("text8", "--out", str(tmp_path / "t"), "--retries", "1",
+                  env={"NANOROUTE_BASE_URL": f"http://127.0.0.1:{port}"})
+    line = _data_one_error_line(r.stderr)
+    assert r.returncode == 2 and "failed after 2 tries" in line and "network" in line
+
+
+def test_data_cli_base_url_env_and_help(tmp_path, _data_server):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    r = _data_cli("text8", "--out", str(tmp_path / "t8"), env={"NANOROUTE_BASE_URL": _data_server.url})
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout and _data_server.log == [("text8.zip", None)]
+    _data_check_text8(tmp_path / "t8", text, _data_server.url)
+    r = _data_cli("--help")
+    assert r.returncode == 0 and all(name in r.stdout for name in prepare_data.DATASETS)
+    assert "NANOROUTE_BASE_URL" in r.stdout and "huggingface.co" in r.stdout
+
+
+# -----------------------------------------------------------------------------
+# Training and sampling: train.py and sample.py end to end on tiny models
+
+_TRAIN_ROOT = Path(__file__).resolve().parent
+# 2 layers x 32 wide, 32-token crops, 8 per batch: a step takes milliseconds
+_TRAIN_TINY = ["--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--sequence_len", "32", "--batch_size", "8",
+               "--eval_tokens", "256", "--log_interval", "1", "--warmup_iters", "2", "--device", "cpu"]
+_TRAIN_ROUTED = ["--residual", "attnres", "--rd", "decoupled", "--wav", "True", "--attnres_block", "4"]
+
+
+@pytest.fixture(scope="module")
+def _train_data(tmp_path_factory):
+    """A 0.2M-character demo corpus, and a copy whose vocabulary has one extra symbol."""
+    root = tmp_path_factory.mktemp("train_data")
+    demo = prepare_data.prepare("demo", root / "demo", demo_mb=0.2)
+    other = root / "other_vocab"
+    shutil.copytree(demo, other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta.update(chars=meta["chars"] + ["@"], vocab_size=meta["vocab_size"] + 1)
+    (other / "meta.json").write_text(json.dumps(meta))
+    return demo, other
+
+
+@pytest.fixture
+def _train_one_thread():
+    """One intra-op thread: on a small shared machine, two threads wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_main(module, argv, capsys=None):
+    """Run train.main / sample.main in this process; returns (exit code, stdout, stderr)."""
+    try:
+        module.main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr() if capsys else ("", "")
+    return code, out, err
+
+
+def _train_metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(_TRAIN_ROOT))
+
+
+@pytest.fixture(scope="module")
+def _train_runs(_train_data, tmp_path_factory):
+    """Two finished tiny runs: a routed one (attnres + WAV + RD) with milestones, and a prenorm one."""
+    demo, _ = _train_data
+    root = tmp_path_factory.mktemp("train_runs")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    routed, prenorm = root / "routed", root / "prenorm"
+    try:
+        assert _train_main(train, ["--data", demo, "--out_dir", routed, *_TRAIN_TINY, *_TRAIN_ROUTED,
+                                   "--max_iters", 4, "--eval_interval", 2, "--milestones", "512,1K"])[0] == 0
+        assert _train_main(train, ["--data", demo, "--out_dir", prenorm, *_TRAIN_TINY, "--max_iters", 1])[0] == 0
+    finally:
+        torch.set_num_threads(threads)
+    return routed, prenorm
+
+
+# -----------------------------------------------------------------------------
+# train.py
+
+
+def test_train_writes_checkpoints_metrics_and_summary(_train_runs):
+    routed, _ = _train_runs
+    assert sorted(p.name for p in routed.iterdir()) == ["best.pt", "last.pt", "metrics.jsonl", "summary.json"]
+    lines = _train_metrics(routed)
+    train_lines = [r for r in lines if r["type"] == "train"]
+    evals = [r for r in lines if r["type"] == "eval"]
+    assert [r["step"] for r in train_lines] == [1, 2, 3, 4] and [r["step"] for r in evals] == [0, 2, 4]
+    assert set(train_lines[0]) == {"type", "step", "tokens", "loss", "lr", "tok_per_s", "ms_per_step", "mfu"}
+    assert train_lines[-1]["tokens"] == 4 * 8 * 32 and train_lines[0]["mfu"] is None
+    assert set(evals[0]) == {"type", "step", "tokens", "train_loss", "val_loss", "val_bpc", "lr", "elapsed_s",
+                             "milestone", "routes"}
+    assert [e["milestone"] for e in evals] == [None, "512", "1K"]  # 256 tokens per step
+    for e in evals:
+        assert e["val_bpc"] == pytest.approx(e["val_loss"] / math.log(2))
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    routes = evals[-1]["routes"]
+    assert set(routes) == {"entropy", "js", "js_mean"} and set(routes["js"]) == {"layer0", "layer1"}
+    assert {"layer0.attn", "layer0.attn.v", "layer1.mlp", "readout"} <= set(routes["entropy"])
+
+    summary = json.loads((routed / "summary.json").read_text())
+    assert set(summary) == {"config", "train", "final", "best_val_loss", "step", "tokens_seen", "wall_time_s",
+                            "milestones", "routes", "dataset", "level"}
+    assert summary["config"]["rd"] == "decoupled" and summary["train"]["max_iters"] == 4
+    assert summary["final"]["val_loss"] == evals[-1]["val_loss"] and summary["final"]["test_loss"] > 0
+    assert summary["final"]["test_bpc"] == pytest.approx(summary["final"]["test_loss"] / math.log(2))
+    assert set(summary["milestones"]) == {"512", "1K"} and summary["milestones"]["1K"]["step"] == 4
+    assert summary["step"] == 4 and summary["tokens_seen"] == 1024 and summary["dataset"] == "demo"
+
+    ckpt = torch.load(routed / "last.pt", weights_only=True)  # plain tensors and Python types only
+    assert ckpt["step"] == 4 and ckpt["config"] == summary["config"] and ckpt["meta"]["level"] == "char"
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
+    best = torch.load(routed / "best.pt", weights_only=True)
+    assert best["best_val_loss"] == min(e["val_loss"] for e in evals)
+
+
+def test_resume_is_bitwise_exact(_train_data, _train_one_thread, tmp_path, capsys):
+    """N steps in one go == N/2 steps, stop, --resume to N: every weight and optimizer state equal
+    (dropout on, so the RNG state must be restored too; grad_accum 2)."""
+    demo, _ = _train_data
+    flags = ["--data", demo, *_TRAIN_TINY, *_TRAIN_ROUTED, "--dropout", 0.1, "--grad_accum", 2, "--max_iters", 6,
+             "--eval_interval", 4]
+    assert _train_main(train, [*flags, "--out_dir", tmp_path / "a"])[0] == 0
+    assert _train_main(train, [*flags, "--out_dir", tmp_path / "b", "--stop_after", 3])[0] == 0
+    assert torch.load(tmp_path / "b" / "last.pt", weights_only=True)["step"] == 3
+    assert not (tmp_path / "b" / "summary.json").exists()
+    assert _train_main(train, [*flags, "--out_dir", tmp_path / "b", "--resume"], capsys)[0] == 0
+    a, b = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in "ab")
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert [r["step"] for r in _train_metrics(tmp_path / "b") if r["type"] == "train"] == [1, 2, 3, 4, 5, 6]
+    la, lb = (json.loads((tmp_path / d / "summary.json").read_text())["final"] for d in "ab")
+    assert la == lb
+
+
+def test_same_seed_runs_are_paired_across_routing_variants(_train_data, _train_one_thread, tmp_path):
+    """rd=tied is exactly Block AttnRes, so with the same seed (same init, same batches) every logged
+    loss is equal; rd=decoupled starts equal (zero V query) and then moves away."""
+    demo, _ = _train_data
+    losses = {}
+    for rd in ("off", "tied", "decoupled"):
+        argv = ["--data", demo, "--out_dir", tmp_path / rd, *_TRAIN_TINY, "--residual", "attnres", "--rd", rd,
+                "--max_iters", 3, "--eval_interval", 10, "--lr", 1e-2, "--warmup_iters", 0]
+        assert _train_main(train, argv)[0] == 0
+        losses[rd] = [r["loss"] for r in _train_metrics(tmp_path / rd) if r["type"] == "train"]
+    assert losses["off"] == losses["tied"]
+    assert losses["decoupled"][0] == losses["off"][0] and losses["decoupled"][1:] != losses["off"][1:]
+
+
+def test_batches_depend_only_on_seed_and_step_and_shard_over_processes():
+    rows = train.batch_offsets(7, 3, 1, 10_000, 32, 8)
+    assert (rows == train.batch_offsets(7, 3, 1, 10_000, 32, 8)).all()
+    assert not (rows == train.batch_offsets(7, 4, 1, 10_000, 32, 8)).all()
+    assert sorted(list(rows[0::2]) + list(rows[1::2])) == sorted(rows)  # 2 processes see the global batch
+    assert rows.min() >= 0 and rows.max() <= 10_000 - 33
+
+
+def test_schedule_and_token_counts():
+    a = train.argparse.Namespace(lr=1.0, min_lr=None, warmup_iters=10)
+    assert train.get_lr(0, a, 100) == pytest.approx(0.1) and train.get_lr(9, a, 100) == pytest.approx(1.0)
+    assert train.get_lr(10, a, 100) == pytest.approx(1.0) and train.get_lr(99, a, 100) == pytest.approx(0.1)
+    assert [train.count(t) for t in ("0.25B", "2B", "500M", "64K", "1000")] == [
+        250_000_000, 2_000_000_000, 500_000_000, 64_000, 1000]
+
+
+def _train_free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_processes_match_one(_train_data, _train_one_thread, tmp_path):
+    """torchrun --nproc_per_node=2 (gloo): each process takes half of every batch, so the losses and
+    final weights equal the single-process run with the same flags (up to float rounding)."""
+    demo, _ = _train_data
+    flags = ["--data", demo, *_TRAIN_TINY, *_TRAIN_ROUTED, "--grad_accum", 2, "--max_iters", 3,
+             "--eval_interval", 10]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_train_free_port()}",
+           str(_TRAIN_ROOT / "train.py"), "--", *map(str, flags), "--out_dir", str(tmp_path / "ddp")]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=_train_env(), timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert _train_main(train, [*flags, "--out_dir", tmp_path / "one"])[0] == 0
+    one, ddp = (_train_metrics(tmp_path / d) for d in ("one", "ddp"))
+    assert [r["type"] for r in one] == [r["type"] for r in ddp]  # rank 0 alone writes the log
+    for r1, r2 in zip(one, ddp):
+        for key in ("loss", "train_loss", "val_loss"):
+            if key in r1:
+                assert r2[key] == pytest.approx(r1[key], abs=1e-5)
+    w1, w2 = (torch.load(tmp_path / d / "last.pt", weights_only=True)["model"] for d in ("one", "ddp"))
+    assert all(torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1)
+
+
+def test_divergence_stops_and_keeps_the_last_good_checkpoint(_train_data, _train_one_thread, tmp_path, capsys):
+    """A real divergence: resume a healthy run with lr 1e30; the loss turns non-finite within steps."""
+    demo, _ = _train_data
+    out = tmp_path / "run"
+    assert _train_main(train, ["--data", demo, "--out_dir", out, *_TRAIN_TINY, "--max_iters", 4,
+                               "--eval_interval", 2])[0] == 0
+    good = {name: (out / name).read_bytes() for name in ("last.pt", "best.pt")}
+    capsys.readouterr()
+    code, _, err = _train_main(train, ["--out_dir", out, "--resume", "--max_iters", 40, "--lr", 1e30,
+                                       "--warmup_iters", 0], capsys)
+    assert code == 2 and "error: non-finite" in err and f"last good checkpoint kept at {out / 'last.pt'}" in err
+    assert {name: (out / name).read_bytes() for name in good} == good
+    assert not list(out.glob("*.tmp"))
+
+
+# -----------------------------------------------------------------------------
+# sample.py
+
+
+def test_sample_prints_text_and_tokens_per_second(_train_runs, _train_one_thread, capsys):
+    routed, _ = _train_runs
+    code, out, err = _train_main(sample, ["--out_dir", routed, "--num_samples", 2, "--max_new_tokens", 20,
+                                          "--start", "Once upon"], capsys)
+    assert code == 0 and out.count("Once upon") == 2 and out.count("-" * 40) == 2
+    assert "40 tokens in" in err and "tok/s" in err
+    code, out, err = _train_main(sample, ["--out_dir", routed, "--num_samples", 1, "--max_new_tokens", 5,
+                                          "--start", "x" * 50], capsys)  # sequence_len is 32
+    assert code == 0 and "longer than sequence_len=32: using its last 32" in err
+
+
+def test_sample_routes_view(_train_runs, _train_one_thread, capsys):
+    routed, _ = _train_runs
+    code, out, _ = _train_main(sample, ["--out_dir", routed, "--routes", "--start", "Once upon a time"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    header = next(line for line in lines if "emb" in line and "C0" in line).split()
+    assert header == ["emb", "C0", "P", "P.ph", "P.sp", "H"]  # pool order; the readout sees no details
+    rows = {line.split()[0]: line for line in lines if line.startswith(("layer", "readout"))}
+    assert list(rows) == ["layer0.attn", "layer0.attn.v", "layer0.mlp", "layer1.attn", "layer1.attn.v",
+                          "layer1.mlp", "readout"]
+    assert "█100" in rows["layer0.attn"]  # the first read sees only the embedding
+    assert any(shade in rows["readout"] for shade in "░▒▓")
+    js = lines[lines.index(next(line for line in lines if "JS divergence" in line)) + 1:]
+    assert [line.split()[0] for line in js] == ["layer0", "layer1", "mean"]
+
+
+def test_gpt2_level_run_and_sample(_train_one_thread, tmp_path, capsys):
+    """A GPT-2-token dataset (a stand-in: random ids, an encoder.json of made-up tokens): no bits per
+    char in the logs, and sample.py starts from <|endoftext|> and decodes through encoder.json."""
+    data = tmp_path / "gpt2"
+    data.mkdir()
+    vocab = prepare_data.GPT2_VOCAB
+    tokens = {f"Ġt{i}": i for i in range(vocab - 1)}  # GPT-2 writes a leading space as Ġ
+    tokens[prepare_data.EOT] = prepare_data.GPT2_EOT
+    (data / "encoder.json").write_text(json.dumps(tokens))
+    splits = {"train": 4000, "val": 1000}
+    for split, n in splits.items():
+        torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).numpy().astype("uint16").tofile(
+            data / f"{split}.bin")
+    (data / "meta.json").write_text(json.dumps(dict(dataset="gpt2_standin", level="gpt2", dtype="uint16",
+                                                    vocab_size=vocab, splits=splits, source="test",
+                                                    format_version=1)))
+    out = tmp_path / "run"
+    argv = ["--data", data, "--out_dir", out, *_TRAIN_TINY, "--n_layer", 1, "--n_embd", 16, "--sequence_len", 16,
+            "--max_iters", 2]
+    assert _train_main(train, argv)[0] == 0
+    evals = [r for r in _train_metrics(out) if r["type"] == "eval"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(e["val_bpc"] is None for e in evals) and summary["level"] == "gpt2"
+    assert summary["final"]["val_bpc"] is None and summary["final"]["test_loss"] is None  # no test split
+    capsys.readouterr()
+    code, text, err = _train_main(sample, ["--out_dir", out, "--num_samples", 1, "--max_new_tokens", 4], capsys)
+    assert code == 0 and text.startswith(prepare_data.EOT) and text.count(" t") >= 3 and "4 tokens in" in err
+
+
+# -----------------------------------------------------------------------------
+# Bad input: one line on stderr, exit code 2, no traceback. Each case runs the script as __main__ with
+# its argv, as `python train.py ...` does; all of them in one fresh Python process (one torch import),
+# and three also as separate `python script.py` commands.
+
+_TRAIN_DRIVER = """
+import contextlib, io, json, runpy, sys, traceback
+results = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv, err = argv, io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()  # what the interpreter prints for an uncaught exception
+            code = 1
+    results.append((code, err.getvalue()))
+print(json.dumps(results))
+"""
+_TRAIN_SEPARATE = ("missing dataset", "unknown preset", "corrupt checkpoint (sample)")
+
+
+def _train_bad_cases(demo, other, routed, prenorm, tmp):
+    corrupt = tmp / "corrupt"
+    shutil.copytree(routed, corrupt)
+    for name in ("last.pt", "best.pt"):
+        data = (corrupt / name).read_bytes()
+        (corrupt / name).write_bytes(data[:len(data) // 2])
+    vocab = prepare_data.load_meta(demo)["vocab_size"]
+    t = ["train.py", "--data", demo, *_TRAIN_TINY, "--max_iters", 1]
+    return {
+        "missing dataset": (["train.py", "--data", tmp / "datasets" / "tinystories"],
+                            "run: python prepare_data.py tinystories --out"),
+        "vocab flag differs": ([*t, "--vocab_size", 7, "--out_dir", tmp / "v"],
+                               f"--vocab_size 7 differs from dataset {demo}'s vocab_size {vocab}"),
+        "resume without checkpoint": ([*t, "--out_dir", tmp / "empty", "--resume"], "--resume: no checkpoint at"),
+        "resume with other config": (["train.py", "--out_dir", routed, "--resume", "--n_layer", 3],
+                                     f"--n_layer 3 conflicts with {routed / 'last.pt'}'s n_layer=2"),
+        "resume with other vocab": (["train.py", "--out_dir", routed, "--resume", "--data", other],
+                                    f"has vocab_size {vocab + 1} but {routed / 'last.pt'} was trained with {vocab}"),
+        "run already there": ([*t, "--out_dir", routed], "already holds a run"),
+        "corrupt checkpoint (train)": (["train.py", "--out_dir", corrupt, "--resume"],
+                                       f"checkpoint {corrupt / 'last.pt'} is corrupt or truncated"),
+        "corrupt checkpoint (sample)": (["sample.py", "--out_dir", corrupt],
+                                        f"checkpoint {corrupt / 'best.pt'} is corrupt or truncated"),
+        "batch larger than data": ([*t, "--batch_size", 10 ** 5, "--out_dir", tmp / "b"],
+                                   "is larger than the training data"),
+        "sequence longer than val": ([*t, "--batch_size", 1, "--sequence_len", 20_000, "--n_head", 1,
+                                      "--out_dir", tmp / "s"], "--sequence_len 20000 is longer than the val split"),
+        "invalid config": ([*t, "--n_head", 3, "--out_dir", tmp / "c"], "n_embd=32: must be divisible by n_head=3"),
+        "unknown flag": (["train.py", "--lernrate", 1], "unrecognized arguments: --lernrate"),
+        "unknown preset": (["train.py", "--preset", "gpt5"], "invalid choice: 'gpt5'"),
+        "bad bool": (["train.py", "--wav", "maybe"], "expected True/False/1/0"),
+        "prompt outside vocabulary": (["sample.py", "--out_dir", routed, "--start", "snow☃man é"],
+                                      "characters not in the demo vocabulary: 'é' '☃'"),
+        "temperature zero": (["sample.py", "--out_dir", routed, "--temperature", 0], "--temperature 0.0: must be > 0"),
+        "temperature negative": (["sample.py", "--out_dir", routed, "--temperature", -1], "--temperature -1.0"),
+        "top_k zero": (["sample.py", "--out_dir", routed, "--top_k", 0], "--top_k 0: must be >= 1"),
+        "sample other vocab": (["sample.py", "--out_dir", routed, "--data", other], "trained with"),
+        "routes without routing": (["sample.py", "--out_dir", prenorm, "--routes"], "has no depth routing"),
+    }
+
+
+@pytest.fixture(scope="module")
+def _train_bad_results(_train_data, _train_runs, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train_bad")
+    cases = _train_bad_cases(*_train_data, *_train_runs, tmp)
+    argvs = {name: [str(_TRAIN_ROOT / argv[0]), *map(str, argv[1:])] for name, (argv, _) in cases.items()}
+
+    def run(cmd):  # in a scratch folder: the default --out_dir out and data/ are never the repository's
+        return subprocess.run(cmd, capture_output=True, text=True, env=_train_env(), cwd=tmp, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        driver = pool.submit(run, [sys.executable, "-c", _TRAIN_DRIVER, json.dumps(list(argvs.values()))])
+        separate = {name: pool.submit(run, [sys.executable, *argvs[name]]) for name in _TRAIN_SEPARATE}
+        assert driver.result().returncode == 0, driver.result().stderr[-2000:]
+        results = dict(zip(argvs, json.loads(driver.result().stdout)))
+        results.update({f"{name} [own process]": (f.result().returncode, f.result().stderr)
+                        for name, f in separate.items()})
+    return {name: (*result, cases[name.removesuffix(" [own process]")][1]) for name, result in results.items()}
+
+
+_TRAIN_BAD = ["missing dataset", "vocab flag differs", "resume without checkpoint", "resume with other config",
+              "resume with other vocab", "run already there", "corrupt checkpoint (train)",
+              "corrupt checkpoint (sample)", "batch larger than data", "sequence longer than val", "invalid config",
+              "unknown flag", "unknown preset", "bad bool", "prompt outside vocabulary", "temperature zero",
+              "temperature negative", "top_k zero", "sample other vocab", "routes without routing",
+              *(f"{name} [own process]" for name in _TRAIN_SEPARATE)]
+
+
+@pytest.mark.parametrize("case", _TRAIN_BAD)
+def test_bad_input_exits_2_with_a_clear_message(_train_bad_results, case):
+    code, stderr, message = _train_bad_results[case]
+    assert code == 2, stderr
+    assert message in stderr
+    assert "Traceback" not in stderr
+    assert "usage:" in stderr or stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+# -----------------------------------------------------------------------------
+# Benchmark: bench.py runs and its ratios are consistent
+
+def _bench_run(tmp_path, *extra):
+    path = tmp_path / "bench.json"
+    out = bench.main(["--shape", "tiny", "--device", "cpu", "--iters", "2", "--warmup", "1",
+                      "--gen_tokens", "4", "--gen_repeats", "1", "--json", str(path), *extra])
+    with open(path) as f:
+        data = json.load(f)
+    assert data["variants"].keys() == out["variants"].keys()
+    return data
+
+
+def test_bench_helpers():
+    assert bench.median([3.0, 1.0, 2.0]) == 2.0
+    assert bench.ratios({"prenorm": 2.0, "block": 3.0}, "prenorm") == {"prenorm": 1.0, "block": 1.5}
+    assert bench.ratios({"block": 3.0}, "prenorm") == {}
+    s = bench.summarize([0.003, 0.001, 0.002], tokens_per_step=100)
+    assert s["ms_median"] == pytest.approx(2.0) and s["ms_min"] == pytest.approx(1.0)
+    assert s["tokens_per_s"] == pytest.approx(100 / 0.002)
+    with pytest.raises(SystemExit, match="--variants"):
+        bench.parse_list("prenorm,nope", "--variants")
+
+
+def test_bench_smoke(tmp_path):
+    data = _bench_run(tmp_path)
+    variants = data["variants"]
+    assert list(variants) == list(bench.VARIANTS)  # every variant, in the interleaving order
+    for name, v in variants.items():
+        assert math.isfinite(v["ms_median"]) and v["ms_median"] > 0, name
+        assert len(v["ms_all"]) == 2 and v["ms_min"] <= v["ms_median"]
+        assert v["tokens_per_s"] == pytest.approx(2 * 32 / (v["ms_median"] / 1e3))
+        assert v["ratio_prenorm"] == pytest.approx(v["ms_median"] / variants["prenorm"]["ms_median"])
+        assert v["ratio_block"] == pytest.approx(v["ms_median"] / variants["block"]["ms_median"])
+        assert v["memory_bytes"] > 0
+        assert v["memory_ratio_prenorm"] == pytest.approx(v["memory_bytes"] / variants["prenorm"]["memory_bytes"])
+    # the counted footprint is at least params + grads + AdamW moments (4 fp32 copies of the parameters)
+    assert variants["prenorm"]["memory_bytes"] >= 4 * 4 * variants["prenorm"]["params"]
+    gen = data["generation"]
+    assert gen["new_tokens"] == 4
+    assert set(gen["variants"]) == {"prenorm", "block", "wav", "rd"}
+    for name, g in gen["variants"].items():
+        assert g["kv_ms"] > 0 and g["recompute_ms"] > 0, name
+        assert g["speedup"] == pytest.approx(g["recompute_ms"] / g["kv_ms"])
+        assert g["same_tokens"], name  # KV cache and full recompute decode the same tokens
+    assert data["machine"]["torch"] and data["args"]["shape"] == "tiny"
+
+
+def test_bench_subset_without_baselines(tmp_path):
+    data = _bench_run(tmp_path, "--variants", "rezero,wav", "--gen_variants", "rezero")
+    assert list(data["variants"]) == ["rezero", "wav"]
+    assert all(v["ratio_prenorm"] is None and v["ratio_block"] is None for v in data["variants"].values())
+    assert list(data["generation"]["variants"]) == ["rezero"]
