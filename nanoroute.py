@@ -29,6 +29,7 @@ Choices SPEC.md leaves open, made here:
   m = 2·ceil(n_layer / 8) sublayers (4 at least with WAV).
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -159,18 +160,19 @@ def phase1(queries, biases, values, rinv):
     return mix, lse, p, rinv
 
 
-def phase2(mix, lse, query, bias, values, rinv):
-    """The forward math of Phase2: one read's phase-1 summary, its query (d,), the biases (P,) of the
-    P partial sources (B, T, d) and their rinv. Returns h (B, T, d), the merge weights a (1+P, B, T),
-    the dot products vᵀw (P, B, T) and the stacked rinv (P, B, T)."""
+def phase2(mix, lse, query, bias, rinv, scale, values):
+    """The forward math of Phase2: one read's phase-1 summary, its query (d,), and the P partial
+    sources: biases (P,), inverse RMS and detached scales (P, B, T), raw running sums (B, T, d); the
+    source is scale·v (SPEC: WAV RMS matching; scale 1 for the state). Returns h (B, T, d), the merge
+    weights a (1+P, B, T) and the dot products (scale·v)ᵀw (P, B, T)."""
     with torch.autocast(mix.device.type, enabled=False):
-        rinv, q = torch.stack(rinv), query.float()
-        dots = torch.stack([v.float() @ q for v in values])
+        q = query.float()
+        dots = torch.stack([v.float() @ q for v in values]) * scale
         a = torch.cat([lse[None], dots * rinv + bias.float()[:, None, None]]).softmax(0)
         h = a[0][..., None] * mix
-        for v, w in zip(values, a[1:]):
+        for v, w in zip(values, a[1:] * scale):
             h.addcmul_(w[..., None], v.float())
-    return h, a, dots, rinv
+    return h, a, dots
 
 
 class Phase1(torch.autograd.Function):
@@ -214,38 +216,46 @@ class Phase1(torch.autograd.Function):
 class Phase2(torch.autograd.Function):
     """Phase 2: one read merges its phase-1 summary (mix, lse) with the sources of the partial block,
     by a softmax over [lse, logits of the partial sources] (the online-softmax merge). Returns h and the
-    merge weights a (1+P, B, T). Saves h and P×B×T numbers. Its backward needs no copy of mix, since
-    softmax logit gradients sum to zero: dlse = −Σ_p dlogit_p."""
+    merge weights a (1+P, B, T). The partial sources come as raw running sums with their (detached)
+    scale and inverse RMS, so that neither the scaled details nor the key norm need graph nodes of
+    their own: a new partial block is read once per sublayer. Saves h and P×B×T numbers. Backward,
+    with ṽ = s·v and rinv = (s²·mean(v²) + ε)^(−1/2):
+        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dlse = −Σ_p dlogit_p (softmax gradients sum to zero,
+        so no copy of mix is needed),  dmix = a_0 dh,
+        dv_p = s_p (a_p dh + dlogit_p·rinv_p·w) − dlogit_p·(ṽ_p·w)·rinv_p³·s_p²/d · v_p."""
 
     @staticmethod
-    def forward(ctx, mix, lse, query, bias, *values_and_rinv):
-        P = len(values_and_rinv) // 2
-        h, a, dots, rinv = phase2(mix, lse, query, bias, values_and_rinv[:P], values_and_rinv[P:])
-        ctx.save_for_backward(query, rinv, dots, a, h, *values_and_rinv[:P])
+    def forward(ctx, mix, lse, query, bias, rinv, scale, *values):
+        h, a, dots = phase2(mix, lse, query, bias, rinv, scale, values)
+        ctx.save_for_backward(query, rinv, scale, dots, a, h, *values)
         ctx.mark_non_differentiable(a)
         return h, a
 
     @staticmethod
     def backward(ctx, dh, _):
-        query, rinv, dots, a, h, *values = ctx.saved_tensors
+        query, rinv, scale, dots, a, h, *values = ctx.saved_tensors
         dh, q = dh.float(), query.float()
-        g = torch.stack([torch.linalg.vecdot(dh, v.float()) for v in values])  # (P, B, T)
-        dlogit = a[1:] * (g - torch.linalg.vecdot(dh, h))
-        c = dlogit * rinv
+        g = torch.stack([torch.linalg.vecdot(dh, v.float()) for v in values]) * scale  # ⟨dh, ṽ_p⟩
+        dlogit = a[1:] * (g - torch.linalg.vecdot(dh, h))  # (P, B, T)
+        c = dlogit * rinv * scale
+        norm_term = dlogit * dots * rinv.pow(3) * scale.square() / h.size(-1)
         dquery = sum(c[i].flatten() @ v.float().flatten(0, 1) for i, v in enumerate(values))
-        dvalues = [torch.addcmul(c[i][..., None] * q, a[1 + i][..., None], dh).to(v.dtype)
-                   for i, v in enumerate(values)]
-        return (a[0][..., None] * dh, -dlogit.sum(0), dquery.to(query.dtype), dlogit.sum((1, 2)),
-                *dvalues, *(dlogit * dots).unbind(0))
+        dvalues = [torch.addcmul(c[i][..., None] * q, (a[1 + i] * scale[i])[..., None], dh)
+                   .addcmul_(-norm_term[i][..., None], v.float()).to(v.dtype) for i, v in enumerate(values)]
+        return (a[0][..., None] * dh, -dlogit.sum(0), dquery.to(query.dtype), dlogit.sum((1, 2)), None, None,
+                *dvalues)
 
 
 class Source(NamedTuple):
     """One entry of the source pool: its name (emb, C0, C0.phase, ..., P, P.split), its value
-    (B, T, d), its inverse RMS (B, T), and its basis (0 state, 1.. detail basis)."""
+    (B, T, d), its inverse RMS (B, T), and its basis (0 state, 1.. detail basis). For the partial
+    block on the fast path, value is the raw running sum and scale its detached RMS-matching scale
+    (B, T) (None: 1), and rinv is detached: Phase2 applies both, and their gradients, itself."""
     name: str
     value: torch.Tensor
     rinv: torch.Tensor
     basis: int
+    scale: torch.Tensor = None
 
 
 # -----------------------------------------------------------------------------
@@ -450,7 +460,7 @@ class GPT(nn.Module):
             if l % m == 0:  # a new block: phase 1 for all its reads over the completed sources
                 names = [r for k in range(l, min(l + m, n_sub)) for r in self._sublayer_reads(k)]
                 prefix = self._prefix(names, done) if cfg.fast_routing else {}
-            pool = done + self._sources(partial, "P")
+            pool = done + self._sources(partial, "P", folded=cfg.fast_routing)
 
             def read(name):
                 return self._read(name, pool, prefix.get(name), routes)
@@ -475,7 +485,8 @@ class GPT(nn.Module):
         if not cfg.wav_readout_details:
             done = [s for s in done if s.basis == 0]
         prefix = self._prefix(["readout"], done)["readout"] if cfg.fast_routing else None
-        pool = done + [s for s in self._sources(partial, "P") if cfg.wav_readout_details or s.basis == 0]
+        pool = done + [s for s in self._sources(partial, "P", folded=cfg.fast_routing)
+                       if cfg.wav_readout_details or s.basis == 0]
         return self._read("readout", pool, prefix, routes)
 
     def _sublayer_reads(self, l):
@@ -487,26 +498,31 @@ class GPT(nn.Module):
         m = self.config.routing_block
         signs = {"state": 1, "phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
         u = u.float()  # sources accumulate in float32, like nanoGPT's residual stream
-        return {b: (u if signs[b] > 0 else -u) if b not in partial else torch.add(partial[b], u, alpha=signs[b])
-                for b in ("state", *self.config.detail_bases)}
+        if not partial:  # a new block; each sum its own tensor (torch.compile rejects aliased inputs)
+            return {b: u if b == "state" else u * signs[b] for b in ("state", *self.config.detail_bases)}
+        return {b: torch.add(partial[b], u, alpha=signs[b]) for b in partial}
 
-    def _sources(self, sums, name):
+    def _sources(self, sums, name, folded=False):
         """Pool entries of one block from its running sums: the state source, then each detail
         basis, RMS-matched to the state with a detached scale capped at rho (SPEC: WAV stability 2).
         Each source's mean square is computed once: it gives the key norm (RMSNorm(v)·w =
-        (v·w)·rsqrt(mean(v²)+ε)) and the matching scale, and mean((s·D)²) = s²·mean(D²)."""
+        (v·w)·rsqrt(mean(v²)+ε)) and the matching scale, and mean((s·D)²) = s²·mean(D²).
+        folded=True (the partial block, fast path): leave the scale and key-norm gradient to Phase2."""
         if not sums:
             return []
-        state_ms = mean_square(sums["state"])
-        out = [Source(name, sums["state"], torch.rsqrt(state_ms + EPS), 0)]
+        with torch.no_grad() if folded else contextlib.nullcontext():
+            ms = {basis: mean_square(v) for basis, v in sums.items()}
+        out = [Source(name, sums["state"], torch.rsqrt(ms["state"] + EPS), 0)]
         for k, basis in enumerate(self.config.detail_bases, start=1):
             if basis not in sums:  # the embedding e is a state source only
                 continue
-            detail_ms = mean_square(sums[basis])
             with torch.no_grad():  # s = min(rho, rms(C) / (rms(D) + ε)), no gradient through s
-                scale = (state_ms.sqrt() / (detail_ms.sqrt() + EPS)).clamp(max=self.config.wav_rho)
-            detail = sums[basis] * scale[..., None]
-            out.append(Source(f"{name}.{basis}", detail, torch.rsqrt(scale.square() * detail_ms + EPS), k))
+                scale = (ms["state"].sqrt() / (ms[basis].sqrt() + EPS)).clamp(max=self.config.wav_rho)
+            rinv = torch.rsqrt(scale.square() * ms[basis] + EPS)
+            if folded:
+                out.append(Source(f"{name}.{basis}", sums[basis], rinv, k, scale))
+            else:
+                out.append(Source(f"{name}.{basis}", sums[basis] * scale[..., None], rinv, k))
         return out
 
     def _route_params(self, name, pool):
@@ -544,8 +560,11 @@ class GPT(nn.Module):
             mix, lse, p = prefix
             rest = pool[p.size(2):]  # the partial block's sources
             if rest:
-                args = (mix, lse, query, bias[p.size(2):], [s.value for s in rest], [s.rinv for s in rest])
-                h, a = Phase2.apply(*args[:4], *args[4], *args[5]) if torch.is_grad_enabled() else phase2(*args)[:2]
+                rinv = torch.stack([s.rinv for s in rest])
+                scale = torch.stack([torch.ones_like(s.rinv) if s.scale is None else s.scale for s in rest])
+                args = (mix, lse, query, bias[p.size(2):], rinv, scale)
+                values = [s.value for s in rest]
+                h, a = Phase2.apply(*args, *values) if torch.is_grad_enabled() else phase2(*args, values)[:2]
                 weights = torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if routes is not None else None
             else:  # a compact copy: a view would keep phase 1's output for the whole block alive
                 h, weights = mix.contiguous(), p.permute(2, 0, 1)

@@ -302,10 +302,10 @@ def test_wav_bases_are_explicit_signed_sums():
         sums = model._write(sums, u, l)
     torch.testing.assert_close(sums["split"], us[0] + us[1] + us[2] - us[3])
     # and the sources the model builds from them are the explicit reference's
-    for (name, value, _, basis), (rname, rvalue, rbasis) in zip(
+    for src, (rname, rvalue, rbasis) in zip(
             model._sources(sums, "P"), ref_block_sources(us[:4], 0, "P", cfg.detail_bases, 6, cfg.wav_rho)):
-        assert (name, basis) == (rname, rbasis)
-        torch.testing.assert_close(value, rvalue)
+        assert (src.name, src.basis) == (rname, rbasis)
+        torch.testing.assert_close(src.value, rvalue)
 
 
 def test_wav_rms_matching_caps_at_rho_and_passes_no_gradient_through_scale():
