@@ -8,6 +8,7 @@ loops over sources (no batching, no online softmax, no custom autograd), from SP
 import concurrent.futures
 import errno
 import http.server
+import importlib.util
 import io
 import json
 import math
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 import bench
+import experiments
 import nanoroute
 import prepare_data
 import sample
@@ -1397,3 +1399,212 @@ def test_bench_subset_without_baselines(tmp_path):
     assert list(data["variants"]) == ["rezero", "wav"]
     assert all(v["ratio_prenorm"] is None and v["ratio_block"] is None for v in data["variants"].values())
     assert list(data["generation"]["variants"]) == ["rezero"]
+
+
+# -----------------------------------------------------------------------------
+# Experiments: sweep and report
+
+_EXP_HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def _exp_run(root, name, variant, seed, val=None, *, depth=4, dataset="demo", level="char", milestones=None,
+             entropy=None, js=None, evals=((0, 4.0), (100, 3.0))):
+    """A hand-made run folder: run.json, metrics.jsonl (eval lines (tokens, val_loss)) and, when val is
+    given, summary.json with that final val loss."""
+    d = Path(root) / name
+    d.mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps(dict(variant=variant, dataset=dataset, depth=depth, seed=seed, sweep="x")))
+    routes = None if entropy is None else dict(entropy=entropy, js={}, js_mean=js)
+    lines = [dict(type="eval", step=i, tokens=t, val_loss=v, routes=routes) for i, (t, v) in enumerate(evals)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"type": "ev')  # a cut line
+    if val is not None:
+        summary = dict(config=dict(n_layer=depth, residual="attnres"), train=dict(seed=seed),
+                       final=dict(val_loss=val), best_val_loss=val, step=100, tokens_seen=100, wall_time_s=10.0,
+                       milestones={label: dict(step=1, tokens=tokens, val_loss=v)
+                                   for label, tokens, v in milestones or ()},
+                       routes=routes, dataset=dataset, level=level)
+        (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+def _exp_study(root):
+    """block (baseline) and rd over seeds 0,1,2, prenorm with one seed, an unfinished rd seed 3, and a
+    GPT-2-level group with one pair."""
+    block, rd = [2.0, 2.2, 2.4], [1.9, 2.25, 2.3]  # rd - block = -0.1, +0.05, -0.1
+    for seed in range(3):
+        _exp_run(root, f"block_L4_s{seed}", "block", seed, block[seed], entropy={"a": 1.0, "b": 2.0},
+                 milestones=[("0.5B", 500, 3.0 + seed / 10), ("0.25B", 250, 3.5)],
+                 evals=((0, 4.0), (250, 3.5), (500, 3.0 + seed / 10)))
+        _exp_run(root, f"rd_L4_s{seed}", "rd", seed, rd[seed], entropy={"a": 0.5, "b": 0.5, "layer0.attn.v": 9.0},
+                 js=0.2 + 0.02 * seed,
+                 milestones=[("0.5B", 500, 2.9 + seed / 10), ("0.25B", 250, 3.5)],
+                 evals=((0, 4.0), (250, 3.5), (500, 2.9 + seed / 10)))
+    _exp_run(root, "prenorm_L4_s0", "prenorm", 0, 2.5)
+    _exp_run(root, "rd_L4_s3", "rd", 3, evals=((0, 4.0), (250, 3.25)))  # interrupted: no summary.json
+    _exp_run(root, "fw/block_L16_s0", "block", 0, 3.0, depth=16, dataset="fineweb_edu", level="gpt2")
+    _exp_run(root, "fw/rd_L16_s0", "rd", 0, 2.9, depth=16, dataset="fineweb_edu", level="gpt2")
+
+
+def test_exp_report_statistics_on_hand_made_runs(tmp_path):
+    _exp_study(tmp_path)
+    runs = experiments.load_runs(tmp_path)
+    assert len(runs) == 10 and [r["name"] for r in runs if r["summary"] is None] == ["rd_L4_s3"]
+    demo, fw = experiments.summarize(runs, "block")
+    assert (demo["dataset"], demo["depth"], demo["baseline"]) == ("demo", 4, "block")
+    assert demo["milestones"] == ["0.25B", "0.5B"]  # in token order
+    rows = {row["variant"]: row for row in demo["rows"]}
+    assert [row["variant"] for row in demo["rows"]] == ["prenorm", "block", "rd"]  # VARIANTS order
+    block, rd, prenorm = rows["block"], rows["rd"], rows["prenorm"]
+    assert block["seeds"] == [0, 1, 2] and rd["seeds"] == [0, 1, 2]  # the unfinished seed 3 is not counted
+    assert block["val"] == pytest.approx((2.2, 0.2))
+    assert block["metric"] == pytest.approx((2.2 / math.log(2), 0.2 / math.log(2)))  # bits per char
+    assert block["delta"] is None and block["entropy"] == pytest.approx((1.5, 0.0)) and block["js"] == (None, None)
+    assert rd["delta"]["mean"] == pytest.approx(-0.05) and rd["delta"]["std"] == pytest.approx(math.sqrt(0.0075))
+    assert (rd["delta"]["wins"], rd["delta"]["n"]) == (2, 3)
+    assert rd["js"] == pytest.approx((0.22, 0.02)) and rd["entropy"] == pytest.approx((0.5, 0.0))  # .v reads excluded
+    assert rd["at"]["0.5B"]["delta"] == pytest.approx(dict(mean=-0.1, std=0.0, wins=3, ties=0, n=3))
+    assert rd["at"]["0.25B"]["delta"] == pytest.approx(dict(mean=0.0, std=0.0, wins=0, ties=3, n=3))  # no win
+    assert prenorm["val"] == (2.5, None)
+    assert prenorm["delta"] == pytest.approx(dict(mean=0.5, std=None, wins=0, ties=0, n=1))
+    assert fw["level"] == "gpt2" and {r["variant"]: r["metric"][0] for r in fw["rows"]} == pytest.approx(
+        {"block": math.exp(3.0), "rd": math.exp(2.9)})  # perplexity at GPT-2 level
+
+    assert experiments.main(["report", str(tmp_path)]) == 0  # default baseline: block
+    text = (tmp_path / "report.md").read_text()
+    assert ("| rd | 3 | 2.1500 ± 0.2179 | 3.1018 ± 0.3144 | -0.0500 ± 0.0866 | 2/3 | 0.500 ± 0.000 | "
+            "0.220 ± 0.020 |") in text
+    assert "| prenorm | 1 | 2.5000 ± – |" in text and "| +0.5000 ± – | 0/1 |" in text
+    assert ("| rd | 3.5000 ± 0.0000 | +0.0000 ± 0.0000 | 0/3 (3 tied) | 3.0000 ± 0.1000 | -0.1000 ± 0.0000 | "
+            "3/3 |") in text
+    assert "## fineweb_edu, 16 layers" in text and "val ppl" in text
+    assert "- rd_L4_s3: last eval at step 1, val loss 3.2500" in text  # listed, not dropped
+
+
+def test_exp_report_baseline_and_folder_errors(tmp_path, capsys):
+    _exp_study(tmp_path)
+    assert experiments.main(["report", str(tmp_path), "--baseline", "wav"]) == 2
+    err = capsys.readouterr().err
+    assert "--baseline wav: no finished run of that variant; finished variants: block, prenorm, rd" in err
+    assert experiments.main(["report", str(tmp_path), "--baseline", "prenorm"]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| -0.6000 ± – | 1/1 |" in text  # only seed 0 pairs with prenorm
+    assert "(baseline prenorm has no finished run here: no paired differences)" in text  # the fineweb_edu group
+    assert experiments.main(["report", str(tmp_path / "fw"), "--plots", "--heatmap", "rd_L16_s0"]) == 2  # no best.pt
+    assert "--heatmap rd_L16_s0: no run folder with a best.pt" in capsys.readouterr().err
+    assert experiments.main(["report", str(tmp_path / "nothing")]) == 2
+    assert "no runs under" in capsys.readouterr().err
+    assert experiments.variant_of(dict(residual="attnres", wav=False, rd="frozen_v")) == "rd_frozen_v"
+
+
+_EXP_FAKE_TRAIN = """
+import json, os, sys
+from pathlib import Path
+argv = sys.argv[1:]
+out = Path(argv[argv.index("--out_dir") + 1])
+with open(os.environ["EXP_CALLS"], "a") as f:
+    f.write(json.dumps(dict(argv=argv, threads=os.environ.get("OMP_NUM_THREADS"))) + "\\n")
+if argv[argv.index("--residual") + 1] == "rezero":
+    print("error: --fake failure", file=sys.stderr)
+    sys.exit(2)
+(out / "summary.json").write_text(json.dumps(dict(final=dict(val_loss=1.5))))
+"""
+
+
+def test_exp_sweep_skips_finished_runs_resumes_interrupted_and_reports_failures(tmp_path, monkeypatch, capsys):
+    fake, calls = tmp_path / "fake_train.py", tmp_path / "calls.jsonl"
+    fake.write_text(_EXP_FAKE_TRAIN)
+    monkeypatch.setenv("EXP_CALLS", str(calls))
+    runs = experiments.plan("tiny", tmp_path / "out", seeds=[0, 1], variants=["prenorm", "rezero", "rd"])
+    assert [r["name"] for r in runs] == ["prenorm_L4_s0", "rezero_L4_s0", "rd_L4_s0",
+                                          "prenorm_L4_s1", "rezero_L4_s1", "rd_L4_s1"]  # seed-major: whole pairs first
+    assert "--attnres_block" in runs[2]["args"] and "--attnres_block" not in runs[0]["args"]  # AttnRes only
+    (tmp_path / "out/rd_L4_s1").mkdir(parents=True)
+    (tmp_path / "out/rd_L4_s1/last.pt").write_bytes(b"")  # an interrupted run
+    launcher = [sys.executable, str(fake)]
+
+    assert experiments.run_sweep(runs, launcher) == ["rezero_L4_s0", "rezero_L4_s1"]  # failures don't stop it
+    out = capsys.readouterr().out
+    assert "FAILED (exit 2): error: --fake failure" in out and "4 done, 2 failed" in out
+    launched = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert len(launched) == 6 and all(c["threads"] == os.environ.get("OMP_NUM_THREADS", "1") for c in launched)
+    resumed = [c["argv"] for c in launched if "--resume" in c["argv"]]
+    assert len(resumed) == 1 and resumed[0][resumed[0].index("--out_dir") + 1].endswith("rd_L4_s1")
+    info = json.loads((tmp_path / "out/rd_L4_s0/run.json").read_text())
+    assert [info[k] for k in ("variant", "dataset", "depth", "seed")] == ["rd", "demo", 4, 0]
+    assert "--rd decoupled" in info["command"] and "--seed 0" in info["command"]
+
+    assert experiments.run_sweep(runs, launcher) == ["rezero_L4_s0", "rezero_L4_s1"]  # again: only the failed rerun
+    assert len(calls.read_text().splitlines()) == 8
+    calls.unlink()
+    runs[0]["args"] = runs[0]["args"] + ["--lr", "1"]
+    experiments.run_sweep([r for r in runs if r["variant"] != "rezero"], launcher)  # all finished: launches nothing
+    out = capsys.readouterr().out
+    assert not calls.exists() and out.count("skip ") == 4 + 4
+    assert out.count("WARNING: it ran with other flags") == 1  # a changed sweep does not silently reuse runs
+
+
+def test_exp_sweep_ctrl_c_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(experiments.subprocess, "run", interrupted)
+    assert experiments.main(["sweep", "tiny", "--out", str(tmp_path), "--seeds", "0"]) == 130
+    assert capsys.readouterr().err.strip().startswith("interrupted: run the same command again to resume")
+
+
+def _exp_routed_run(root):
+    """A run folder with a real best.pt of a tiny RD model (untrained) on a tiny demo corpus."""
+    data = prepare_data.prepare("demo", root / "demo", demo_mb=0.05)
+    config = dict(vocab_size=prepare_data.load_meta(data)["vocab_size"], sequence_len=16, n_layer=2, n_head=2,
+                  n_embd=16, residual="attnres", rd="decoupled", attnres_block=2)
+    d = _exp_run(root / "runs", "rd_L2_s0", "rd", 0, 3.0, depth=2)
+    torch.manual_seed(0)
+    torch.save(dict(model=GPT(GPTConfig(**config)).state_dict(), config=config, train_args=dict(data=str(data))),
+               d / "best.pt")
+    return root / "runs"
+
+
+def test_exp_route_matrix_rows_reads_columns_pool_order(tmp_path):
+    reads, sources, matrix = experiments.route_matrix(_exp_routed_run(tmp_path) / "rd_L2_s0")
+    assert reads == ["layer0.attn", "layer0.attn.v", "layer0.mlp", "layer1.attn", "layer1.attn.v", "layer1.mlp",
+                     "readout"]
+    assert sources == ["emb", "C0", "C1", "P"]
+    assert matrix[0] == [1.0, None, None, None]  # the first read sees only the embedding
+    assert matrix[2] == pytest.approx([0.5, None, None, 0.5]) and matrix[-1] == pytest.approx([1 / 3] * 3 + [None])
+
+
+@pytest.mark.skipif(not _EXP_HAS_MPL,
+                    reason="matplotlib is not installed (optional); the no-matplotlib path is tested below")
+def test_exp_plots_headless(tmp_path, capsys):
+    runs_dir = _exp_routed_run(tmp_path)
+    _exp_run(runs_dir, "rd_L2_s1", "rd", 1, 2.5, depth=2, evals=((0, 4.0), (100, 3.1), (200, 2.5)))
+    assert experiments.main(["report", str(runs_dir), "--plots", "--heatmap", "rd_L2_s0"]) == 0
+    for png in ("val_loss.png", "routes_rd_L2_s0.png"):
+        assert (runs_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib
+    assert matplotlib.get_backend().lower() == "agg"
+
+
+def test_exp_plots_without_matplotlib_print_the_message(tmp_path, monkeypatch, capsys):
+    _exp_study(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    assert experiments.main(["report", str(tmp_path), "--plots"]) == 0
+    assert experiments.NO_MATPLOTLIB in capsys.readouterr().out
+    assert (tmp_path / "report.md").exists() and not list(tmp_path.glob("*.png"))
+
+
+def test_exp_real_sweep_through_train_py(tmp_path, capsys):
+    """Two 3-step runs of the tiny sweep (shrunk by flags after --), the report, and a resumed no-op."""
+    prepare_data.prepare("demo", tmp_path / "data/demo", demo_mb=0.2)
+    argv = ["sweep", "tiny", "--out", str(tmp_path / "runs"), "--variants", "prenorm,rd", "--seeds", "0",
+            "--depths", "2", "--data_root", str(tmp_path / "data"), "--", "--n_embd", "32", "--n_head", "2",
+            "--sequence_len", "32", "--batch_size", "8", "--max_iters", "3", "--eval_tokens", "256",
+            "--milestones", "0.5K", "--device", "cpu"]
+    assert experiments.main(argv) == 0
+    assert experiments.main(["report", str(tmp_path / "runs"), "--baseline", "prenorm"]) == 0
+    text = (tmp_path / "runs/report.md").read_text()
+    assert "| **prenorm** (baseline) | 1 |" in text and ("| 0/1 |" in text or "| 1/1 |" in text)
+    assert "val @0.5K" in text
+    capsys.readouterr()
+    assert experiments.main(argv) == 0
+    assert capsys.readouterr().out.count("skip ") == 2
