@@ -48,7 +48,7 @@ import nanoroute
 
 SHAPES = {  # batch_size is B; sequence_len is both the context and the T of the training batch
     "tiny": dict(n_layer=2, n_embd=32, n_head=2, sequence_len=32, batch_size=2, vocab_size=256),
-    "demo": dict(n_layer=4, n_embd=128, n_head=4, sequence_len=128, batch_size=8, vocab_size=256),
+    "demo": dict(n_layer=4, n_embd=128, n_head=4, sequence_len=256, batch_size=16, vocab_size=256),
     "s12": dict(n_layer=12, n_embd=256, n_head=4, sequence_len=256, batch_size=8, vocab_size=256),
     "s48": dict(n_layer=48, n_embd=128, n_head=4, sequence_len=128, batch_size=8, vocab_size=256),
     "gpu12": dict(n_layer=12, n_embd=768, n_head=12, sequence_len=1024, batch_size=16, vocab_size=50304),

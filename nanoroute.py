@@ -454,13 +454,16 @@ class GPT(nn.Module):
         each block also brings its detail sources), runs on the read, and writes its update into
         the partial block P. Reads of a block share one phase-1 pass over the completed sources."""
         cfg, m, n_sub = self.config, self.config.routing_block, 2 * self.config.n_layer
+        # Generation (a KV cache, no graph) reads one token at a time: the batched two-phase path has
+        # nothing to batch there and costs more small ops than the direct reference read.
+        fast = cfg.fast_routing and (cache is None or torch.is_grad_enabled())
         done = self._sources({"state": e}, "emb")  # completed sources
         partial = {}  # running sums of the block being filled, by basis (SPEC: partial source P)
         for l in range(n_sub):
             if l % m == 0:  # a new block: phase 1 for all its reads over the completed sources
                 names = [r for k in range(l, min(l + m, n_sub)) for r in self._sublayer_reads(k)]
-                prefix = self._prefix(names, done) if cfg.fast_routing else {}
-            pool = done + self._sources(partial, "P", folded=cfg.fast_routing)
+                prefix = self._prefix(names, done) if fast else {}
+            pool = done + self._sources(partial, "P", folded=fast)
 
             def read(name):
                 return self._read(name, pool, prefix.get(name), routes)
@@ -484,8 +487,8 @@ class GPT(nn.Module):
         # SPEC: final readout, one more read over the final pool (details only if asked for)
         if not cfg.wav_readout_details:
             done = [s for s in done if s.basis == 0]
-        prefix = self._prefix(["readout"], done)["readout"] if cfg.fast_routing else None
-        pool = done + [s for s in self._sources(partial, "P", folded=cfg.fast_routing)
+        prefix = self._prefix(["readout"], done)["readout"] if fast else None
+        pool = done + [s for s in self._sources(partial, "P", folded=fast)
                        if cfg.wav_readout_details or s.basis == 0]
         return self._read("readout", pool, prefix, routes)
 

@@ -38,12 +38,12 @@ from nanoroute import GPT, GPTConfig, routing_stats
 # Training defaults: a run that learns on two CPU cores in a few minutes (the demo data, ~1.6M tokens).
 TRAIN_DEFAULTS = dict(
     data="data/demo", out_dir="out", preset=None,
-    batch_size=32, grad_accum=1,  # sequences per micro-step (the global batch, split over processes)
+    batch_size=16, grad_accum=1,  # sequences per micro-step (the global batch, split over processes)
     lr=2e-3, min_lr=None, warmup_iters=20, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0,
     max_iters=400, max_tokens=None, eval_interval=100, eval_tokens=32768, milestones=None,
     log_interval=20, seed=1337, device="auto", dtype="auto", compile=False, resume=False, stop_after=None)
 # train.py's small model; the other GPTConfig fields keep the dataclass defaults
-MODEL_DEFAULTS = dict(sequence_len=128, n_layer=4, n_head=4, n_embd=128)
+MODEL_DEFAULTS = dict(sequence_len=256, n_layer=4, n_head=4, n_embd=128)
 # flags that say how this invocation runs, not what the run is: never taken from a checkpoint
 RUNTIME_ARGS = ("out_dir", "preset", "device", "dtype", "compile", "resume", "stop_after")
 
