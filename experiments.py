@@ -334,8 +334,13 @@ def route_matrix(run_dir, rows=16):
     import torch
 
     import prepare_data
+    import train
     from nanoroute import GPT, GPTConfig, routing_stats
-    ckpt = torch.load(Path(run_dir) / "best.pt", map_location="cpu", weights_only=True)
+    try:  # train.py's loader: weights_only, and one clear line for a missing or damaged file
+        ckpt = train.load_checkpoint(Path(run_dir) / "best.pt", f"no best.pt in {run_dir}",
+                                     keys=("model", "config", "train_args"))
+    except train.UsageError as e:
+        raise UsageError(str(e)) from None
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     model.eval()
@@ -393,8 +398,8 @@ def plots(runs_dir, runs, heatmaps, baseline=None):
                 dax.axhline(0, color=f"C{i}", label=f"{variant} (baseline)")
             elif diffs:
                 band(dax, diffs, f"C{i}", variant)
-        if late:  # zoom on the last 80% of training, where the variants differ
-            lo = min(min(y for c in v.values() for y in c.values()) for v in curves.values())
+        lo = min((min(y for c in v.values() for y in c.values()) for v in curves.values()), default=None)
+        if late and max(late) > lo:  # zoom on the last 80% of training, where the variants differ
             ax.set_ylim(lo - 0.05 * (max(late) - lo), max(late) + 0.05 * (max(late) - lo))
         ax.set(title=f"{dataset}, {depth} layers: mean over seeds, band = min–max", ylabel="val loss (nats/token)")
         dax.set(title=f"paired difference to {baseline} (same seed)", xlabel="tokens",

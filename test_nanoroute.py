@@ -1585,6 +1585,14 @@ def test_exp_plots_headless(tmp_path, capsys):
     assert matplotlib.get_backend().lower() == "agg"
 
 
+def test_exp_heatmap_of_a_corrupt_checkpoint_is_one_clear_line(tmp_path, capsys):
+    runs_dir = _exp_routed_run(tmp_path)
+    (runs_dir / "rd_L2_s0" / "best.pt").write_bytes(b"not a checkpoint")
+    assert experiments.main(["report", str(runs_dir), "--heatmap", "rd_L2_s0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint ") and "corrupt or truncated" in err and err.count("\n") == 1
+
+
 def test_exp_plots_without_matplotlib_print_the_message(tmp_path, monkeypatch, capsys):
     _exp_study(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError

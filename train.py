@@ -302,14 +302,15 @@ def save_atomic(obj, path):
 CKPT_KEYS = ("model", "optimizer", "step", "tokens", "best_val_loss", "config", "train_args", "meta", "rng")
 
 
-def load_checkpoint(path, missing):
-    """A checkpoint as plain tensors and Python types (weights_only: never unpickles objects)."""
+def load_checkpoint(path, missing, keys=CKPT_KEYS):
+    """A checkpoint as plain tensors and Python types (weights_only: never unpickles objects), with
+    at least `keys`; `missing` is the message when the file does not exist."""
     path = Path(path)
     if not path.exists():
         raise UsageError(missing)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        absent = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+        absent = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
         if absent:
             raise ValueError(f"no {', '.join(absent)}")
     except Exception as e:  # torch raises many kinds for a damaged zip or pickle stream
