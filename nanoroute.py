@@ -218,7 +218,7 @@ class Phase2(torch.autograd.Function):
     by a softmax over [lse, logits of the partial sources] (the online-softmax merge). Returns h and the
     merge weights a (1+P, B, T). The partial sources come as raw running sums with their (detached)
     scale and inverse RMS, so that neither the scaled details nor the key norm need graph nodes of
-    their own: a new partial block is read once per sublayer. Saves h and P×B×T numbers. Backward,
+    their own (the partial sources are new at every sublayer). Saves h and P×B×T numbers. Backward,
     with ṽ = s·v and rinv = (s²·mean(v²) + ε)^(−1/2):
         dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dlse = −Σ_p dlogit_p (softmax gradients sum to zero,
         so no copy of mix is needed),  dmix = a_0 dh,
