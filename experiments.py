@@ -348,15 +348,8 @@ def route_matrix(run_dir, rows=16):
     x = torch.from_numpy(np.stack([data[o:o + T] for o in np.linspace(0, len(data) - T - 1, rows, dtype=int)])
                          .astype(np.int64))
     with torch.no_grad():
-        reads = routing_stats(model(x, return_routes=True)[2])["reads"]
-    details = ("", "phase", "split")
-
-    def pool_order(source):  # emb, then C0 and its details, C1, ..., then the partial block P
-        base, _, detail = source.partition(".")
-        rank = (0, 0) if base == "emb" else (2, 0) if base == "P" else (1, int(base[1:]))
-        return rank, details.index(detail) if detail in details else len(details)
-
-    sources = sorted({s for r in reads.values() for s in r["sources"]}, key=pool_order)
+        stats = routing_stats(model(x, return_routes=True)[2])
+    reads, sources = stats["reads"], stats["sources"]
     matrix = [[dict(zip(r["sources"], r["mean_weight"])).get(s) for s in sources] for r in reads.values()]
     return list(reads), sources, matrix
 

@@ -644,13 +644,21 @@ def js_divergence(p, q):
     return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).mean().item()
 
 
+def _pool_order(source):
+    """Sort key of a source name in pool order: emb, C0, C0.phase, C0.split, C1, ..., P, P.phase, P.split."""
+    block, _, basis = source.partition(".")
+    return -1 if block == "emb" else math.inf if block == "P" else int(block[1:]), ("", "phase", "split").index(basis)
+
+
 def routing_stats(routes):
     """Summary of model(..., return_routes=True)'s routes:
     {"reads": {name: {"sources": [...], "mean_weight": [...], "entropy": nats}},
+     "sources": every source any read saw, in pool order (the columns of a reads × sources table),
      "js": {"layer{j}": nats, ...} (RD: QK route vs V route), "js_mean": nats or None}."""
     reads = {r["name"]: dict(sources=r["sources"], mean_weight=r["weights"].mean((1, 2)).tolist(),
                              entropy=route_entropy(r["weights"])) for r in routes}
+    sources = sorted({s for r in routes for s in r["sources"]}, key=_pool_order)
     by_name = {r["name"]: r["weights"] for r in routes}
     js = {name[:-len(".attn.v")]: js_divergence(by_name[name[:-len(".v")]], w)
           for name, w in by_name.items() if name.endswith(".attn.v")}
-    return dict(reads=reads, js=js, js_mean=sum(js.values()) / len(js) if js else None)
+    return dict(reads=reads, sources=sources, js=js, js_mean=sum(js.values()) / len(js) if js else None)

@@ -116,13 +116,6 @@ def sample(a):
     print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
 
 
-def _source_order(name):
-    """Pool order: emb, C0, C0.phase, C0.split, C1, ..., P, P.phase, P.split."""
-    base, _, basis = name.partition(".")
-    block = -1 if base == "emb" else math.inf if base == "P" else int(base[1:])
-    return block, ("", "phase", "split").index(basis)
-
-
 @torch.no_grad()
 def show_routes(model, idx, path, prompt):
     """A terminal heatmap of every read's mean weight per source over the prompt, and RD's JS divergence."""
@@ -131,8 +124,7 @@ def show_routes(model, idx, path, prompt):
         raise UsageError(f"{path} is a residual={cfg.residual} model: it has no depth routing to show "
                          "(--routes needs a --residual attnres checkpoint)")
     stats = routing_stats(model(idx, return_routes=True)[2])
-    reads = stats["reads"]
-    sources = sorted({s for r in reads.values() for s in r["sources"]}, key=_source_order)
+    reads, sources = stats["reads"], stats["sources"]
     short = [s.replace(".phase", ".ph").replace(".split", ".sp") for s in sources]
     width = max(5, *map(len, short))
     name_w = max(map(len, reads)) + 2

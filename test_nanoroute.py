@@ -420,6 +420,7 @@ def test_routing_stats_entropy_and_means():
         w = r["weights"]
         assert s["entropy"] == pytest.approx(-(w * w.log()).sum(0).mean().item(), rel=1e-5)
     assert stats["js"] == {} and stats["js_mean"] is None
+    assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]  # pool order
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
