@@ -29,7 +29,6 @@ Choices SPEC.md leaves open, made here:
   m = 2·ceil(n_layer / 8) sublayers (4 at least with WAV).
 """
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -129,9 +128,9 @@ def norm(x):
 
 
 def mean_square(v):
-    # per-token mean(v²) in float32, one fused pass (B, T)
-    v = v.float()
-    return torch.linalg.vecdot(v, v) / v.size(-1)
+    # per-token mean(v²) in float32 (B, T): one fused reduction; outside autocast, which would run it in bf16
+    with torch.autocast(v.device.type, enabled=False):
+        return torch.linalg.vector_norm(v.float(), dim=-1).square() / v.size(-1)
 
 
 # -----------------------------------------------------------------------------
@@ -141,38 +140,53 @@ def mean_square(v):
 def depth_read_reference(query, bias, values):
     """The readable definition of one read. query (d,), bias (S,), values: S tensors (B, T, d).
     Returns h (B, T, d) and the weights α (S, B, T). No 1/sqrt(d) temperature (SPEC)."""
-    V = torch.stack([v.float() for v in values])  # (S, B, T, d)
-    logits = norm(V) @ query.float() + bias[:, None, None]  # (S, B, T)
-    weights = logits.softmax(0)  # float32 softmax, even under bf16 autocast
-    return (weights[..., None] * V).sum(0), weights
+    with torch.autocast(values[0].device.type, enabled=False):  # float32, even under bf16 autocast
+        V = torch.stack([v.float() for v in values])  # (S, B, T, d)
+        logits = norm(V) @ query.float() + bias.float()[:, None, None]  # (S, B, T)
+        weights = logits.softmax(0)
+        return (weights[..., None] * V).sum(0), weights
 
 
 def phase1(queries, biases, values, rinv):
     """The forward math of Phase1: queries (R, d), biases (R, S), S sources (B, T, d) and their rinv.
-    Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R) and the stacked rinv (B, T, S)."""
+    Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R), the stacked rinv (B, T, S) and the dot
+    products vᵀw (B, T, S, R)."""
     with torch.autocast(values[0].device.type, enabled=False):  # routing stays float32
         V = torch.stack(values, dim=2).float()  # (B, T, S, d)
         rinv = torch.stack(rinv, dim=2)  # (B, T, S)
-        logits = (V @ queries.float().t()) * rinv[..., None] + biases.float().t()  # (B, T, S, R)
+        dots = V @ queries.float().t()  # (B, T, S, R)
+        logits = dots * rinv[..., None] + biases.float().t()
         lse = logits.logsumexp(2)  # (B, T, R)
         p = (logits - lse[:, :, None]).exp()
         mix = p.transpose(2, 3) @ V  # (B, T, R, S) @ (B, T, S, d) -> (B, T, R, d)
-    return mix, lse, p, rinv
+    return mix, lse, p, rinv, dots
 
 
-def phase2(mix, lse, query, bias, rinv, scale, values):
+def phase2(mix, lse, query, bias, rinv, scale, sigma, pieces):
     """The forward math of Phase2: one read's phase-1 summary, its query (d,), and the P partial
-    sources: biases (P,), inverse RMS and detached scales (P, B, T), raw running sums (B, T, d); the
-    source is scale·v (SPEC: WAV RMS matching; scale 1 for the state). Returns h (B, T, d), the merge
-    weights a (1+P, B, T) and the dot products (scale·v)ᵀw (P, B, T)."""
+    sources, each a signed sum of the block's K pieces, source_p = scale_p · Σ_k sigma[p, k] · piece_k
+    (SPEC: WAV bases; scale 1 for the state); biases (P,), inverse RMS and detached scales (P, B, T),
+    sigma (P, K) of ±1 (None: one source, the one piece, as without WAV), pieces (B, T, d). Returns h (B, T, d), the merge weights a (1+P, B, T) and the
+    dot products sourceᵀw (P, B, T)."""
     with torch.autocast(mix.device.type, enabled=False):
         q = query.float()
-        dots = torch.stack([v.float() @ q for v in values]) * scale
+        # vecdot, not v @ q: a per-token dot product is one fused pass, matrix-vector is 2x slower on CPU
+        dots = _per_source(sigma, torch.stack([torch.linalg.vecdot(v.float(), q) for v in pieces])) * scale
         a = torch.cat([lse[None], dots * rinv + bias.float()[:, None, None]]).softmax(0)
         h = a[0][..., None] * mix
-        for v, w in zip(values, a[1:] * scale):
+        for v, w in zip(pieces, _per_piece(sigma, a[1:] * scale)):  # each piece's weight in h
             h.addcmul_(w[..., None], v.float())
     return h, a, dots
+
+
+def _per_source(sigma, x):
+    """Σ_k sigma[p, k]·x_k for every source p: (K, ...) -> (P, ...)."""
+    return x if sigma is None else (sigma @ x.flatten(1)).view(sigma.size(0), *x.shape[1:])
+
+
+def _per_piece(sigma, x):
+    """Σ_p sigma[p, k]·x_p for every piece k: (P, ...) -> (K, ...)."""
+    return x if sigma is None else (sigma.t() @ x.flatten(1)).view(sigma.size(1), *x.shape[1:])
 
 
 class Phase1(torch.autograd.Function):
@@ -181,7 +195,8 @@ class Phase1(torch.autograd.Function):
     completed sources normalised over them, mix_r (B, T, d), and its log-sum-exp lse_r (B, T), which
     phase 2 treats as one source with logit lse_r; and the weights p (B, T, S, R), for diagnostics.
     The backward is batched the same way, so each source gets one gradient per block instead of one
-    per read; only p is saved (the sources are held by the model anyway):
+    per read. It saves the dot products vᵀw (as small as p) and recomputes p from them; the sources
+    are held by the model anyway:
         dlogit_rs = p_rs (⟨dmix_r, v_s⟩ − Σ_s' p_rs' ⟨dmix_r, v_s'⟩ + dlse_r)
         dv_s = Σ_r p_rs dmix_r + dlogit_rs·rinv_s·w_r,  dw_r = Σ dlogit_rs·rinv_s·v_s,
         drinv_s = Σ_r dlogit_rs·(v_s·w_r),  dbias_rs = Σ dlogit_rs."""
@@ -189,16 +204,17 @@ class Phase1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, queries, biases, *values_and_rinv):
         S = len(values_and_rinv) // 2
-        mix, lse, p, rinv = phase1(queries, biases, values_and_rinv[:S], values_and_rinv[S:])
-        ctx.save_for_backward(queries, rinv, p, *values_and_rinv[:S])
+        mix, lse, p, rinv, dots = phase1(queries, biases, values_and_rinv[:S], values_and_rinv[S:])
+        ctx.save_for_backward(queries, biases, rinv, dots, lse, *values_and_rinv[:S])
         ctx.mark_non_differentiable(p)
         return (*mix.unbind(2), *lse.unbind(2), p)
 
     @staticmethod
     def backward(ctx, *grads):
-        queries, rinv, p, *values = ctx.saved_tensors
+        queries, biases, rinv, dots, lse, *values = ctx.saved_tensors
         R = queries.size(0)
         Q = queries.float()
+        p = (dots * rinv[..., None] + biases.float().t() - lse[:, :, None]).exp()  # as in the forward
         dmix = torch.stack(grads[:R], dim=2).float()  # (B, T, R, d)
         dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R)
         V = torch.stack(values, dim=2).float()  # (B, T, S, d)
@@ -207,7 +223,7 @@ class Phase1(torch.autograd.Function):
         c = dlogits * rinv[..., None]
         dV = p @ dmix + c @ Q  # (B, T, S, d)
         dQ = c.flatten(0, 2).t() @ V.flatten(0, 2)  # (R, d)
-        drinv = (dlogits * (V @ Q.t())).sum(-1)  # (B, T, S)
+        drinv = (dlogits * dots).sum(-1)  # (B, T, S)
         dbiases = dlogits.sum((0, 1)).t()  # (R, S)
         return dQ.to(queries.dtype), dbiases, *(t.to(v.dtype) for t, v in zip(dV.unbind(2), values)), \
             *drinv.unbind(2)
@@ -216,46 +232,66 @@ class Phase1(torch.autograd.Function):
 class Phase2(torch.autograd.Function):
     """Phase 2: one read merges its phase-1 summary (mix, lse) with the sources of the partial block,
     by a softmax over [lse, logits of the partial sources] (the online-softmax merge). Returns h and the
-    merge weights a (1+P, B, T). The partial sources come as raw running sums with their (detached)
-    scale and inverse RMS, so that neither the scaled details nor the key norm need graph nodes of
-    their own (the partial sources are new at every sublayer). Saves h and P×B×T numbers. Backward,
-    with ṽ = s·v and rinv = (s²·mean(v²) + ε)^(−1/2):
+    merge weights a (1+P, B, T). The partial sources come folded: as the block's pieces (its updates
+    summed by sign pattern, SPEC: WAV bases), the signs sigma that make each source from them, and the
+    sources' detached scales and inverse RMS. So the P sources of a read are never materialised, the
+    key norm and the WAV scale need no graph nodes, and a sublayer leaves one new tensor (the piece it
+    wrote) for the backward, as Block AttnRes does, however many detail bases WAV has. Saves h and
+    P×B×T numbers. Backward, with source ṽ_p = s_p·v_p, v_p = Σ_k σ_pk·piece_k and
+    rinv_p = (s_p²·mean(v_p²) + ε)^(−1/2):
         dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dlse = −Σ_p dlogit_p (softmax gradients sum to zero,
         so no copy of mix is needed),  dmix = a_0 dh,
-        dv_p = s_p (a_p dh + dlogit_p·rinv_p·w) − dlogit_p·(ṽ_p·w)·rinv_p³·s_p²/d · v_p."""
+        dv_p = s_p (a_p dh + dlogit_p·rinv_p·w) − dlogit_p·(ṽ_p·w)·rinv_p³·s_p²/d · v_p,
+        dpiece_k = Σ_p σ_pk dv_p."""
 
     @staticmethod
-    def forward(ctx, mix, lse, query, bias, rinv, scale, *values):
-        h, a, dots = phase2(mix, lse, query, bias, rinv, scale, values)
-        ctx.save_for_backward(query, rinv, scale, dots, a, h, *values)
+    def forward(ctx, mix, lse, query, bias, rinv, scale, sigma, *pieces):
+        h, a, dots = phase2(mix, lse, query, bias, rinv, scale, sigma, pieces)
+        ctx.save_for_backward(query, rinv, scale, sigma, dots, a, h, *pieces)
         ctx.mark_non_differentiable(a)
         return h, a
 
     @staticmethod
     def backward(ctx, dh, _):
-        query, rinv, scale, dots, a, h, *values = ctx.saved_tensors
+        query, rinv, scale, sigma, dots, a, h, *pieces = ctx.saved_tensors
         dh, q = dh.float(), query.float()
-        g = torch.stack([torch.linalg.vecdot(dh, v.float()) for v in values]) * scale  # ⟨dh, ṽ_p⟩
-        dlogit = a[1:] * (g - torch.linalg.vecdot(dh, h))  # (P, B, T)
-        c = dlogit * rinv * scale
-        norm_term = dlogit * dots * rinv.pow(3) * scale.square() / h.size(-1)
-        dquery = sum(c[i].flatten() @ v.float().flatten(0, 1) for i, v in enumerate(values))
-        dvalues = [torch.addcmul(c[i][..., None] * q, (a[1 + i] * scale[i])[..., None], dh)
-                   .addcmul_(-norm_term[i][..., None], v.float()).to(v.dtype) for i, v in enumerate(values)]
-        return (a[0][..., None] * dh, -dlogit.sum(0), dquery.to(query.dtype), dlogit.sum((1, 2)), None, None,
-                *dvalues)
+        pieces = [v.float() for v in pieces]
+        g = _per_source(sigma, torch.stack([torch.linalg.vecdot(dh, v) for v in pieces]))
+        dlogit = a[1:] * (g * scale - torch.linalg.vecdot(dh, h))  # (P, B, T)
+        c = dlogit * rinv * scale  # through the dot product
+        norm_term = dlogit * dots * rinv.pow(3) * scale.square() / h.size(-1)  # through the key norm
+        c_k, a_k = _per_piece(sigma, c), _per_piece(sigma, a[1:] * scale)
+        # −Σ_p σ_pk·norm_term_p·v_p = Σ_j M_kj·piece_j, M_kj = −Σ_p σ_pk·σ_pj·norm_term_p
+        M = -norm_term[:, None] if sigma is None else -_per_piece(sigma, sigma[:, :, None, None] * norm_term[:, None])
+        dquery = sum(c_k[k].flatten() @ v.flatten(0, 1) for k, v in enumerate(pieces))
+        dpieces = []
+        for k in range(len(pieces)):
+            dv = torch.addcmul(c_k[k][..., None] * q, a_k[k][..., None], dh)
+            for j, v in enumerate(pieces):
+                dv.addcmul_(M[k, j][..., None], v)
+            dpieces.append(dv)
+        return (a[0][..., None] * dh, -dlogit.sum(0), dquery.to(query.dtype), dlogit.sum((1, 2)), None, None, None,
+                *(dv.to(v.dtype) for dv, v in zip(dpieces, ctx.saved_tensors[7:])))
 
 
 class Source(NamedTuple):
     """One entry of the source pool: its name (emb, C0, C0.phase, ..., P, P.split), its value
     (B, T, d), its inverse RMS (B, T), and its basis (0 state, 1.. detail basis). For the partial
-    block on the fast path, value is the raw running sum and scale its detached RMS-matching scale
-    (B, T) (None: 1), and rinv is detached: Phase2 applies both, and their gradients, itself."""
+    block on the fast path the source is folded: value is None (Phase2 makes it from the block's
+    pieces), scale is its detached RMS-matching scale (B, T), and rinv is detached: Phase2 applies
+    both, and their gradients, itself."""
     name: str
     value: torch.Tensor
     rinv: torch.Tensor
     basis: int
     scale: torch.Tensor = None
+
+
+class Partial(NamedTuple):
+    """The routing block being filled: its pieces (updates summed by sign pattern, with gradient;
+    see GPT._write) and, with WAV, its running sums by basis (no gradient)."""
+    pieces: dict
+    sums: dict
 
 
 # -----------------------------------------------------------------------------
@@ -458,15 +494,15 @@ class GPT(nn.Module):
         # nothing to batch there and costs more small ops than the direct reference read.
         fast = cfg.fast_routing and (cache is None or torch.is_grad_enabled())
         done = self._sources({"state": e}, "emb")  # completed sources
-        partial = {}  # running sums of the block being filled, by basis (SPEC: partial source P)
+        partial = Partial({}, {})  # the block being filled (SPEC: partial source P)
         for l in range(n_sub):
             if l % m == 0:  # a new block: phase 1 for all its reads over the completed sources
                 names = [r for k in range(l, min(l + m, n_sub)) for r in self._sublayer_reads(k)]
                 prefix = self._prefix(names, done) if fast else {}
-            pool = done + self._sources(partial, "P", folded=fast)
+            pool = done + self._partial_sources(partial, fast)
 
             def read(name):
-                return self._read(name, pool, prefix.get(name), routes)
+                return self._read(name, pool, prefix.get(name), routes, partial.pieces)
 
             x_v = None
             if l % 2 == 1:
@@ -482,50 +518,86 @@ class GPT(nn.Module):
             u = self._sublayer(l, x, rope, cache, x_v)
             partial = self._write(partial, u, l)
             if (l + 1) % m == 0:  # block complete: P becomes C_b (and its details)
-                done = done + self._sources(partial, f"C{l // m}")
-                partial = {}
+                done = done + self._sources(self._signed_sums(partial.pieces), f"C{l // m}")
+                partial = Partial({}, {})
         # SPEC: final readout, one more read over the final pool (details only if asked for)
         if not cfg.wav_readout_details:
             done = [s for s in done if s.basis == 0]
         prefix = self._prefix(["readout"], done)["readout"] if fast else None
-        pool = done + [s for s in self._sources(partial, "P", folded=fast)
-                       if cfg.wav_readout_details or s.basis == 0]
-        return self._read("readout", pool, prefix, routes)
+        pool = done + [s for s in self._partial_sources(partial, fast) if cfg.wav_readout_details or s.basis == 0]
+        return self._read("readout", pool, prefix, routes, partial.pieces)
 
     def _sublayer_reads(self, l):
         return self._layer_reads(l // 2)[:-1] if l % 2 == 0 else [f"layer{l // 2}.mlp"]
 
     def _write(self, partial, u, l):
-        """SPEC: WAV v1. Add the update u of sublayer l to the running sums of its block: state +u;
-        phase +u for attention, −u for MLP; split +u in the first half of the full block, −u after."""
-        m = self.config.routing_block
-        signs = {"state": 1, "phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
+        """Add the update u of sublayer l to the block being filled. SPEC: WAV v1, the state sums
+        every update; the phase basis adds attention updates and subtracts MLP updates; the split
+        basis adds the first half of the full block and subtracts the second. So the block is kept
+        as its pieces: the updates summed by their signs in the detail bases (attention or MLP,
+        first or second half: at most 4 pieces; one without WAV, the state itself). Every running
+        sum is a signed sum of the pieces (_signed_sums), and a sublayer writes to one piece only.
+        With WAV the running sums are also kept, without gradient, for the fast path's key norms."""
+        signs = self._signs(l)
+        key = tuple(signs[b] for b in self.config.detail_bases)
         u = u.float()  # sources accumulate in float32, like nanoGPT's residual stream
-        if not partial:  # a new block; each sum its own tensor (torch.compile rejects aliased inputs)
-            return {b: u if b == "state" else u * signs[b] for b in ("state", *self.config.detail_bases)}
-        return {b: torch.add(partial[b], u, alpha=signs[b]) for b in partial}
+        pieces = {**partial.pieces, key: partial.pieces[key] + u if key in partial.pieces else u}
+        sums = partial.sums
+        if self.config.wav:
+            with torch.no_grad():  # in place: nothing keeps them (a piece is not a sum)
+                if not sums:
+                    sums.update({b: u * signs.get(b, 1) for b in ("state", *self.config.detail_bases)})
+                else:
+                    for b, v in sums.items():
+                        v.add_(u, alpha=signs.get(b, 1))
+        return Partial(pieces, sums)
+
+    def _signs(self, l):
+        m = self.config.routing_block
+        return {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
+
+    def _signed_sums(self, pieces):
+        """The running sums of the block, by basis: {"state": Σ_k piece_k, basis: Σ_k ±piece_k}."""
+        sums = {}
+        for j, basis in enumerate(("state", *self.config.detail_bases)):
+            for key, piece in pieces.items():
+                sign = key[j - 1] if j else 1
+                if basis not in sums:
+                    sums[basis] = piece if sign == 1 else -piece
+                else:
+                    sums[basis] = torch.add(sums[basis], piece, alpha=sign)
+        return sums
+
+    def _partial_sources(self, partial, fast):
+        """The partial block's sources P (and its details): folded on the fast path (see Source)."""
+        if not fast:
+            return self._sources(self._signed_sums(partial.pieces), "P")
+        with torch.no_grad():
+            return self._sources(partial.sums or self._signed_sums(partial.pieces), "P", folded=True)
 
     def _sources(self, sums, name, folded=False):
         """Pool entries of one block from its running sums: the state source, then each detail
         basis, RMS-matched to the state with a detached scale capped at rho (SPEC: WAV stability 2).
-        Each source's mean square is computed once: it gives the key norm (RMSNorm(v)·w =
-        (v·w)·rsqrt(mean(v²)+ε)) and the matching scale, and mean((s·D)²) = s²·mean(D²).
-        folded=True (the partial block, fast path): leave the scale and key-norm gradient to Phase2."""
+        A source's inverse RMS is computed once, for every later read (RMSNorm(v)·w =
+        (v·w)·rsqrt(mean(v²)+ε)); a detail's from the scaled source itself, which phase 1 keeps
+        anyway, so that the backward keeps no unscaled sum.
+        folded=True (the partial block, fast path): no values; Phase2 applies scale and key norm,
+        using mean((s·D)²) = s²·mean(D²)."""
         if not sums:
             return []
-        with torch.no_grad() if folded else contextlib.nullcontext():
-            ms = {basis: mean_square(v) for basis, v in sums.items()}
-        out = [Source(name, sums["state"], torch.rsqrt(ms["state"] + EPS), 0)]
+        state_ms = mean_square(sums["state"])
+        out = [Source(name, None if folded else sums["state"], torch.rsqrt(state_ms + EPS), 0)]
         for k, basis in enumerate(self.config.detail_bases, start=1):
             if basis not in sums:  # the embedding e is a state source only
                 continue
             with torch.no_grad():  # s = min(rho, rms(C) / (rms(D) + ε)), no gradient through s
-                scale = (ms["state"].sqrt() / (ms[basis].sqrt() + EPS)).clamp(max=self.config.wav_rho)
-            rinv = torch.rsqrt(scale.square() * ms[basis] + EPS)
+                detail_ms = mean_square(sums[basis])
+                scale = (state_ms.sqrt() / (detail_ms.sqrt() + EPS)).clamp(max=self.config.wav_rho)
             if folded:
-                out.append(Source(f"{name}.{basis}", sums[basis], rinv, k, scale))
+                out.append(Source(f"{name}.{basis}", None, torch.rsqrt(scale.square() * detail_ms + EPS), k, scale))
             else:
-                out.append(Source(f"{name}.{basis}", sums[basis] * scale[..., None], rinv, k))
+                value = sums[basis] * scale[..., None]
+                out.append(Source(f"{name}.{basis}", value, torch.rsqrt(mean_square(value) + EPS), k))
         return out
 
     def _route_params(self, name, pool):
@@ -549,11 +621,11 @@ class GPT(nn.Module):
             out = Phase1.apply(queries, biases, *values, *rinv)
             mix, lse, p = out[:len(names)], out[len(names):-1], out[-1]
         else:  # no graph to build (eval, generation): the same math without the autograd.Function
-            mix, lse, p, _ = phase1(queries, biases, values, rinv)
+            mix, lse, p, _, _ = phase1(queries, biases, values, rinv)
             mix, lse = mix.unbind(2), lse.unbind(2)
         return {name: (mix[r], lse[r], p[..., r]) for r, name in enumerate(names)}
 
-    def _read(self, name, pool, prefix, routes):
+    def _read(self, name, pool, prefix, routes, pieces):
         """SPEC: one depth read h = Σ_s α_s v_s. Fast: phase 1's summary of the completed sources
         merged with the rest of the pool (phase 2); else the reference form over the whole pool."""
         query, bias = self._route_params(name, pool)
@@ -565,8 +637,11 @@ class GPT(nn.Module):
             if rest:
                 rinv = torch.stack([s.rinv for s in rest])
                 scale = torch.stack([torch.ones_like(s.rinv) if s.scale is None else s.scale for s in rest])
-                args = (mix, lse, query, bias[p.size(2):], rinv, scale)
-                values = [s.value for s in rest]
+                sigma = None if not self.config.wav else torch.tensor(
+                    [[key[s.basis - 1] if s.basis else 1 for key in pieces] for s in rest],
+                    dtype=torch.float32, device=rinv.device)
+                args = (mix, lse, query, bias[p.size(2):], rinv, scale, sigma)
+                values = list(pieces.values())
                 h, a = Phase2.apply(*args, *values) if torch.is_grad_enabled() else phase2(*args, values)[:2]
                 weights = torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if routes is not None else None
             else:  # a compact copy: a view would keep phase 1's output for the whole block alive

@@ -292,17 +292,21 @@ def test_wav_bases_are_explicit_signed_sums():
     cfg = GPTConfig(**TINY, residual="attnres", wav=True, attnres_block=6)
     model = GPT(cfg)
     us = [torch.randn(2, 5, 16) for _ in range(6)]
-    sums = {}
+    partial = nanoroute.Partial({}, {})
     for l, u in enumerate(us):
-        sums = model._write(sums, u, l)
-    torch.testing.assert_close(sums["state"], us[0] + us[1] + us[2] + us[3] + us[4] + us[5])
-    torch.testing.assert_close(sums["phase"], us[0] - us[1] + us[2] - us[3] + us[4] - us[5])  # attn +, MLP −
-    torch.testing.assert_close(sums["split"], us[0] + us[1] + us[2] - us[3] - us[4] - us[5])  # halves
+        partial = model._write(partial, u, l)
+    assert len(partial.pieces) == 4  # attention / MLP × first / second half
+    for sums in (model._signed_sums(partial.pieces), partial.sums):  # with and without gradient
+        torch.testing.assert_close(sums["state"], us[0] + us[1] + us[2] + us[3] + us[4] + us[5])
+        torch.testing.assert_close(sums["phase"], us[0] - us[1] + us[2] - us[3] + us[4] - us[5])  # attn +, MLP −
+        torch.testing.assert_close(sums["split"], us[0] + us[1] + us[2] - us[3] - us[4] - us[5])  # halves
     # a partial block keeps the same signs: after 4 of 6 updates, split is u0+u1+u2−u3
-    sums = {}
+    partial = nanoroute.Partial({}, {})
     for l, u in enumerate(us[:4]):
-        sums = model._write(sums, u, l)
+        partial = model._write(partial, u, l)
+    sums = model._signed_sums(partial.pieces)
     torch.testing.assert_close(sums["split"], us[0] + us[1] + us[2] - us[3])
+    torch.testing.assert_close(partial.sums["split"], us[0] + us[1] + us[2] - us[3])
     # and the sources the model builds from them are the explicit reference's
     for src, (rname, rvalue, rbasis) in zip(
             model._sources(sums, "P"), ref_block_sources(us[:4], 0, "P", cfg.detail_bases, 6, cfg.wav_rho)):
@@ -515,6 +519,25 @@ def test_fast_path_equals_reference_path_forward_and_gradients(mode):
         torch.testing.assert_close(fast_grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_wav_keeps_no_more_per_sublayer_for_backward_than_block_attnres():
+    # Memory (issue 5): a sublayer leaves one new (B, T, d) tensor for the backward, the piece it
+    # wrote, however many WAV bases there are. What WAV keeps beyond Block AttnRes is its completed
+    # detail sources (2 per block that later blocks read) and small per-token statistics, not two
+    # running sums per sublayer (that first design kept 39 extra tensors here, not < 12)
+    import contextlib
+    import bench
+    shape = dict(vocab_size=64, sequence_len=8, n_layer=8, n_head=2, n_embd=128)
+    x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))
+    kept = {}
+    for name, extra in (("block", {}), ("wav", dict(wav=True))):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**shape, residual="attnres", attnres_block=4, **extra))
+        exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        kept[name] = bench.saved_bytes(model, x, y, contextlib.nullcontext(), exclude) / (8 * 128 * 4)
+    n_sub, n_blocks = 16, 4
+    assert 2 * (n_blocks - 1) <= kept["wav"] - kept["block"] < 2 * n_blocks + 0.25 * n_sub
+
+
 def test_routing_stays_float32_under_bf16_autocast():
     model = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -525,6 +548,30 @@ def test_routing_stays_float32_under_bf16_autocast():
     ref = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
     with torch.no_grad():
         torch.testing.assert_close(logits.float(), ref(tokens())[0], atol=0.1, rtol=0.05)
+
+
+def test_routing_math_ignores_bf16_autocast():
+    # every routing statistic (mean squares, logits, softmax, mixtures) is computed in float32 under
+    # autocast, bit for bit as without it (autocast would run vecdot and matmul in bf16)
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(2, 5, 16, generator=g) for _ in range(3)]
+    rinv = [torch.rsqrt(nanoroute.mean_square(v) + nanoroute.EPS) for v in values]
+    queries, biases = torch.randn(4, 16, generator=g), torch.randn(4, 3, generator=g)
+    sigma, scale = torch.tensor([[1.0, 1.0], [1.0, -1.0]]), torch.rand(2, 2, 5, generator=g) + 0.5
+
+    def run():
+        mix, lse, *_ = nanoroute.phase1(queries, biases, values, rinv)
+        return (nanoroute.mean_square(values[0]),
+                *nanoroute.depth_read_reference(queries[0], biases[0], values),
+                mix, lse,
+                *nanoroute.phase2(mix[:, :, 0], lse[..., 0], queries[1], biases[1, :2], torch.stack(rinv[:2]),
+                                  scale, sigma, values[:2]))
+
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = run()
+    for a, b in zip(plain, auto):
+        assert b.dtype == torch.float32 and torch.equal(a, b)
 
 
 INVALID = [
