@@ -29,6 +29,7 @@ Choices SPEC.md leaves open, made here:
   m = 2·ceil(n_layer / 8) sublayers (4 at least with WAV).
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -127,9 +128,16 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),), eps=EPS)
 
 
+def float32(x):
+    """Context for routing math: autocast off, since it would run vecdot and matmul in bf16
+    (entered only when autocast is on: the context manager costs more than a small op)."""
+    device = x.device.type
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+
+
 def mean_square(v):
-    # per-token mean(v²) in float32 (B, T): one fused reduction; outside autocast, which would run it in bf16
-    with torch.autocast(v.device.type, enabled=False):
+    # per-token mean(v²) in float32 (B, T): one fused reduction
+    with float32(v):
         return torch.linalg.vector_norm(v.float(), dim=-1).square() / v.size(-1)
 
 
@@ -140,7 +148,7 @@ def mean_square(v):
 def depth_read_reference(query, bias, values):
     """The readable definition of one read. query (d,), bias (S,), values: S tensors (B, T, d).
     Returns h (B, T, d) and the weights α (S, B, T). No 1/sqrt(d) temperature (SPEC)."""
-    with torch.autocast(values[0].device.type, enabled=False):  # float32, even under bf16 autocast
+    with float32(values[0]):
         V = torch.stack([v.float() for v in values])  # (S, B, T, d)
         logits = norm(V) @ query.float() + bias.float()[:, None, None]  # (S, B, T)
         weights = logits.softmax(0)
@@ -151,7 +159,7 @@ def phase1(queries, biases, values, rinv):
     """The forward math of Phase1: queries (R, d), biases (R, S), S sources (B, T, d) and their rinv.
     Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R), the stacked rinv (B, T, S) and the dot
     products vᵀw (B, T, S, R)."""
-    with torch.autocast(values[0].device.type, enabled=False):  # routing stays float32
+    with float32(values[0]):
         V = torch.stack(values, dim=2).float()  # (B, T, S, d)
         rinv = torch.stack(rinv, dim=2)  # (B, T, S)
         dots = V @ queries.float().t()  # (B, T, S, R)
@@ -165,10 +173,10 @@ def phase1(queries, biases, values, rinv):
 def phase2(mix, lse, query, bias, rinv, scale, sigma, pieces):
     """The forward math of Phase2: one read's phase-1 summary, its query (d,), and the P partial
     sources, each a signed sum of the block's K pieces, source_p = scale_p · Σ_k sigma[p, k] · piece_k
-    (SPEC: WAV bases; scale 1 for the state); biases (P,), inverse RMS and detached scales (P, B, T),
-    sigma (P, K) of ±1 (None: one source, the one piece, as without WAV), pieces (B, T, d). Returns h (B, T, d), the merge weights a (1+P, B, T) and the
-    dot products sourceᵀw (P, B, T)."""
-    with torch.autocast(mix.device.type, enabled=False):
+    (SPEC: WAV bases; scale 1 for the state): biases (P,), inverse RMS and detached scales (P, B, T),
+    sigma (P, K) of ±1 (None: one source, the one piece, as without WAV), pieces (B, T, d).
+    Returns h (B, T, d), the merge weights a (1+P, B, T) and the dot products sourceᵀw (P, B, T)."""
+    with float32(mix):
         q = query.float()
         # vecdot, not v @ q: a per-token dot product is one fused pass, matrix-vector is 2x slower on CPU
         dots = _per_source(sigma, torch.stack([torch.linalg.vecdot(v.float(), q) for v in pieces])) * scale
@@ -236,9 +244,9 @@ class Phase2(torch.autograd.Function):
     summed by sign pattern, SPEC: WAV bases), the signs sigma that make each source from them, and the
     sources' detached scales and inverse RMS. So the P sources of a read are never materialised, the
     key norm and the WAV scale need no graph nodes, and a sublayer leaves one new tensor (the piece it
-    wrote) for the backward, as Block AttnRes does, however many detail bases WAV has. Saves h and
-    P×B×T numbers. Backward, with source ṽ_p = s_p·v_p, v_p = Σ_k σ_pk·piece_k and
-    rinv_p = (s_p²·mean(v_p²) + ε)^(−1/2):
+    wrote) for the backward, as Block AttnRes does, however many detail bases WAV has. Saves h, the
+    pieces (shared with the block's other reads) and P×B×T numbers. Backward, with source
+    ṽ_p = s_p·v_p, v_p = Σ_k σ_pk·piece_k and rinv_p = (s_p²·mean(v_p²) + ε)^(−1/2):
         dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dlse = −Σ_p dlogit_p (softmax gradients sum to zero,
         so no copy of mix is needed),  dmix = a_0 dh,
         dv_p = s_p (a_p dh + dlogit_p·rinv_p·w) − dlogit_p·(ṽ_p·w)·rinv_p³·s_p²/d · v_p,
@@ -288,10 +296,10 @@ class Source(NamedTuple):
 
 
 class Partial(NamedTuple):
-    """The routing block being filled: its pieces (updates summed by sign pattern, with gradient;
-    see GPT._write) and, with WAV, its running sums by basis (no gradient)."""
-    pieces: dict
+    """The routing block being filled: its running sums by basis (SPEC: partial source P and its
+    details) and, on the fast path, its pieces (see GPT._write), which then carry the gradient."""
     sums: dict
+    pieces: dict
 
 
 # -----------------------------------------------------------------------------
@@ -516,9 +524,10 @@ class GPT(nn.Module):
                 if cfg.rd == "average":  # Q, K and V all read ½(h^QK + h^V)
                     x, x_v = 0.5 * (x + x_v), None
             u = self._sublayer(l, x, rope, cache, x_v)
-            partial = self._write(partial, u, l)
+            partial = self._write(partial, u, l, fast)
             if (l + 1) % m == 0:  # block complete: P becomes C_b (and its details)
-                done = done + self._sources(self._signed_sums(partial.pieces), f"C{l // m}")
+                sums = self._signed_sums(partial.pieces) if fast else partial.sums
+                done = done + self._sources(sums, f"C{l // m}")
                 partial = Partial({}, {})
         # SPEC: final readout, one more read over the final pool (details only if asked for)
         if not cfg.wav_readout_details:
@@ -530,27 +539,29 @@ class GPT(nn.Module):
     def _sublayer_reads(self, l):
         return self._layer_reads(l // 2)[:-1] if l % 2 == 0 else [f"layer{l // 2}.mlp"]
 
-    def _write(self, partial, u, l):
-        """Add the update u of sublayer l to the block being filled. SPEC: WAV v1, the state sums
-        every update; the phase basis adds attention updates and subtracts MLP updates; the split
-        basis adds the first half of the full block and subtracts the second. So the block is kept
-        as its pieces: the updates summed by their signs in the detail bases (attention or MLP,
-        first or second half: at most 4 pieces; one without WAV, the state itself). Every running
-        sum is a signed sum of the pieces (_signed_sums), and a sublayer writes to one piece only.
-        With WAV the running sums are also kept, without gradient, for the fast path's key norms."""
+    def _write(self, partial, u, l, fast):
+        """Add the update u of sublayer l to the running sums of its block. SPEC: WAV v1, the state
+        adds every update; the phase basis adds attention updates and subtracts MLP updates; the
+        split basis adds the first half of the full block and subtracts the second.
+        On the fast path the gradient goes through the block's pieces instead: its updates summed by
+        their signs in the detail bases (attention or MLP, first or second half: at most 4 pieces;
+        without WAV one, the state itself). Every running sum is a signed sum of the pieces
+        (_signed_sums) and a sublayer adds to one piece only, so it leaves one tensor for the
+        backward (see Phase2); the running sums are then kept without gradient, for the key norms."""
         signs = self._signs(l)
-        key = tuple(signs[b] for b in self.config.detail_bases)
         u = u.float()  # sources accumulate in float32, like nanoGPT's residual stream
-        pieces = {**partial.pieces, key: partial.pieces[key] + u if key in partial.pieces else u}
-        sums = partial.sums
-        if self.config.wav:
-            with torch.no_grad():  # in place: nothing keeps them (a piece is not a sum)
-                if not sums:
-                    sums.update({b: u * signs.get(b, 1) for b in ("state", *self.config.detail_bases)})
-                else:
-                    for b, v in sums.items():
-                        v.add_(u, alpha=signs.get(b, 1))
-        return Partial(pieces, sums)
+        pieces = {}
+        if fast:
+            key = tuple(signs[b] for b in self.config.detail_bases)
+            pieces = {**partial.pieces, key: partial.pieces[key] + u if key in partial.pieces else u}
+            if not self.config.wav:
+                return Partial({"state": pieces[()]}, pieces)  # the one piece is the state
+        with torch.no_grad() if fast else contextlib.nullcontext():
+            if not partial.sums:  # a new block; details get tensors of their own (torch.compile rejects aliases)
+                sums = {b: u if b == "state" else u * signs[b] for b in ("state", *self.config.detail_bases)}
+            else:
+                sums = {b: torch.add(v, u, alpha=signs.get(b, 1)) for b, v in partial.sums.items()}
+        return Partial(sums, pieces)
 
     def _signs(self, l):
         m = self.config.routing_block
@@ -571,18 +582,18 @@ class GPT(nn.Module):
     def _partial_sources(self, partial, fast):
         """The partial block's sources P (and its details): folded on the fast path (see Source)."""
         if not fast:
-            return self._sources(self._signed_sums(partial.pieces), "P")
+            return self._sources(partial.sums, "P")
         with torch.no_grad():
-            return self._sources(partial.sums or self._signed_sums(partial.pieces), "P", folded=True)
+            return self._sources(partial.sums, "P", folded=True)
 
     def _sources(self, sums, name, folded=False):
         """Pool entries of one block from its running sums: the state source, then each detail
         basis, RMS-matched to the state with a detached scale capped at rho (SPEC: WAV stability 2).
-        A source's inverse RMS is computed once, for every later read (RMSNorm(v)·w =
-        (v·w)·rsqrt(mean(v²)+ε)); a detail's from the scaled source itself, which phase 1 keeps
-        anyway, so that the backward keeps no unscaled sum.
-        folded=True (the partial block, fast path): no values; Phase2 applies scale and key norm,
-        using mean((s·D)²) = s²·mean(D²)."""
+        A source's inverse RMS is computed once, for every later read: RMSNorm(v)·w =
+        (v·w)·rsqrt(mean(v²)+ε), and mean((s·D)²) = s²·mean(D²) for a detail; but with a graph, a
+        detail's is taken from the scaled source, which phase 1 keeps anyway, so that the backward
+        does not keep the unscaled sum D too.
+        folded=True (the partial block, fast path): no values; Phase2 applies scale and key norm."""
         if not sums:
             return []
         state_ms = mean_square(sums["state"])
@@ -595,9 +606,10 @@ class GPT(nn.Module):
                 scale = (state_ms.sqrt() / (detail_ms.sqrt() + EPS)).clamp(max=self.config.wav_rho)
             if folded:
                 out.append(Source(f"{name}.{basis}", None, torch.rsqrt(scale.square() * detail_ms + EPS), k, scale))
-            else:
-                value = sums[basis] * scale[..., None]
-                out.append(Source(f"{name}.{basis}", value, torch.rsqrt(mean_square(value) + EPS), k))
+                continue
+            value = sums[basis] * scale[..., None]
+            ms = mean_square(value) if value.requires_grad else scale.square() * detail_ms
+            out.append(Source(f"{name}.{basis}", value, torch.rsqrt(ms + EPS), k))
         return out
 
     def _route_params(self, name, pool):

@@ -294,22 +294,23 @@ def test_wav_bases_are_explicit_signed_sums():
     us = [torch.randn(2, 5, 16) for _ in range(6)]
     partial = nanoroute.Partial({}, {})
     for l, u in enumerate(us):
-        partial = model._write(partial, u, l)
+        partial = model._write(partial, u, l, fast=True)
     assert len(partial.pieces) == 4  # attention / MLP × first / second half
     for sums in (model._signed_sums(partial.pieces), partial.sums):  # with and without gradient
         torch.testing.assert_close(sums["state"], us[0] + us[1] + us[2] + us[3] + us[4] + us[5])
         torch.testing.assert_close(sums["phase"], us[0] - us[1] + us[2] - us[3] + us[4] - us[5])  # attn +, MLP −
         torch.testing.assert_close(sums["split"], us[0] + us[1] + us[2] - us[3] - us[4] - us[5])  # halves
     # a partial block keeps the same signs: after 4 of 6 updates, split is u0+u1+u2−u3
-    partial = nanoroute.Partial({}, {})
-    for l, u in enumerate(us[:4]):
-        partial = model._write(partial, u, l)
-    sums = model._signed_sums(partial.pieces)
-    torch.testing.assert_close(sums["split"], us[0] + us[1] + us[2] - us[3])
-    torch.testing.assert_close(partial.sums["split"], us[0] + us[1] + us[2] - us[3])
+    for fast in (True, False):
+        partial = nanoroute.Partial({}, {})
+        for l, u in enumerate(us[:4]):
+            partial = model._write(partial, u, l, fast)
+        torch.testing.assert_close(partial.sums["split"], us[0] + us[1] + us[2] - us[3])
+        if fast:
+            torch.testing.assert_close(model._signed_sums(partial.pieces)["split"], us[0] + us[1] + us[2] - us[3])
     # and the sources the model builds from them are the explicit reference's
     for src, (rname, rvalue, rbasis) in zip(
-            model._sources(sums, "P"), ref_block_sources(us[:4], 0, "P", cfg.detail_bases, 6, cfg.wav_rho)):
+            model._sources(partial.sums, "P"), ref_block_sources(us[:4], 0, "P", cfg.detail_bases, 6, cfg.wav_rho)):
         assert (src.name, src.basis) == (rname, rbasis)
         torch.testing.assert_close(src.value, rvalue)
 
