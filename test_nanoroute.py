@@ -506,8 +506,9 @@ def test_optimizer_decays_only_matrices():
 
 
 @pytest.mark.parametrize("mode", ["block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout",
-                                  "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav"])
+                                  "wav_wide", "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav"])
 def test_fast_path_equals_reference_path_forward_and_gradients(mode):
+    # wav_wide (m = 6) has reads over all four pieces of a partial block (see GPT._write)
     results = []
     for fast in (True, False):
         model = randomise_routing(make_model(**ATTNRES_MODES[mode], fast_routing=fast))
@@ -562,11 +563,9 @@ def test_routing_math_ignores_bf16_autocast():
 
     def run():
         mix, lse, *_ = nanoroute.phase1(queries, biases, values, rinv)
-        return (nanoroute.mean_square(values[0]),
-                *nanoroute.depth_read_reference(queries[0], biases[0], values),
-                mix, lse,
-                *nanoroute.phase2(mix[:, :, 0], lse[..., 0], queries[1], biases[1, :2], torch.stack(rinv[:2]),
-                                  scale, sigma, values[:2]))
+        return (nanoroute.mean_square(values[0]), *nanoroute.depth_read_reference(queries[0], biases[0], values),
+                mix, lse, *nanoroute.phase2(mix[:, :, 0], lse[..., 0], queries[1], biases[1, :2],
+                                            torch.stack(rinv[:2]), scale, sigma, values[:2]))
 
     plain = run()
     with torch.autocast("cpu", dtype=torch.bfloat16):
