@@ -700,11 +700,15 @@ class GPT(nn.Module):
                                 cfg.n_embd // cfg.n_head, idx.device, dtype)
             else:
                 context = idx[:, -1:]
-            logits = self.lm_head(self._hidden(context, cache)[:, -1]).float() / temperature
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            logits = self.lm_head(self._hidden(context, cache)[:, -1]).float()
+            if top_k == 1:  # greedy: the likeliest token (the first of equals), no random draw
+                idx_next = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
 

@@ -443,7 +443,9 @@ def test_causal(mode):
 def test_kv_cache_generate_equals_full_recompute(mode):
     model = randomise_routing(make_model(**ALL_MODES[mode], sequence_len=8), scale=0.3)
     prompt = tokens(B=2, T=3)
+    rng = torch.get_rng_state()
     out = model.generate(prompt, 9, top_k=1)  # runs past sequence_len=8: the sliding window
+    assert torch.equal(rng, torch.get_rng_state())  # greedy decoding draws no random numbers
     idx = prompt
     with torch.no_grad():
         for _ in range(9):  # greedy decoding by full recompute, nanoGPT-style crop
