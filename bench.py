@@ -78,6 +78,20 @@ def ratios(values, base):
     return {k: v / values[base] for k, v in values.items()} if base in values else {}
 
 
+def paired_ratios(times, base):
+    """Per-round ratios to `base` (the rounds are interleaved, so round i of every variant ran side by
+    side): {variant: (median, lower quartile, upper quartile)}, or {} when base was not run. Their spread
+    says how far one run can be trusted; a slow drift of the machine cancels out of each ratio."""
+    if base not in times:
+        return {}
+    out = {}
+    for name, ts in times.items():
+        rs = [t / b for t, b in zip(ts, times[base])]
+        q1, _, q3 = statistics.quantiles(rs, n=4, method="inclusive") if len(rs) > 1 else (rs[0], None, rs[0])
+        out[name] = (median(rs), q1, q3)
+    return out
+
+
 def summarize(times_s, tokens_per_step):
     """Timing summary of one variant from its per-step times in seconds."""
     med = median(times_s)
@@ -255,9 +269,11 @@ def main(argv=None):
     medians = {k: v["ms_median"] for k, v in results.items()}
     mems = {k: v["memory_bytes"] for k, v in results.items()}
     to_prenorm, to_block, mem_to_prenorm = ratios(medians, "prenorm"), ratios(medians, "block"), ratios(mems, "prenorm")
+    paired = {base: paired_ratios(times, base) for base in ("prenorm", "block")}
     for name, res in results.items():
         res.update(ratio_prenorm=to_prenorm.get(name), ratio_block=to_block.get(name),
-                   memory_ratio_prenorm=mem_to_prenorm.get(name))
+                   memory_ratio_prenorm=mem_to_prenorm.get(name),
+                   **{f"paired_ratio_{base}": paired[base].get(name) for base in paired})
 
     mem_kind = "peak MB" if device_type == "cuda" else "counted MB"
     header = ["variant", "params", "median ms/step", "min ms", "tokens/s", "/ prenorm", "/ block",
@@ -272,6 +288,11 @@ def main(argv=None):
         print("memory (counted) = params + grads + AdamW state + tensors saved for backward (unique storages),"
               " not an allocator peak")
     print(md_table(header, rows))
+    if any(paired.values()):
+        print("\nper-round ratios (round i of each variant against round i of the baseline): median [quartiles]")
+        print(md_table(["variant"] + [f"/ {base}" for base in paired if paired[base]],
+                       [[name] + [f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, lo, hi in
+                                  (paired[base][name] for base in paired if paired[base])] for name in results]))
 
     # ----- generation: KV cache against full recompute ------------------------------------
     n_new = min(256, T) if args.gen_tokens is None else args.gen_tokens

@@ -1418,6 +1418,12 @@ def test_bench_helpers():
     assert s["tokens_per_s"] == pytest.approx(100 / 0.002)
     with pytest.raises(SystemExit, match="--variants"):
         bench.parse_list("prenorm,nope", "--variants")
+    # per-round ratios: a machine that slows down by 2x halfway changes no paired ratio
+    times = {"prenorm": [1.0, 1.0, 2.0, 2.0, 2.0], "block": [1.1, 1.2, 2.2, 2.4, 2.6]}
+    paired = bench.paired_ratios(times, "prenorm")
+    assert paired["prenorm"] == (1.0, 1.0, 1.0)
+    assert paired["block"] == pytest.approx((1.2, 1.1, 1.2))
+    assert bench.paired_ratios(times, "wav") == {}
 
 
 def test_bench_smoke(tmp_path):
