@@ -212,7 +212,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile each model for the training step")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
-    p.add_argument("--profile", default=None, choices=VARIANTS, help="variant to run under torch.profiler for 3 steps")
+    p.add_argument("--profile", default=None, choices=VARIANTS,
+                   help="variant to run under torch.profiler: 3 training steps, and a cached generation unless --gen_tokens 0")
     p.add_argument("--json", default=None, help="write every number to this path")
     args = p.parse_args(argv)
     variants = parse_list(args.variants, "--variants")
@@ -350,6 +351,19 @@ def main(argv=None):
         sort_by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
         print(f"\n### Profile: {args.profile}, 3 training steps, top ops by {sort_by}")
         print(prof.key_averages().table(sort_by=sort_by, row_limit=20))
+        if n_new > 0:  # and a cached decode: what one generated token costs
+            model.eval()
+            prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
+            n = min(32, n_new)
+            with amp:
+                model.generate(prompt, n, top_k=1)  # warm-up
+                with torch.profiler.profile(activities=activities) as prof:
+                    model.generate(prompt, n, top_k=1)
+                    sync(device_type)
+            ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+            print(f"\n### Profile: {args.profile}, KV-cache generation of {n} tokens: "
+                  f"{sum(e.count for e in ops) / n:.0f} aten calls per token, top ops by {sort_by}")
+            print(prof.key_averages().table(sort_by=sort_by, row_limit=12))
 
     out = dict(machine=machine, args=vars(args), shape=shape, iters=iters, variants=results,
                generation=dict(new_tokens=n_new, prompt_len=1, repeats=args.gen_repeats, variants=generation))

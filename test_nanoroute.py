@@ -14,8 +14,10 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -1438,6 +1440,8 @@ def test_bench_smoke(tmp_path):
         assert v["ratio_block"] == pytest.approx(v["ms_median"] / variants["block"]["ms_median"])
         assert v["memory_bytes"] > 0
         assert v["memory_ratio_prenorm"] == pytest.approx(v["memory_bytes"] / variants["prenorm"]["memory_bytes"])
+        rounds = [t / b for t, b in zip(v["ms_all"], variants["block"]["ms_all"])]
+        assert v["paired_ratio_block"][0] == pytest.approx(statistics.median(rounds))
     # the counted footprint is at least params + grads + AdamW moments (4 fp32 copies of the parameters)
     assert variants["prenorm"]["memory_bytes"] >= 4 * 4 * variants["prenorm"]["params"]
     gen = data["generation"]
@@ -1450,11 +1454,16 @@ def test_bench_smoke(tmp_path):
     assert data["machine"]["torch"] and data["args"]["shape"] == "tiny"
 
 
-def test_bench_subset_without_baselines(tmp_path):
-    data = _bench_run(tmp_path, "--variants", "rezero,wav", "--gen_variants", "rezero")
+def test_bench_subset_without_baselines_and_profile(tmp_path, capsys):
+    data = _bench_run(tmp_path, "--variants", "rezero,wav", "--gen_variants", "rezero", "--profile", "wav")
     assert list(data["variants"]) == ["rezero", "wav"]
-    assert all(v["ratio_prenorm"] is None and v["ratio_block"] is None for v in data["variants"].values())
+    assert all(v["ratio_prenorm"] is None and v["ratio_block"] is None and v["paired_ratio_block"] is None
+               for v in data["variants"].values())
     assert list(data["generation"]["variants"]) == ["rezero"]
+    out = capsys.readouterr().out
+    assert "### Profile: wav, 3 training steps" in out and "Phase2Backward" in out
+    calls = re.search(r"KV-cache generation of 4 tokens: (\d+) aten calls per token", out)
+    assert calls and int(calls.group(1)) > 0
 
 
 # -----------------------------------------------------------------------------
