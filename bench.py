@@ -213,7 +213,8 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile each model for the training step")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
     p.add_argument("--profile", default=None, choices=VARIANTS,
-                   help="variant to run under torch.profiler: 3 training steps, and a cached generation unless --gen_tokens 0")
+                   help="variant to run under torch.profiler: 3 training steps, and a cached generation "
+                        "unless --gen_tokens 0")
     p.add_argument("--json", default=None, help="write every number to this path")
     args = p.parse_args(argv)
     variants = parse_list(args.variants, "--variants")

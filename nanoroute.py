@@ -581,10 +581,8 @@ class GPT(nn.Module):
 
     def _partial_sources(self, partial, fast):
         """The partial block's sources P (and its details): folded on the fast path (see Source)."""
-        if not fast:
-            return self._sources(partial.sums, "P")
-        with torch.no_grad():
-            return self._sources(partial.sums, "P", folded=True)
+        with torch.no_grad() if fast else contextlib.nullcontext():
+            return self._sources(partial.sums, "P", folded=fast)
 
     def _sources(self, sums, name, folded=False):
         """Pool entries of one block from its running sums: the state source, then each detail
