@@ -6,6 +6,7 @@ loops over sources (no batching, no online softmax, no custom autograd), from SP
 """
 
 import concurrent.futures
+import contextlib
 import errno
 import http.server
 import importlib.util
@@ -530,8 +531,6 @@ def test_wav_keeps_no_more_per_sublayer_for_backward_than_block_attnres():
     # wrote, however many WAV bases there are. What WAV keeps beyond Block AttnRes is its completed
     # detail sources (2 per block that later blocks read) and small per-token statistics, not two
     # running sums per sublayer (that first design kept 39 extra tensors here, not < 12)
-    import contextlib
-    import bench
     shape = dict(vocab_size=64, sequence_len=8, n_layer=8, n_head=2, n_embd=128)
     x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))
     kept = {}
