@@ -34,7 +34,6 @@ Usage:
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -45,6 +44,8 @@ import weakref
 import torch
 
 import nanoroute
+from prepare_data import UsageError, write_json
+from train import pick_device
 
 SHAPES = {  # batch_size is B; sequence_len is both the context and the T of the training batch
     "tiny": dict(n_layer=2, n_embd=32, n_head=2, sequence_len=32, batch_size=2, vocab_size=256),
@@ -103,7 +104,7 @@ def parse_list(text, flag):
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in names if v not in VARIANTS]
     if bad:
-        raise SystemExit(f"{flag}={text!r}: unknown variant(s) {', '.join(bad)}; choose from {','.join(VARIANTS)}")
+        raise UsageError(f"{flag}={text!r}: unknown variant(s) {', '.join(bad)}; choose from {','.join(VARIANTS)}")
     return names
 
 
@@ -197,6 +198,14 @@ def fmt(x, spec=".3f"):
 
 
 def main(argv=None):
+    try:
+        return run_bench(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_bench(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", default="s12", choices=SHAPES)
     for f in (*MODEL_FIELDS, "batch_size"):
@@ -221,7 +230,8 @@ def main(argv=None):
     gen_variants = parse_list(args.gen_variants, "--gen_variants")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device, device_type = args.device, torch.device(args.device).type
+    device = str(pick_device(args.device))  # a clear error for a typo, or CUDA asked for where there is none
+    device_type = torch.device(device).type
     shape = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in SHAPES[args.shape].items()}
     B, T = shape["batch_size"], shape["sequence_len"]
     iters = args.iters or (20 if device_type == "cuda" else 10)
@@ -370,8 +380,7 @@ def main(argv=None):
                generation=dict(new_tokens=n_new, prompt_len=1, repeats=args.gen_repeats, variants=generation))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(args.json, out)
         print(f"\nwrote {args.json}")
     return out
 

@@ -29,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+import prepare_data
+from prepare_data import UsageError
+
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
 
 # A variant is a set of GPTConfig values, passed as flags. All three are always given, so a preset's own
@@ -76,10 +79,6 @@ SWEEPS = {
 
 NO_MATPLOTLIB = ("matplotlib is not installed: pip install matplotlib to get plots "
                  "(the report table is complete without them)")
-
-
-class UsageError(Exception):
-    """A problem the user can fix: main() prints `error: ...` and exits with code 2."""
 
 
 # -----------------------------------------------------------------------------
@@ -136,7 +135,7 @@ def run_sweep(runs, launcher, dry_run=False):
             continue
         d.mkdir(parents=True, exist_ok=True)
         info = {k: run[k] for k in ("variant", "dataset", "depth", "seed", "sweep", "args")}
-        (d / "run.json").write_text(json.dumps(dict(info, command=command), indent=1) + "\n")
+        prepare_data.write_json(d / "run.json", dict(info, command=command))
         print(f"[{i}/{len(runs)}] {d}{' (resuming from last.pt)' if resume else ''} ...", end=" ", flush=True)
         t = time.time()
         with open(d / "train.log", "a") as log:
@@ -165,6 +164,23 @@ def _read_json(path):
         return None
 
 
+def read_summary(path):
+    """A run's summary.json, or None while the run is unfinished (no file). A file that is there but is
+    not a summary train.py wrote is an error: shown as unfinished, the run would silently drop out."""
+    if not Path(path).exists():
+        return None
+    try:
+        summary = json.loads(Path(path).read_text(encoding="utf-8"))
+        why = None if isinstance(summary, dict) and isinstance((summary.get("final") or {}).get("val_loss"),
+                                                                 (int, float)) else "no final val_loss"
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        why = f"not valid JSON: {type(e).__name__}"
+    if why:
+        raise UsageError(f"{path} is damaged ({why}): delete it and run the sweep command again, which "
+                         "finishes that run from its last.pt")
+    return summary
+
+
 def variant_of(config):
     """The VARIANTS name of a GPTConfig dict (for run folders without run.json), else 'custom'."""
     return next((k for k, v in VARIANTS.items() if all(config.get(f) == x for f, x in v.items())), "custom")
@@ -177,13 +193,14 @@ def load_runs(runs_dir):
     dirs = sorted({p.parent for f in ("run.json", "summary.json") for p in root.rglob(f)})
     runs = []
     for d in dirs:
-        info, summary = _read_json(d / "run.json") or {}, _read_json(d / "summary.json")
+        info, summary = _read_json(d / "run.json") or {}, read_summary(d / "summary.json")
         evals = []
-        for line in (d / "metrics.jsonl").read_text().splitlines() if (d / "metrics.jsonl").exists() else []:
+        metrics = d / "metrics.jsonl"
+        for line in metrics.read_text(errors="replace").splitlines() if metrics.exists() else []:
             try:
                 record = json.loads(line)
             except ValueError:
-                continue  # a line cut by an interruption
+                continue  # a line cut by an interruption, or damaged bytes
             if record.get("type") == "eval":
                 evals.append(record)
         s = summary or {}
@@ -333,14 +350,14 @@ def route_matrix(run_dir, rows=16):
     import numpy as np
     import torch
 
-    import prepare_data
     import train
     from nanoroute import GPT, GPTConfig, routing_stats
-    try:  # train.py's loader: weights_only, and one clear line for a missing or damaged file
-        ckpt = train.load_checkpoint(Path(run_dir) / "best.pt", f"no best.pt in {run_dir}",
-                                     keys=("model", "config", "train_args"))
-    except train.UsageError as e:
-        raise UsageError(str(e)) from None
+    # train.py's loader: weights_only, and one clear line for a missing or damaged file
+    ckpt = train.load_checkpoint(Path(run_dir) / "best.pt", f"no best.pt in {run_dir}",
+                                 keys=("model", "config", "train_args"))
+    if ckpt["config"].get("residual") != "attnres":  # the checkpoint decides, whatever run.json calls it
+        raise UsageError(f"--heatmap: {Path(run_dir) / 'best.pt'} is a residual={ckpt['config'].get('residual')} "
+                         "model, which has no depth routes; choose an AttnRes run")
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     model.eval()
@@ -444,11 +461,12 @@ def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
         if run is None or not (run["dir"] / "best.pt").exists():
             raise UsageError(f"--heatmap {name}: no run folder with a best.pt of that name under {runs_dir}; "
                              f"e.g. {next((r['name'] for r in runs if r['variant'] == 'rd'), runs[0]['name'])}")
-        if VARIANTS.get(run["variant"], {}).get("residual", "attnres") != "attnres":
+        config = (run["summary"] or {}).get("config") or VARIANTS.get(run["variant"], {})
+        if config.get("residual", "attnres") != "attnres":
             raise UsageError(f"--heatmap {name}: a {run['variant']} run has no depth routes; choose an AttnRes run")
     text = markdown(runs_dir, runs, summarize(runs, baseline), baseline)
     print(text)
-    (Path(runs_dir) / "report.md").write_text(text + "\n")
+    prepare_data.write_atomic(Path(runs_dir) / "report.md", lambda f: f.write(text.encode() + b"\n"))
     print(f"wrote {Path(runs_dir) / 'report.md'}")
     for path in plots(runs_dir, runs, heatmaps, baseline) if make_plots else []:
         print(f"wrote {path}")

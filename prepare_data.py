@@ -79,8 +79,13 @@ DATASETS = {
 RUN_OPTIONS = {"base_url": None, "retries": 5, "backoff": None, "keep_downloads": False}  # how, not what
 
 
-class DataError(Exception):
-    """A problem the user can fix; its message is one line that says what failed and what to do."""
+class UsageError(Exception):
+    """A problem the user can fix (bad input, a missing or damaged file, a full disk); its message is one
+    line that says what failed and what to do. Every script prints it as `error: ...` and exits with
+    code 2. Defined here, in the module every other script imports, so there is one such type."""
+
+
+DataError = UsageError  # the name prepare_data's own functions raise it under
 
 
 class _Transient(Exception):
@@ -91,7 +96,7 @@ class _Transient(Exception):
 # Downloads: streamed, resumed with Range, verified, renamed.
 
 def _write(f, data):
-    f.write(data)  # every byte this script writes goes through here (tests inject faults)
+    return f.write(data)  # every byte the scripts write to a file that matters goes through here (tests inject faults)
 
 
 def download(url, dest, retries=5, backoff=1.0, verify=None):
@@ -176,31 +181,70 @@ def _url(official, base_url):
 # -----------------------------------------------------------------------------
 # Writing outputs: atomically, and remembering finished splits in progress.json.
 
-def _write_bin(path, chunks, dtype):
-    """Write token arrays to path (via path.tmp); returns the number of tokens."""
-    tmp, n = path.with_name(path.name + ".tmp"), 0
-    try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                c = np.ascontiguousarray(c, dtype=dtype)
-                _write(f, c.tobytes())
-                n += c.size
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return n
+class _Sink:
+    """The file object write_atomic hands to its writer: every write goes through _write, and the first
+    OSError is kept, because torch.save turns it into an unrelated RuntimeError ("unexpected pos")."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return _write(self.f, data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self):
+        self.f.flush()
 
 
-def _write_json(path, obj):
+def write_atomic(path, write):
+    """Write path so that a crash, a full disk or Ctrl-C never leaves a partial file under its name:
+    write(f) fills path.tmp, which is flushed to the disk (fsync) before it is renamed over path, and
+    the folder is fsynced after, so that the rename itself survives a power cut. On any failure
+    path.tmp is deleted and path is left as it was."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            _write(f, json.dumps(obj, indent=1, ensure_ascii=False))
+        with open(tmp, "wb") as f:
+            sink = _Sink(f)
+            try:
+                write(sink)
+            except Exception:
+                if sink.error is not None:
+                    raise sink.error from None
+                raise
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def write_json(path, obj):
+    """obj as indented UTF-8 JSON, written atomically (write_atomic)."""
+    write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1, ensure_ascii=False).encode() + b"\n"))
+
+
+def _write_bin(path, chunks, dtype):
+    """Write token arrays to path atomically; returns the number of tokens."""
+    n = 0
+
+    def write(f):
+        nonlocal n
+        for c in chunks:
+            c = np.ascontiguousarray(c, dtype=dtype)
+            f.write(c.tobytes())
+            n += c.size
+    write_atomic(path, write)
+    return n
 
 
 def _load_progress(out, recorded):
@@ -223,7 +267,7 @@ def _todo(out, state, splits, dtype):
 
 def _finish_split(out, state, split, chunks, dtype):
     state["splits"][split] = _write_bin(out / f"{split}.bin", chunks, dtype)
-    _write_json(out / "progress.json", state)
+    write_json(out / "progress.json", state)
 
 
 def _chunks(a, n=None):
@@ -408,7 +452,7 @@ def _prepare_tinystories(out, o, state):
         frequent = [chr(c) for c in np.flatnonzero(counts >= o["min_count"]) if chr(c) != REPLACEMENT]
         # ids: frequent characters by code point, then EOT, then the replacement symbol (last id)
         state["chars"] = frequent + [EOT, REPLACEMENT]
-        _write_json(out / "progress.json", state)
+        write_json(out / "progress.json", state)
     chars = state["chars"]
     dtype = "uint8" if len(chars) <= 256 else "uint16"
     lut = _char_lut(chars, len(chars) - 1)  # rare and unseen characters -> the replacement symbol
@@ -517,14 +561,9 @@ def prepare(name, out_dir=None, **options):
         if k in o and o[k] < low:
             raise DataError(f"--{k} must be at least {low} (got {o[k]})")
     recorded = {k: o[k] for k in defaults}
-    out = Path(out_dir) if out_dir else Path("data") / name
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise DataError(f"cannot write to output folder {out} ({e.strerror or e}); "
-                        "choose a writable one with --out") from None
+    out = writable_folder(Path(out_dir) if out_dir else Path("data") / name, "--out")
     if _finished(out, name, recorded):
+        _clean_up(out, o["keep_downloads"])  # a run killed right after meta.json left them
         print(f"{out} is already prepared (delete its meta.json to prepare it again)")
         return out
     (out / "meta.json").unlink(missing_ok=True)  # unfinished from here until meta.json is rewritten
@@ -532,13 +571,40 @@ def prepare(name, out_dir=None, **options):
     meta = {"dataset": name, **BUILDERS[name](out, o, state)}
     meta["splits"] = {s: state["splits"][s] for s in SPLITS if s in state["splits"]}
     meta.update(format_version=FORMAT_VERSION, options=recorded)
-    _write_json(out / "meta.json", meta)  # last: from now on the folder is finished
-    (out / "progress.json").unlink(missing_ok=True)
-    if not o["keep_downloads"]:
-        shutil.rmtree(out / "downloads", ignore_errors=True)
+    write_json(out / "meta.json", meta)  # last: from now on the folder is finished
+    _clean_up(out, o["keep_downloads"])
     counts = ", ".join(f"{s} {n:,}" for s, n in meta["splits"].items())
     print(f"wrote {out}: {counts} tokens ({meta['level']}, vocab {meta['vocab_size']}, {meta['dtype']})")
     return out
+
+
+def os_error_line(e, flag):
+    """An OSError as one line with what to do; `flag` is the script's output-folder flag."""
+    what = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    if e.errno == errno.ENOSPC:
+        return f"{what}; free some disk space (or use {flag} on a bigger disk) and re-run"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{what}; choose a writable folder with {flag}"
+    return f"{what}; fix that and re-run"
+
+
+def _clean_up(out, keep_downloads):
+    (out / "progress.json").unlink(missing_ok=True)
+    if not keep_downloads:
+        shutil.rmtree(out / "downloads", ignore_errors=True)
+
+
+def writable_folder(path, flag):
+    """path, created if needed, after checking that a file can be written in it; else UsageError
+    naming the flag (a file in the way, a path under a file, no permission, a read-only disk)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UsageError(f"cannot write to output folder {path} ({e.strerror or e}); choose a writable "
+                         f"folder with {flag}") from None
+    return path
 
 
 def _finished(out, name, recorded):
@@ -595,6 +661,43 @@ def open_split(data_dir, split, meta=None):
     if n == 0:
         return np.zeros(0, dtype=meta["dtype"])
     return np.memmap(path, dtype=meta["dtype"], mode="r", shape=(n,))
+
+
+def check_tokens(data_dir, meta, splits):
+    """UsageError unless every token id of these splits is below meta's vocab_size (a wrong dtype in
+    meta.json, or a .bin from another dataset, shows up as ids out of range). The scan reads each file
+    once, in chunks (bounded memory, seconds per GB); its result is cached in checked.json next to
+    the files, keyed by each file's size and modification time, so later runs skip it."""
+    d = Path(data_dir)
+    want = "uint8" if meta["vocab_size"] <= 256 else "uint16"
+    if meta["dtype"] != want:
+        raise UsageError(f"{d / 'meta.json'} says dtype {meta['dtype']} for vocab_size {meta['vocab_size']}, "
+                         f"which is stored as {want}; prepare it again: {_command(d, meta['dataset'])}")
+    cache_path = d / "checked.json"
+    try:
+        cache = json.loads(cache_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cache = {}
+    cache = cache if isinstance(cache, dict) else {}
+    changed = False
+    for split in splits:
+        tokens, path = open_split(d, split, meta), d / f"{split}.bin"
+        stat = path.stat() if path.exists() else None
+        key = [stat.st_size, stat.st_mtime_ns] if stat else None
+        entry = cache.get(split)
+        if not (isinstance(entry, dict) and entry.get("file") == key and isinstance(entry.get("max_id"), int)):
+            entry = dict(file=key, max_id=max((int(c.max()) for c in _chunks(tokens) if c.size), default=-1))
+            cache[split], changed = entry, True
+        if entry["max_id"] >= meta["vocab_size"]:
+            raise UsageError(f"{path} holds token id {entry['max_id']}, but meta.json's vocab_size is "
+                             f"{meta['vocab_size']} (dtype {meta['dtype']}): the file does not belong to this "
+                             f"meta.json; prepare it again: {_command(d, meta['dataset'])}")
+    if changed:
+        try:
+            write_json(cache_path, cache)
+        except OSError:
+            pass  # a read-only dataset folder: the check still ran, it is only not cached
+    return cache
 
 
 def _bytes_to_unicode():
@@ -686,15 +789,6 @@ def _parser():
     return p
 
 
-def _os_error_line(e):
-    what = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-    if e.errno == errno.ENOSPC:
-        return f"{what}; free some disk space (or use --out on a bigger disk) and re-run"
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"{what}; choose a writable folder with --out"
-    return f"{what}; fix that and re-run"
-
-
 def main(argv=None):
     args = _parser().parse_args(argv)
     options = {k: v for k, v in vars(args).items() if v is not None and k not in ("name", "out")}
@@ -708,7 +802,7 @@ def main(argv=None):
     except requests.RequestException as e:  # before OSError, which it subclasses
         msg = f"download failed: {e}; check the network and --base_url"
     except OSError as e:
-        msg = _os_error_line(e)
+        msg = os_error_line(e, "--out")
     print("error: " + " ".join(msg.split()), file=sys.stderr)
     return 2
 

@@ -20,8 +20,10 @@ import torch
 
 import prepare_data
 from nanoroute import GPT, GPTConfig, routing_stats
-from train import UsageError, load_checkpoint, pick_device
+from prepare_data import UsageError
+from train import load_checkpoint, pick_device
 
+MIN_TEMPERATURE = 1e-6
 SHADES = " ░▒▓█"  # weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; blank: the read cannot see it
 
 
@@ -34,7 +36,7 @@ def build_parser():
                    "char level, <|endoftext|> for GPT-2 tokens; with --routes: the first sequence_len tokens of val)")
     p.add_argument("--num_samples", type=int, default=3, help="samples to write (default: 3)")
     p.add_argument("--max_new_tokens", type=int, default=300, help="tokens per sample (default: 300)")
-    p.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more conservative (default: 0.8)")
+    p.add_argument("--temperature", type=float, default=0.8, help=">= 1e-6 and finite; lower is more conservative (default: 0.8)")
     p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens, >= 1 (default: 200)")
     p.add_argument("--seed", type=int, default=1337, help="sampling seed (default: 1337)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
@@ -45,15 +47,17 @@ def build_parser():
 def main(argv=None):
     try:
         sample(build_parser().parse_args(argv))
-    except (prepare_data.DataError, UsageError) as e:
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
 def sample(a):
     # settings first, so a typo fails before anything loads
-    if not a.temperature > 0:
-        raise UsageError(f"--temperature {a.temperature}: must be > 0 (use --top_k 1 for greedy decoding)")
+    # below 1e-6 the logits / temperature can overflow to inf (NaN probabilities), and inf is not a temperature
+    if not (MIN_TEMPERATURE <= a.temperature < math.inf):
+        raise UsageError(f"--temperature {a.temperature}: must be > 0, at least {MIN_TEMPERATURE:g} and finite "
+                         "(use --top_k 1 for greedy decoding)")
     if a.top_k < 1:
         raise UsageError(f"--top_k {a.top_k}: must be >= 1")
     for name in ("num_samples", "max_new_tokens"):

@@ -853,16 +853,16 @@ def test_data_rerun_skips_finished_work(tmp_path, _data_server, monkeypatch):
     _data_server.files["text8.zip"] = zipped
     kw = dict(base_url=_data_server.url, **_data_fast())
     # a crash right before meta.json: the splits are done, a re-run must reuse them
-    real = prepare_data._write_json
+    real = prepare_data.write_json
 
     def crash(path, obj):
         if path.name == "meta.json":
             raise OSError(errno.EIO, "I/O error")
         real(path, obj)
-    monkeypatch.setattr(prepare_data, "_write_json", crash)
+    monkeypatch.setattr(prepare_data, "write_json", crash)
     with pytest.raises(OSError):
         prepare_data.prepare("text8", tmp_path / "t8", **kw)
-    monkeypatch.setattr(prepare_data, "_write_json", real)
+    monkeypatch.setattr(prepare_data, "write_json", real)
     assert not (tmp_path / "t8" / "meta.json").exists()
     stamp = (tmp_path / "t8" / "train.bin").stat().st_mtime_ns
     _data_server.log.clear()
@@ -1417,7 +1417,7 @@ def test_bench_helpers():
     s = bench.summarize([0.003, 0.001, 0.002], tokens_per_step=100)
     assert s["ms_median"] == pytest.approx(2.0) and s["ms_min"] == pytest.approx(1.0)
     assert s["tokens_per_s"] == pytest.approx(100 / 0.002)
-    with pytest.raises(SystemExit, match="--variants"):
+    with pytest.raises(prepare_data.UsageError, match="--variants"):
         bench.parse_list("prenorm,nope", "--variants")
     # per-round ratios: a machine that slows down by 2x halfway changes no paired ratio
     times = {"prenorm": [1.0, 1.0, 2.0, 2.0, 2.0], "block": [1.1, 1.2, 2.2, 2.4, 2.6]}

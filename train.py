@@ -18,10 +18,13 @@ import inspect
 import json
 import math
 import os
+import pickle
 import re
+import signal
 import sys
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
 from nanoroute import GPT, GPTConfig, routing_stats
+from prepare_data import UsageError
 
 # -----------------------------------------------------------------------------
 # Settings: defaults, presets, flags
@@ -84,10 +88,6 @@ TRAIN_HELP = dict(
     device="auto (cuda if available, else cpu), cpu, cuda, cuda:N", dtype="auto (bfloat16 autocast on CUDA, "
     "float32 on CPU), float32, bfloat16", compile="torch.compile the model", resume="continue from OUT_DIR/last.pt",
     stop_after="stop after this step, saving last.pt (then --resume); the schedule still ends at --max_iters")
-
-
-class UsageError(Exception):
-    """A problem the user can fix; main() prints its one-line message and exits with code 2."""
 
 
 def _bool(text):
@@ -187,6 +187,9 @@ def check_settings(a, world):
             raise UsageError(f"--{name} {getattr(a, name)}: must be >= 0")
     if a.max_tokens is not None and a.max_tokens < 1:
         raise UsageError(f"--max_tokens {a.max_tokens}: must be positive")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(a, name) < 1:
+            raise UsageError(f"--{name} {getattr(a, name)}: must be in [0, 1), e.g. 0.9 / 0.95")
     if a.dtype not in ("auto", "float32", "bfloat16"):
         raise UsageError(f"--dtype {a.dtype}: choose auto, float32 or bfloat16")
     if a.batch_size % world:
@@ -218,7 +221,9 @@ def open_dataset(data_dir, master=True):
         prepare_data.prepare("demo", data_dir)
     if dist.is_initialized():
         dist.barrier()  # the other processes wait for rank 0 to prepare it
-    return prepare_data.load_meta(data_dir)
+    meta = prepare_data.load_meta(data_dir)
+    prepare_data.check_tokens(data_dir, meta, meta["splits"])  # ids < vocab_size; cached after the first run
+    return meta
 
 
 def batch_offsets(seed, step, micro, n_tokens, T, rows):
@@ -290,33 +295,37 @@ def routes_block(model, data, offsets, T, device, ctx):
 
 
 def save_atomic(obj, path):
-    """Write path.tmp, then rename: a crash never leaves a half-written file under the real name."""
-    tmp = Path(f"{path}.tmp")
+    """A checkpoint (torch.save) or a JSON file, written with prepare_data.write_atomic: a crash, a full
+    disk or Ctrl-C never leaves a half-written file under the real name, nor a .tmp."""
     if isinstance(obj, dict) and "model" in obj:
-        torch.save(obj, tmp)
+        prepare_data.write_atomic(path, lambda f: torch.save(obj, f))
     else:
-        tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+        prepare_data.write_json(path, obj)
 
 
 CKPT_KEYS = ("model", "optimizer", "step", "tokens", "best_val_loss", "config", "train_args", "meta", "rng")
 
 
-def load_checkpoint(path, missing, keys=CKPT_KEYS):
+def load_checkpoint(path, missing, keys=CKPT_KEYS, mmap=False):
     """A checkpoint as plain tensors and Python types (weights_only: never unpickles objects), with
-    at least `keys`; `missing` is the message when the file does not exist."""
+    at least `keys`; `missing` is the message when the file does not exist. A damaged or foreign
+    file is one line in our words: torch's own text is long and suggests weights_only=False, which
+    would run whatever code a malicious file holds."""
     path = Path(path)
     if not path.exists():
         raise UsageError(missing)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         absent = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
-        if absent:
-            raise ValueError(f"no {', '.join(absent)}")
+    except pickle.UnpicklingError:  # weights_only refused an object: not a checkpoint train.py wrote
+        why = "it holds Python objects, not only tensors and plain values (it was not written by train.py)"
     except Exception as e:  # torch raises many kinds for a damaged zip or pickle stream
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise UsageError(f"checkpoint {path} is corrupt or truncated: {why}; delete it or retrain") from None
-    return ckpt
+        why = f"not a complete torch checkpoint ({type(e).__name__})"
+    else:
+        if not absent:
+            return ckpt
+        why = f"it has no {', '.join(absent)}"
+    raise UsageError(f"checkpoint {path} is corrupt or truncated: {why}; delete it or retrain")
 
 
 def rng_states(device, world):
@@ -341,15 +350,95 @@ def write_metrics(path, record):
 
 
 def keep_metrics_until(path, step):
-    """On resume: drop lines an interrupted run wrote after its checkpoint (and a cut last line)."""
-    kept = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    """On resume: drop the lines an interrupted run wrote after its checkpoint, and lines that do not
+    parse (cut by a kill, or bytes damaged on disk: no reader can use them, so resuming recovers
+    rather than stops); returns how many did not parse. The file is rewritten atomically: a kill
+    during the rewrite leaves the old file whole."""
+    kept, unreadable = [], 0
+    for line in path.read_bytes().splitlines() if path.exists() else []:
         try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
+            if json.loads(line.decode("utf-8"))["step"] <= step:
+                kept.append(line + b"\n")
+        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+            unreadable += bool(line.strip())
+    if path.exists():
+        prepare_data.write_atomic(path, lambda f: f.write(b"".join(kept)))
+    return unreadable
+
+
+def lock_out_dir(out_dir, cleanup):
+    """One run per --out_dir: OUT_DIR/train.lock holds the pid of the train.py writing there, and goes
+    when it ends (cleanup). A lock left by a process that no longer runs (kill -9) is taken over."""
+    path, mine = out_dir / "train.lock", out_dir / f"train.lock.{os.getpid()}"
+    mine.write_text(f"{os.getpid()}\n")
+    try:
+        for attempt in range(2):
+            try:
+                os.link(mine, path)  # atomic: the lock appears with the pid already in it
+                break
+            except FileExistsError:
+                try:
+                    pid = int(path.read_text().strip())
+                except (OSError, ValueError):
+                    pid = None
+                if attempt or pid is None or process_alive(pid):
+                    raise UsageError(f"--out_dir {out_dir} is in use by another train.py (pid {pid}, see {path}): "
+                                     "wait for it to finish or choose another --out_dir; if that process no "
+                                     f"longer runs, delete {path}") from None
+                print(f"note: taking over {path} from process {pid}, which no longer runs")
+                path.unlink(missing_ok=True)
+    finally:
+        mine.unlink()
+
+    def release():
+        try:
+            if path.read_text().strip() == str(os.getpid()):
+                path.unlink()
+        except OSError:
             pass
-    path.write_text("".join(kept))
+    cleanup.callback(release)
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived: training stopped at the end of a step, with last.pt saved."""
+
+    def __init__(self, signum, message):
+        super().__init__(message)
+        self.signum = signum
+
+
+def stop_requested(received, ddp, device):
+    """Whether to stop now; under DDP all processes stop at the same step if any got a signal."""
+    if not ddp:
+        return bool(received)
+    flag = torch.tensor(float(bool(received)), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+def catch_stop_signals(cleanup):
+    """SIGINT (Ctrl-C) and SIGTERM only set a flag (the returned list), which the training loop reads
+    at the end of each step; a second signal interrupts at once. The old handlers return at cleanup."""
+    received = []
+
+    def handler(signum, frame):
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            cleanup.callback(signal.signal, sig, signal.signal(sig, handler))
+    return received
 
 
 # -----------------------------------------------------------------------------
@@ -358,18 +447,31 @@ def keep_metrics_until(path, step):
 
 def main(argv=None):
     try:
-        train(argv)
+        with ExitStack() as cleanup:  # the out_dir lock and the signal handlers, released however train ends
+            train(argv, cleanup)
         if dist.is_initialized():
             dist.barrier()  # finish together: a process leaving early can abort the others' gloo threads
-    except (prepare_data.DataError, UsageError) as e:
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a full disk, a folder gone read-only: files written so far are whole (atomic)
+        print(f"error: {prepare_data.os_error_line(e, '--out_dir')} (with --resume if last.pt exists)",
+              file=sys.stderr)
+        sys.exit(2)
+    except Interrupted as e:
+        if str(e):
+            print(e, file=sys.stderr)
+        sys.exit(128 + e.signum)  # 130 for SIGINT, 143 for SIGTERM: what a shell reports for them
+    except KeyboardInterrupt:  # a second Ctrl-C, while last.pt was being saved: the old one is whole
+        print("error: interrupted twice; the last saved last.pt is kept: continue with --resume", file=sys.stderr)
+        sys.exit(130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def train(argv=None):
+def train(argv=None, cleanup=None):
+    cleanup = cleanup or ExitStack()
     # a lone "--" is dropped: `torchrun train.py -- --rd off` keeps torchrun from reading --rd as its --rdzv_*
     argv = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--"]
     explicit = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
@@ -435,15 +537,20 @@ def train(argv=None):
     raw_model = GPT(config).to(device)
     optimizer = raw_model.configure_optimizers(a.weight_decay, a.lr, (a.beta1, a.beta2), device.type)
     step, tokens, best_val, wall_before, reached = 0, 0, math.inf, 0.0, {}
+    if master:  # before anything is written there
+        prepare_data.writable_folder(out_dir, "--out_dir")
+        lock_out_dir(out_dir, cleanup)
     if ckpt is None:
         torch.manual_seed(a.seed + rank)  # dropout: a different stream per process
         if master:
-            out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     else:
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         step, tokens, best_val = ckpt["step"], ckpt["tokens"], ckpt["best_val_loss"]
+        if (out_dir / "best.pt").exists():  # a step ahead of last.pt after a crash between the two renames
+            best_val = min(best_val, load_checkpoint(out_dir / "best.pt", "", ("best_val_loss",), mmap=True)
+                           ["best_val_loss"])
         wall_before, reached = ckpt.get("wall_time_s", 0.0), ckpt.get("milestones", {})
         if len(ckpt["rng"]) == world:
             torch.set_rng_state(ckpt["rng"][rank]["torch"])
@@ -453,8 +560,9 @@ def train(argv=None):
             log(f"note: {ckpt_path} was written by {len(ckpt['rng'])} processes, not {world}: dropout is "
                 "reseeded (the data order is unaffected)")
             torch.manual_seed(a.seed + 1000 * step + rank)
-        if master:
-            keep_metrics_until(out_dir / "metrics.jsonl", step)
+        if master and (unreadable := keep_metrics_until(out_dir / "metrics.jsonl", step)):
+            log(f"note: dropped {unreadable} line(s) of {out_dir / 'metrics.jsonl'} that do not parse "
+                "(cut by an interruption, or damaged)")
         log(f"resuming {ckpt_path} at step {step} ({tokens:,} tokens)")
     model = torch.compile(raw_model) if a.compile else raw_model
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp else model
@@ -484,10 +592,18 @@ def train(argv=None):
                      wall_time_s=wall_before + time.time() - t_start, config=dataclasses.asdict(config),
                      train_args=train_args, meta=dict(dataset=meta["dataset"], vocab_size=meta["vocab_size"],
                                                       level=meta["level"]))
+        # best.pt first: last.pt then never counts a best that best.pt does not hold. A crash between
+        # the two renames leaves best.pt a step ahead, and --resume takes the lower best_val_loss of
+        # the two files, so summary.json's best_val_loss is always best.pt's.
         if master:  # the step is the data position: batches are a function of (seed, step)
-            save_atomic(state, out_dir / "last.pt")
-            if improved:
-                save_atomic(state, out_dir / "best.pt")
+            try:
+                if improved:
+                    save_atomic(state, out_dir / "best.pt")
+                save_atomic(state, ckpt_path)
+            except OSError as e:
+                kept = f"the previous {ckpt_path} is kept" if ckpt_path.exists() else "no checkpoint was written"
+                raise UsageError(f"saving a checkpoint in {out_dir} failed: {prepare_data.os_error_line(e, '--out_dir')}"
+                                 f" ({kept}; continue with --resume)") from None
 
     def diverged(what, at_step):
         kept = f"last good checkpoint kept at {ckpt_path}" if ckpt_path.exists() else "no checkpoint was written"
@@ -515,7 +631,8 @@ def train(argv=None):
         improved, best_val = val_loss < best_val, min(best_val, val_loss)
         checkpoint(improved)
 
-    if step == 0:
+    stop_signals = catch_stop_signals(cleanup)
+    if ckpt is None:  # a checkpoint, even of step 0, comes after its evaluation
         eval_and_save(get_lr(0, a, a.max_iters))
     train_time, steps_since_log = 0.0, 0  # time in training steps since the last log line (no evals)
     while step < a.max_iters:
@@ -566,6 +683,12 @@ def train(argv=None):
                 checkpoint(improved=False)
             log(f"stopped after step {step} (--stop_after); continue with --resume")
             return
+        if stop_requested(stop_signals, ddp, device):
+            if last_eval is None or last_eval["step"] != step:
+                checkpoint(improved=False)
+            signum = stop_signals[0] if stop_signals else signal.SIGTERM  # DDP: another process got it
+            raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} after step {step}, {ckpt_path} "
+                              f"saved; continue with: python train.py --out_dir {out_dir} --resume" if master else "")
 
     # the end: final losses (val from the last evaluation, test if the dataset has one) and summary.json
     if last_eval is None or last_eval["step"] != step:
