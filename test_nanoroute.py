@@ -1327,7 +1327,8 @@ def _train_bad_cases(demo, other, routed, prenorm, tmp):
         data = (corrupt / name).read_bytes()
         (corrupt / name).write_bytes(data[:len(data) // 2])
     vocab = prepare_data.load_meta(demo)["vocab_size"]
-    t = ["train.py", "--data", demo, *_TRAIN_TINY, "--max_iters", 1]
+    t = ["train.py", "--data", demo, *_TRAIN_TINY, "--residual", "prenorm", "--max_iters", 1]
+    faulty = _train_faulty_inputs(demo, prenorm, tmp)
     return {
         "missing dataset": (["train.py", "--data", tmp / "datasets" / "tinystories"],
                             "run: python prepare_data.py tinystories --out"),
@@ -1358,7 +1359,72 @@ def _train_bad_cases(demo, other, routed, prenorm, tmp):
         "top_k zero": (["sample.py", "--out_dir", routed, "--top_k", 0], "--top_k 0: must be >= 1"),
         "sample other vocab": (["sample.py", "--out_dir", routed, "--data", other], "trained with"),
         "routes without routing": (["sample.py", "--out_dir", prenorm, "--routes"], "has no depth routing"),
+        # issue 12: out_dir faults, data that disagrees with meta.json, optimizer and sampling ranges,
+        # foreign checkpoints, damaged run folders, bench flags
+        "out_dir is a file": ([*t, "--out_dir", faulty["file"]], f"cannot write to output folder {faulty['file']}"),
+        "out_dir under a file": ([*t, "--out_dir", faulty["file"] / "run"], "cannot write to output folder"),
+        "out_dir in use": ([*t, "--out_dir", faulty["locked"]], f"is in use by another train.py (pid {os.getpid()}"),
+        "token id beyond vocab": (["train.py", "--data", faulty["big_ids"], *_TRAIN_TINY, "--residual", "prenorm",
+                                   "--out_dir", tmp / "ids"], f"holds token id 250, but meta.json's vocab_size is {vocab}"),
+        "dtype disagrees with meta": (["train.py", "--data", faulty["dtype"], *_TRAIN_TINY, "--residual", "prenorm",
+                                       "--out_dir", tmp / "dt"], f"says dtype uint16 for vocab_size {vocab}"),
+        "beta1 too large": ([*t, "--beta1", 2.0, "--out_dir", tmp / "b1"], "--beta1 2.0: must be in [0, 1)"),
+        "beta2 negative": ([*t, "--beta2", -0.5, "--out_dir", tmp / "b2"], "--beta2 -0.5: must be in [0, 1)"),
+        "temperature tiny": (["sample.py", "--out_dir", routed, "--temperature", 1e-45], "--temperature 1e-45: must"),
+        "temperature inf": (["sample.py", "--out_dir", routed, "--temperature", "inf"], "--temperature inf: must"),
+        "malicious checkpoint (sample)": (["sample.py", "--out_dir", faulty["evil"]], "it holds Python objects"),
+        "malicious checkpoint (train)": (["train.py", "--out_dir", faulty["evil"], "--resume"],
+                                         "it holds Python objects"),
+        "report: summary is a list": (["experiments.py", "report", faulty["exp_list"]], "summary.json is damaged"),
+        "report: summary lacks final": (["experiments.py", "report", faulty["exp_final"]], "(no final val_loss)"),
+        "report: summary not JSON": (["experiments.py", "report", faulty["exp_json"]], "(not valid JSON"),
+        "report: heatmap of unknown variant": (["experiments.py", "report", faulty["exp_foo"], "--heatmap", "foo_run"],
+                                               "--heatmap foo_run: a foo run has no depth routes"),
+        "bench: unknown variant": (["bench.py", "--variants", "foo"], "unknown variant(s) foo"),
+        **({} if torch.cuda.is_available() else {
+            "bench: cuda without CUDA": (["bench.py", "--device", "cuda"], "CUDA is not available here")}),
     }
+
+
+class _TrainEvil:
+    """Unpickling this runs os.mkdir(path): a checkpoint that executes code when loaded unsafely."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def _train_faulty_inputs(demo, prenorm, tmp):
+    """Folders for the issue 12 cases: a file where a folder should be, a locked out_dir, datasets that
+    disagree with their meta.json, a malicious checkpoint, damaged run folders."""
+    made = dict(file=tmp / "a_file", locked=tmp / "locked", big_ids=tmp / "big_ids", dtype=tmp / "dtype",
+                evil=tmp / "evil", exp_list=tmp / "exp_list", exp_final=tmp / "exp_final",
+                exp_json=tmp / "exp_json", exp_foo=tmp / "exp_foo")
+    made["file"].write_text("not a folder")
+    made["locked"].mkdir()
+    (made["locked"] / "train.lock").write_text(f"{os.getpid()}\n")  # pytest's own pid: alive
+    shutil.copytree(demo, made["big_ids"])
+    with open(made["big_ids"] / "train.bin", "r+b") as f:
+        f.seek(12345)
+        f.write(bytes([250]))  # same size, one id outside the vocabulary
+    shutil.copytree(demo, made["dtype"])
+    meta = json.loads((made["dtype"] / "meta.json").read_text())
+    for split in meta["splits"]:  # the same bytes read as uint16: half as many tokens
+        path = made["dtype"] / f"{split}.bin"
+        path.write_bytes(path.read_bytes()[:meta["splits"][split] // 2 * 2])
+        meta["splits"][split] //= 2
+    (made["dtype"] / "meta.json").write_text(json.dumps(dict(meta, dtype="uint16")))
+    made["evil"].mkdir()
+    for name in ("last.pt", "best.pt"):
+        torch.save(dict(model=_TrainEvil(tmp / "pwned")), made["evil"] / name)
+    for key, text in (("exp_list", "[]"), ("exp_final", '{"config": {}}'), ("exp_json", '{"final": ')):
+        (made[key] / "r1").mkdir(parents=True)
+        (made[key] / "r1" / "summary.json").write_text(text)
+    shutil.copytree(prenorm, made["exp_foo"] / "foo_run")
+    (made["exp_foo"] / "foo_run" / "run.json").write_text(json.dumps(dict(variant="foo", seed=0)))
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -1385,6 +1451,11 @@ _TRAIN_BAD = ["missing dataset", "vocab flag differs", "resume without checkpoin
               "corrupt checkpoint (sample)", "batch larger than data", "sequence longer than val", "invalid config",
               "unknown flag", "unknown preset", "bad bool", "prompt outside vocabulary", "temperature zero",
               "temperature negative", "top_k zero", "sample other vocab", "routes without routing",
+              "out_dir is a file", "out_dir under a file", "out_dir in use", "token id beyond vocab",
+              "dtype disagrees with meta", "beta1 too large", "beta2 negative", "temperature tiny", "temperature inf",
+              "malicious checkpoint (sample)", "malicious checkpoint (train)", "report: summary is a list",
+              "report: summary lacks final", "report: summary not JSON", "report: heatmap of unknown variant",
+              "bench: unknown variant", *(() if torch.cuda.is_available() else ("bench: cuda without CUDA",)),
               *(f"{name} [own process]" for name in _TRAIN_SEPARATE)]
 
 
@@ -1395,6 +1466,16 @@ def test_bad_input_exits_2_with_a_clear_message(_train_bad_results, case):
     assert message in stderr
     assert "Traceback" not in stderr
     assert "usage:" in stderr or stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+# a damaged or malicious checkpoint: our own line, nothing run, no hint at weights_only=False
+def test_foreign_checkpoint_is_reported_in_our_words_and_never_run(_train_bad_results, tmp_path_factory):
+    for case in ("corrupt checkpoint (train)", "corrupt checkpoint (sample)", "malicious checkpoint (sample)",
+                 "malicious checkpoint (train)"):
+        code, stderr, _ = _train_bad_results[case]
+        assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+        assert "weights_only" not in stderr and "Re-running" not in stderr and "torch.load" not in stderr, stderr
+    assert not list(tmp_path_factory.getbasetemp().rglob("pwned"))
 
 
 # -----------------------------------------------------------------------------
