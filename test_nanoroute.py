@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -1233,6 +1234,189 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(_train_data, _train
     assert code == 2 and "error: non-finite" in err and f"last good checkpoint kept at {out / 'last.pt'}" in err
     assert {name: (out / name).read_bytes() for name in good} == good
     assert not list(out.glob("*.tmp"))
+
+
+# issue 12: faults while training lose nothing, and each ends in one clear line
+class _TrainCrash(BaseException):
+    """Stands for the process dying at an injected point (nothing below it catches a BaseException)."""
+
+
+def _train_tiny_run(demo, out, *extra):
+    return ["--data", demo, "--out_dir", out, *_TRAIN_TINY, "--residual", "attnres", "--attnres_block", "2", *extra]
+
+
+def test_full_disk_while_saving_keeps_the_checkpoints_and_resume_works(_train_data, _train_one_thread, tmp_path,
+                                                                       monkeypatch, capsys):
+    demo, _ = _train_data
+    out = tmp_path / "run"
+    assert _train_main(train, _train_tiny_run(demo, out, "--max_iters", 4, "--eval_interval", 2,
+                                              "--stop_after", 2))[0] == 0
+    good = {name: (out / name).read_bytes() for name in ("last.pt", "best.pt")}
+    real, written = prepare_data._write, []
+
+    def full_disk(f, data):  # the disk fills up a few writes into the next checkpoint
+        if f.name.endswith(".pt.tmp"):
+            written.append(len(data))
+            if len(written) > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(f, data)
+    monkeypatch.setattr(prepare_data, "_write", full_disk)
+    capsys.readouterr()
+    code, _, err = _train_main(train, ["--out_dir", out, "--resume"], capsys)
+    assert code == 2 and len(written) == 4, err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("error: saving a checkpoint in")
+    assert "No space left on device; free some disk space" in err and "continue with --resume" in err
+    assert {name: (out / name).read_bytes() for name in good} == good  # the previous checkpoints, whole
+    assert not list(out.glob("*.tmp")) and not (out / "train.lock").exists()
+    monkeypatch.setattr(prepare_data, "_write", real)  # space freed: the same --resume finishes the run
+    assert _train_main(train, ["--out_dir", out, "--resume"], capsys)[0] == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 4
+    assert summary["best_val_loss"] == torch.load(out / "best.pt", weights_only=True)["best_val_loss"]
+
+
+def test_crash_between_the_checkpoint_renames_keeps_best_pt_and_summary_agreeing(_train_data, _train_one_thread,
+                                                                                 tmp_path, monkeypatch):
+    """The process dies between the two renames of an improved checkpoint (step 2). The resumed run
+    ends at step 2 with --lr 0, so nothing improves after the crash: summary.json's best must still be
+    the model best.pt holds."""
+    demo, _ = _train_data
+    out, real, renamed = tmp_path / "run", os.replace, []
+
+    def replace(src, dst):
+        if str(dst).endswith(".pt"):
+            renamed.append(Path(dst).name)
+            if len(renamed) == 4:  # 1-2: step 0 (best.pt, last.pt), 3-4: step 2
+                raise _TrainCrash
+        return real(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(_TrainCrash):
+        _train_main(train, _train_tiny_run(demo, out, "--max_iters", 4, "--eval_interval", 2))
+    monkeypatch.setattr(os, "replace", real)
+    evals = [r for r in _train_metrics(out) if r["type"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 2] and evals[1]["val_loss"] < evals[0]["val_loss"]  # step 2 improved
+    assert not list(out.glob("*.tmp"))
+    assert _train_main(train, ["--out_dir", out, "--resume", "--max_iters", 2, "--lr", 0])[0] == 0
+    summary = json.loads((out / "summary.json").read_text())
+    best = torch.load(out / "best.pt", weights_only=True)
+    assert summary["best_val_loss"] == best["best_val_loss"] == evals[1]["val_loss"]
+
+
+def test_metrics_resume_from_step_0_no_duplicates_atomic_rewrite_and_damaged_bytes(_train_data, _train_one_thread,
+                                                                                  tmp_path, monkeypatch, capsys):
+    demo, _ = _train_data
+    out, real_offsets, real_write = tmp_path / "run", train.batch_offsets, prepare_data._write
+
+    def dies(*args):
+        raise _TrainCrash
+    monkeypatch.setattr(train, "batch_offsets", dies)  # killed in step 1: last.pt is the step-0 checkpoint
+    with pytest.raises(_TrainCrash):
+        _train_main(train, _train_tiny_run(demo, out, "--max_iters", 2, "--eval_interval", 2))
+    monkeypatch.setattr(train, "batch_offsets", real_offsets)
+    with open(out / "metrics.jsonl", "ab") as f:  # damaged bytes, then a line cut by the kill
+        f.write(b'{"type": "train", "step": 0, "note": "\xff\xfe"}\n{"type": "tra')
+    before = (out / "metrics.jsonl").read_bytes()
+
+    def killed_in_rewrite(f, data):
+        if f.name.endswith("metrics.jsonl.tmp"):
+            real_write(f, data[:10])
+            raise _TrainCrash
+        return real_write(f, data)
+    monkeypatch.setattr(prepare_data, "_write", killed_in_rewrite)
+    with pytest.raises(_TrainCrash):
+        _train_main(train, ["--out_dir", out, "--resume"])
+    assert (out / "metrics.jsonl").read_bytes() == before and not list(out.glob("*.tmp"))
+    monkeypatch.setattr(prepare_data, "_write", real_write)
+    capsys.readouterr()
+    code, stdout, err = _train_main(train, ["--out_dir", out, "--resume"], capsys)
+    assert code == 0, err
+    assert f"note: dropped 2 line(s) of {out / 'metrics.jsonl'} that do not parse" in stdout
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(set(lines)) == len(lines)
+    assert [(r["type"], r["step"]) for r in map(json.loads, lines)] == [
+        ("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
+
+
+def test_out_dir_lock_is_held_during_the_run_and_a_stale_one_is_taken_over(_train_data, _train_one_thread, tmp_path,
+                                                                           monkeypatch, capsys):
+    demo, _ = _train_data
+    out = tmp_path / "run"
+    out.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / "train.lock").write_text(gone.stdout)  # left by a process that was killed
+    real, seen = train.get_batch, []
+
+    def get_batch(*args):
+        seen.append((out / "train.lock").read_text().strip())
+        return real(*args)
+    monkeypatch.setattr(train, "get_batch", get_batch)
+    code, stdout, err = _train_main(train, _train_tiny_run(demo, out, "--max_iters", 1), capsys)
+    assert code == 0, err
+    assert f"note: taking over {out / 'train.lock'} from process {gone.stdout.strip()}, which no longer runs" in stdout
+    assert set(seen) == {str(os.getpid())}  # held by this run while it trains
+    assert not list(out.glob("train.lock*"))  # and released at the end
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_sigint_and_sigterm_stop_after_the_step_save_and_resume(_train_data, _train_one_thread, tmp_path, capsys,
+                                                               signum, code):
+    """A real signal to a training process: it finishes its step, saves last.pt, says how to resume."""
+    demo, _ = _train_data
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(_TRAIN_ROOT / "train.py"), *map(str, _train_tiny_run(demo, out, "--max_iters", 10 ** 6,
+                                                                                  "--eval_interval", 10 ** 6))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_train_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").exists() and '"train"' in (out / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    step = torch.load(out / "last.pt", weights_only=True)["step"]
+    name = signal.Signals(signum).name
+    assert err.strip().splitlines() == [f"stopped by {name} after step {step}, {out / 'last.pt'} saved; continue "
+                                        f"with: python train.py --out_dir {out} --resume"], err
+    assert step >= 1 and not list(out.glob("*.tmp")) and not (out / "train.lock").exists()
+    assert max(r["step"] for r in _train_metrics(out)) == step
+    assert _train_main(train, ["--out_dir", out, "--resume", "--max_iters", step + 1], capsys)[0] == 0
+    assert [r["step"] for r in _train_metrics(out) if r["type"] == "train"] == list(range(1, step + 2))
+
+
+@pytest.mark.parametrize("error", [errno.EACCES, errno.EROFS])
+def test_unwritable_out_dir_is_one_line(_train_data, _train_one_thread, tmp_path, monkeypatch, capsys, error):
+    """No permission or a read-only disk (root ignores permissions, so the refusal is injected)."""
+    demo, _ = _train_data
+
+    def refuse(*args, **kwargs):
+        raise OSError(error, os.strerror(error))
+    monkeypatch.setattr(prepare_data.tempfile, "TemporaryFile", refuse)
+    code, _, err = _train_main(train, _train_tiny_run(demo, tmp_path / "run", "--max_iters", 1), capsys)
+    assert code == 2 and err == f"error: cannot write to output folder {tmp_path / 'run'} ({os.strerror(error)}); " \
+                                "choose a writable folder with --out_dir\n"
+
+
+def test_data_check_is_cached_and_sees_a_changed_file(_train_data, tmp_path, monkeypatch):
+    demo, _ = _train_data
+    data = tmp_path / "demo"
+    shutil.copytree(demo, data)
+    meta = prepare_data.load_meta(data)
+    cache = prepare_data.check_tokens(data, meta, meta["splits"])
+    assert json.loads((data / "checked.json").read_text()) == cache
+    assert cache["train"]["max_id"] == int(np.fromfile(data / "train.bin", dtype=np.uint8).max()) < meta["vocab_size"]
+    scans = []
+    monkeypatch.setattr(prepare_data, "_chunks", lambda a, n=None: scans.append(len(a)) or [a])
+    prepare_data.check_tokens(data, meta, meta["splits"])
+    assert scans == []  # cached: no scan
+    raw = bytearray((data / "train.bin").read_bytes())
+    raw[7] = meta["vocab_size"]
+    (data / "train.bin").write_bytes(bytes(raw))  # same size, new content
+    with pytest.raises(prepare_data.UsageError, match=f"holds token id {meta['vocab_size']}"):
+        prepare_data.check_tokens(data, meta, meta["splits"])
+    assert scans == [meta["splits"]["train"]]
 
 
 # -----------------------------------------------------------------------------
