@@ -906,6 +906,42 @@ def test_data_full_disk_and_ctrl_c_leave_nothing_complete(tmp_path, _data_server
     _data_check_text8(out, text, _data_server.url)
 
 
+# issue 12: a run killed right after meta.json leaves nothing behind for good; writes reach the disk
+def test_data_leftovers_of_a_run_killed_after_meta_json_are_cleaned(tmp_path, capsys):
+    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.01)
+    (out / "downloads").mkdir()
+    (out / "downloads" / "big.zip").write_bytes(b"x" * 1000)
+    (out / "progress.json").write_text("{}")  # what the killed run had not deleted yet
+    prepare_data.prepare("demo", out, demo_mb=0.01, keep_downloads=True)
+    assert "already prepared" in capsys.readouterr().out
+    assert not (out / "progress.json").exists() and (out / "downloads" / "big.zip").exists()
+    prepare_data.prepare("demo", out, demo_mb=0.01)
+    assert not (out / "downloads").exists() and sorted(p.name for p in out.iterdir()) == [
+        "meta.json", "test.bin", "train.bin", "val.bin"]
+
+
+def test_writes_that_matter_fsync_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.01)
+    train.save_atomic(dict(model={"w": torch.ones(2)}), tmp_path / "last.pt")
+    train.save_atomic(dict(best_val_loss=1.0), tmp_path / "summary.json")
+    written = [out / "train.bin", out / "val.bin", out / "test.bin", out / "meta.json", tmp_path / "last.pt",
+               tmp_path / "summary.json"]
+    for path in written:
+        i = events.index(("replace", str(path)))
+        assert events[i - 1] == ("fsync", f"{path}.tmp") and events[i + 1] == ("fsync", str(path.parent)), path
+
+
 # -----------------------------------------------------------------------------
 # tinystories
 
