@@ -16,11 +16,14 @@ Output contract: a prepared dataset is a folder (default data/NAME/) holding
                                     "splits": {"train": n_tokens, ...}, "source": URLs or
                                     "generated (seed S)", "format_version": 1, "options": {...}}
     encoder.json, vocab.bpe        gpt2 level only: GPT-2's BPE files, to turn ids back into text.
+    checked.json                   written by train.py: the largest token id of each split, a cache
+                                   of its data check (keyed by each file's size and time).
 
-meta.json is written last, atomically: a folder with a valid meta.json is finished. Each .bin is
-written as NAME.tmp and renamed when complete; each download goes to NAME.part and is renamed only
-once verified. So an interrupted run never leaves a file that looks complete, and re-running the
-same command resumes it (finished downloads and splits are kept; progress.json tracks them).
+meta.json is written last, atomically: a folder with a valid meta.json is finished. Each .bin and
+.json is written as NAME.tmp, flushed to the disk and renamed when complete (write_atomic); each
+download goes to NAME.part and is renamed only once verified. So an interrupted run never leaves a
+file that looks complete, and re-running the same command resumes it (finished downloads and splits
+are kept; progress.json tracks them).
 Never pickle. With --base_url URL or $NANOROUTE_BASE_URL, every file is fetched as URL/<filename>.
 """
 

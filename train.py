@@ -9,7 +9,8 @@ Train a nanoroute GPT on a prepared dataset: one CPU or GPU, or several under to
 Every GPTConfig field is a flag of the same name (`python train.py --help`). The batches depend only
 on --seed and the step, never on the model or the number of processes, and the model is initialised
 right after torch.manual_seed(seed): runs with the same seed are paired across routing variants
-(SPEC: Paired experiments). Output in --out_dir: metrics.jsonl, last.pt, best.pt, summary.json.
+(SPEC: Paired experiments). Output in --out_dir: metrics.jsonl, last.pt, best.pt, summary.json (and
+train.lock while a run writes there). Ctrl-C or SIGTERM stops at the end of the step and saves last.pt.
 """
 
 import argparse
@@ -462,16 +463,17 @@ def main(argv=None):
         if str(e):
             print(e, file=sys.stderr)
         sys.exit(128 + e.signum)  # 130 for SIGINT, 143 for SIGTERM: what a shell reports for them
-    except KeyboardInterrupt:  # a second Ctrl-C, while last.pt was being saved: the old one is whole
-        print("error: interrupted twice; the last saved last.pt is kept: continue with --resume", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C before training starts, or a second one while last.pt is saved
+        print("error: interrupted; checkpoints saved before are whole (continue with --resume if last.pt exists)",
+              file=sys.stderr)
         sys.exit(130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def train(argv=None, cleanup=None):
-    cleanup = cleanup or ExitStack()
+def train(argv, cleanup):
+    """The run; cleanup (an ExitStack) releases the out_dir lock and the signal handlers when it ends."""
     # a lone "--" is dropped: `torchrun train.py -- --rd off` keeps torchrun from reading --rd as its --rdzv_*
     argv = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--"]
     explicit = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
