@@ -429,13 +429,16 @@ def stop_requested(received, ddp, device):
 
 def catch_stop_signals(cleanup):
     """SIGINT (Ctrl-C) and SIGTERM only set a flag (the returned list), which the training loop reads
-    at the end of each step; a second signal interrupts at once. The old handlers return at cleanup."""
-    received = []
+    at the end of each step; a second signal a second or more later interrupts at once (sooner, it is
+    the same Ctrl-C, which torchrun forwards to processes that got it from the terminal already).
+    The old handlers return at cleanup."""
+    received, first = [], []
 
     def handler(signum, frame):
-        if received:
+        if received and time.monotonic() - first[0] >= 1:
             raise KeyboardInterrupt
         received.append(signum)
+        first[:] = first or [time.monotonic()]
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
         for sig in (signal.SIGINT, signal.SIGTERM):
             cleanup.callback(signal.signal, sig, signal.signal(sig, handler))
