@@ -1393,10 +1393,21 @@ def test_out_dir_lock_is_held_during_the_run_and_a_stale_one_is_taken_over(_trai
     assert not list(out.glob("train.lock*"))  # and released at the end
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_sigint_and_sigterm_stop_after_the_step_save_and_resume(_train_data, _train_one_thread, tmp_path, capsys,
-                                                               signum, code):
-    """A real signal to a training process: it finishes its step, saves last.pt, says how to resume."""
+def _train_check_stopped(out, err, signum, capsys):
+    """After a signal: one line naming the step saved in last.pt, and --resume continues from it."""
+    step = torch.load(out / "last.pt", weights_only=True)["step"]
+    assert err.strip().splitlines() == [f"stopped by {signal.Signals(signum).name} after step {step}, "
+                                        f"{out / 'last.pt'} saved; continue with: python train.py --out_dir {out} "
+                                        "--resume"], err
+    assert step >= 1 and not list(out.glob("*.tmp")) and not (out / "train.lock").exists()
+    assert max(r["step"] for r in _train_metrics(out)) == step
+    assert _train_main(train, ["--out_dir", out, "--resume", "--max_iters", step + 1], capsys)[0] == 0
+    assert [r["step"] for r in _train_metrics(out) if r["type"] == "train"] == list(range(1, step + 2))
+
+
+def test_sigterm_to_a_training_process_stops_after_the_step_saves_and_resumes(_train_data, _train_one_thread,
+                                                                              tmp_path, capsys):
+    """A real SIGTERM to a train.py process: it finishes its step, saves last.pt, exits 143."""
     demo, _ = _train_data
     out = tmp_path / "run"
     cmd = [sys.executable, str(_TRAIN_ROOT / "train.py"), *map(str, _train_tiny_run(demo, out, "--max_iters", 10 ** 6,
@@ -1407,19 +1418,30 @@ def test_sigint_and_sigterm_stop_after_the_step_save_and_resume(_train_data, _tr
         while not ((out / "metrics.jsonl").exists() and '"train"' in (out / "metrics.jsonl").read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
             time.sleep(0.05)
-        proc.send_signal(signum)
+        proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == code, err
-    step = torch.load(out / "last.pt", weights_only=True)["step"]
-    name = signal.Signals(signum).name
-    assert err.strip().splitlines() == [f"stopped by {name} after step {step}, {out / 'last.pt'} saved; continue "
-                                        f"with: python train.py --out_dir {out} --resume"], err
-    assert step >= 1 and not list(out.glob("*.tmp")) and not (out / "train.lock").exists()
-    assert max(r["step"] for r in _train_metrics(out)) == step
-    assert _train_main(train, ["--out_dir", out, "--resume", "--max_iters", step + 1], capsys)[0] == 0
-    assert [r["step"] for r in _train_metrics(out) if r["type"] == "train"] == list(range(1, step + 2))
+    assert proc.returncode == 143, err
+    _train_check_stopped(out, err, signal.SIGTERM, capsys)
+
+
+def test_ctrl_c_stops_after_the_step_saves_and_resumes(_train_data, _train_one_thread, tmp_path, monkeypatch, capsys):
+    """SIGINT sent to this process during step 3 (twice, as torchrun forwards a Ctrl-C): exit 130."""
+    demo, _ = _train_data
+    out, real = tmp_path / "run", train.batch_offsets
+
+    def ctrl_c_in_step_3(seed, step, *args):
+        if step == 2:  # the step that takes step from 2 to 3
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(seed, step, *args)
+    monkeypatch.setattr(train, "batch_offsets", ctrl_c_in_step_3)
+    code, _, err = _train_main(train, _train_tiny_run(demo, out, "--max_iters", 100, "--eval_interval", 100), capsys)
+    monkeypatch.setattr(train, "batch_offsets", real)
+    assert code == 130 and torch.load(out / "last.pt", weights_only=True)["step"] == 3, err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's Ctrl-C works again
+    _train_check_stopped(out, err, signal.SIGINT, capsys)
 
 
 @pytest.mark.parametrize("error", [errno.EACCES, errno.EROFS])
