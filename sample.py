@@ -36,7 +36,8 @@ def build_parser():
                    "char level, <|endoftext|> for GPT-2 tokens; with --routes: the first sequence_len tokens of val)")
     p.add_argument("--num_samples", type=int, default=3, help="samples to write (default: 3)")
     p.add_argument("--max_new_tokens", type=int, default=300, help="tokens per sample (default: 300)")
-    p.add_argument("--temperature", type=float, default=0.8, help=">= 1e-6 and finite; lower is more conservative (default: 0.8)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help=">= 1e-6 and finite; lower is more conservative (default: 0.8)")
     p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens, >= 1 (default: 200)")
     p.add_argument("--seed", type=int, default=1337, help="sampling seed (default: 1337)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")

@@ -607,8 +607,9 @@ def train(argv, cleanup):
                 save_atomic(state, ckpt_path)
             except OSError as e:
                 kept = f"the previous {ckpt_path} is kept" if ckpt_path.exists() else "no checkpoint was written"
-                raise UsageError(f"saving a checkpoint in {out_dir} failed: {prepare_data.os_error_line(e, '--out_dir')}"
-                                 f" ({kept}; continue with --resume)") from None
+                why = prepare_data.os_error_line(e, "--out_dir")
+                raise UsageError(f"saving a checkpoint in {out_dir} failed: {why} "
+                                 f"({kept}; continue with --resume)") from None
 
     def diverged(what, at_step):
         kept = f"last good checkpoint kept at {ckpt_path}" if ckpt_path.exists() else "no checkpoint was written"
