@@ -89,9 +89,9 @@ def plan(name, out, seeds=None, depths=None, variants=None, extra=(), data_root=
     are text as on the command line ("0-2", "8,12")."""
     seeds, depths = _ints(seeds, "--seeds", 0), _ints(depths, "--depths", 1)
     variants = _variants(variants)
-    if _flag_value(extra, "--data") is not None:
-        raise UsageError("--data after --: give it before -- (sweep custom --data FOLDER); the named sweeps "
-                         "read DATA_ROOT/DATASET (--data_root)")
+    for flag, grid in GRID_FLAGS.items():  # after --, they would silently override the grid
+        if _flag_value(extra, flag) is not None:
+            raise UsageError(f"{flag} after --: the sweep sets it for each run; use {grid} (before --)")
     if name == "custom":
         sweep = custom_sweep(data, variants)
     elif data is not None:
@@ -123,6 +123,10 @@ def plan(name, out, seeds=None, depths=None, variants=None, extra=(), data_root=
                                      seed=seed, sweep=name, attnres_block=block if routed else None, args=args,
                                      env=sweep.get("env", {})))
     return runs
+
+
+GRID_FLAGS = {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths", "--seed": "--seeds",
+              "--residual": "--variants", "--wav": "--variants", "--rd": "--variants", "--out_dir": "--out"}
 
 
 def custom_sweep(data, variants):
