@@ -242,7 +242,8 @@ def run_sweep(runs, launcher, dry_run=False, slots=({},)):
             t = time.time()
             with open(d / "train.log", "a") as log:
                 rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}).returncode
-            if rc == 0 and (d / "summary.json").exists():
+            ok = rc == 0 and (d / "summary.json").exists()
+            if ok:
                 final = json.loads((d / "summary.json").read_text())["final"]
                 result = f"done in {time.time() - t:.0f} s, val loss {final['val_loss']:.4f}"
             else:
@@ -250,7 +251,7 @@ def run_sweep(runs, launcher, dry_run=False, slots=({},)):
                 result = f"FAILED (exit {rc}): {next((s for s in reversed(lines) if 'error' in s.lower()), lines[-1])}"
             with lock:
                 print(f"{label}: {result}", flush=True)
-                if rc != 0 or result.startswith("FAILED"):
+                if not ok:
                     failed.append(run["name"])
         finally:
             free.put(slot)
@@ -266,7 +267,7 @@ def run_sweep(runs, launcher, dry_run=False, slots=({},)):
         pool.shutdown(wait=True, cancel_futures=True)
     failed.sort(key=[r["name"] for r in runs].index)
     print(f"sweep: {len(runs)} runs: {skipped} skipped (finished before), {len(runs) - skipped - len(failed)} "
-          f"done, {len(failed)} failed; {time.time() - t0:.0f} s" + (f"; {len(slots)} at a time" if len(slots) > 1 else ""))
+          f"done, {len(failed)} failed; {time.time() - t0:.0f} s" + f"; {len(slots)} at a time" * (len(slots) > 1))
     return failed
 
 
