@@ -206,15 +206,14 @@ def _write_json(path, obj):
 
 
 def _load_progress(out, name, recorded):
-    """progress.json of an unfinished folder; written at once, so that its dataset name can be told to
-    whoever finds the folder half-finished (load_meta's error)."""
+    """progress.json of an unfinished folder (it names the dataset: load_meta's error tells it)."""
     try:
         state = json.loads((out / "progress.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         state = {}
-    if state.get("dataset") != name or state.get("options") != recorded:  # nothing done so far is reusable
-        state = {"dataset": name, "options": recorded, "splits": {}}
-        _write_json(out / "progress.json", state)
+    if state.get("options") != recorded:  # other options: nothing done so far is reusable
+        state = {"options": recorded, "splits": {}}
+    state["dataset"] = name
     return state
 
 
@@ -570,16 +569,26 @@ def _finished(out, name, recorded):
 def _command(data_dir, name=None):
     """The command that prepares data_dir: dataset `name`, else the one its progress.json or folder
     name says, else a placeholder that lists the datasets."""
-    try:
-        started = json.loads((data_dir / "progress.json").read_text(encoding="utf-8")).get("dataset")
-    except (OSError, ValueError, AttributeError):
-        started = None
-    name = name or started or (data_dir.name if data_dir.name in DATASETS else None)
+    name = name or _started_as(data_dir) or (data_dir.name if data_dir.name in DATASETS else None)
     if name is None:
         return f"python prepare_data.py DATASET --out {data_dir} (DATASET: {', '.join(DATASETS)})"
     if data_dir.resolve() == (Path("data") / name).resolve():
         return f"python prepare_data.py {name}"
     return f"python prepare_data.py {name} --out {data_dir}"
+
+
+def _started_as(data_dir):
+    """The dataset an unfinished folder was being prepared as: its progress.json's, else the one its
+    downloads are from; None if neither says."""
+    try:
+        return json.loads((data_dir / "progress.json").read_text(encoding="utf-8"))["dataset"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    downloads = [p.name for p in (data_dir / "downloads").glob("*")]  # whole or .part
+    for name, prefix in (("text8", "text8.zip"), ("tinystories", "TinyStories"), ("fineweb_edu", "finewebedu_")):
+        if any(d.startswith(prefix) for d in downloads):
+            return name
+    return None
 
 
 def load_meta(data_dir):

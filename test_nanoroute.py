@@ -975,6 +975,12 @@ def test_data_half_finished_folder_names_its_dataset(tmp_path, _data_server):
     with pytest.raises(prepare_data.DataError) as e:
         prepare_data.load_meta(tmp_path / "my_stories")
     assert f"run: python prepare_data.py tinystories --out {tmp_path / 'my_stories'}" in str(e.value)
+    assert json.loads((tmp_path / "my_stories/progress.json").read_text())["dataset"] == "tinystories"
+    (tmp_path / "my_text/downloads").mkdir(parents=True)
+    (tmp_path / "my_text/downloads/text8.zip.part").write_bytes(b"PK")  # a download cut before any split
+    with pytest.raises(prepare_data.DataError) as e:
+        prepare_data.load_meta(tmp_path / "my_text")
+    assert f"run: python prepare_data.py text8 --out {tmp_path / 'my_text'}" in str(e.value)
     with pytest.raises(prepare_data.DataError) as e:  # never started: the datasets to choose from
         prepare_data.load_meta(tmp_path / "elsewhere")
     assert "NAME" not in str(e.value) and "(DATASET: demo, text8, tinystories, fineweb_edu)" in str(e.value)
