@@ -2,15 +2,19 @@
 Paired sweeps over nanoroute's variants, and the report that compares them (SPEC: Paired experiments).
 
     python experiments.py sweep tiny                             # 9 variants x 3 seeds: 8 min on 2 CPU cores
+    python experiments.py sweep custom --data data/text8 --variants prenorm,block,wav,rd --depths 8,12 \
+        --seeds 0-2 --jobs 4 -- --max_iters 2000        # any grid on any prepared folder, 4 runs at once
     python experiments.py sweep rd_paper --dry_run               # print the RD paper's 50 commands
     python experiments.py sweep wav_paper --depths 12 -- --device cuda:0   # flags after -- go to every run
     python experiments.py sweep rd_paper --seeds 0-1 --torchrun 8          # each run on 8 GPUs
     python experiments.py report runs/tiny --baseline block --plots --heatmap rd_L4_s0
 
-A sweep runs train.py once per grid point, one run after another, in OUT/[DATASET/]VARIANT_L{depth}_s{seed}/
-(run.json: what the run is and its command; train.log: its output). Finished runs (summary.json) are
-skipped and interrupted ones continue from last.pt: the same command resumes a sweep. The variants of a
-seed are paired: train.py makes the data order and the shared initial weights depend only on --seed.
+A sweep runs train.py once per grid point, --jobs N of them at once (each with its share of the CPU
+cores, or on CUDA its own GPU), in OUT/[DATASET/]VARIANT_L{depth}_s{seed}/ (run.json: what the run is and
+its command; train.log: its output). Finished runs (summary.json) are skipped and interrupted ones
+continue from last.pt: the same command resumes a sweep. The variants of a seed are paired: train.py makes
+the data order and the shared initial weights depend only on --seed. Like for like: every AttnRes variant
+of a sweep gets the same routing block at a depth (the largest automatic one among them; WAV needs 4).
 
 The report groups finished runs by (dataset, depth, variant) over seeds and writes RUNS/report.md:
 mean ± std of the final val loss and bits per char (or perplexity), the paired difference to a baseline
@@ -19,38 +23,30 @@ variant (same dataset, depth and seed) with its std and wins, the same at each m
 """
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
+import queue
+import re
 import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import prepare_data
 from prepare_data import UsageError
+from nanoroute import GPTConfig
+from train import MODEL_DEFAULTS, VARIANTS  # VARIANTS: the variant names and their GPTConfig values
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
-
-# A variant is a set of GPTConfig values, passed as flags. All three are always given, so a preset's own
-# values (rd_s sets rd=decoupled, wav12 sets wav=True) never leak into another variant.
-VARIANTS = {
-    "prenorm": dict(residual="prenorm", wav=False, rd="off"),
-    "rezero": dict(residual="rezero", wav=False, rd="off"),
-    "layerscale": dict(residual="layerscale", wav=False, rd="off"),
-    "block": dict(residual="attnres", wav=False, rd="off"),  # Block AttnRes
-    "wav": dict(residual="attnres", wav=True, rd="off"),
-    "rd": dict(residual="attnres", wav=False, rd="decoupled"),
-    "rd_tied": dict(residual="attnres", wav=False, rd="tied"),
-    "rd_average": dict(residual="attnres", wav=False, rd="average"),
-    "rd_frozen_v": dict(residual="attnres", wav=False, rd="frozen_v"),
-}
+CUSTOM_SEEDS = [0, 1, 2]  # sweep custom without --seeds: three seeds, the fewest that give a std of the pairs
 
 # Named sweeps: the grid (datasets x depths x seeds x variants) and the flags every run shares.
 # presets: the train.py preset of each depth (the preset sets the width and the schedule).
-# attnres_flags: added to the AttnRes variants only (train.py rejects AttnRes flags on the others).
 SWEEPS = {
     "tiny": dict(
         about="all 9 variants x seeds 0,1,2 at 4 layers x 64 wide, 300 steps on the demo data: "
@@ -61,9 +57,7 @@ SWEEPS = {
               "--eval_interval 25 --eval_tokens 8K --milestones 76.8K,153.6K,307.2K --log_interval 25",
         # one thread: a model this small gains little from two, and on a busy machine two threads wait on
         # each other (10x slower steps measured here); an OMP_NUM_THREADS already set is kept
-        env={"OMP_NUM_THREADS": "1"},
-        # auto would give Block AttnRes 2 sublayers per block at 4 layers, but WAV needs 4: the same for all
-        attnres_flags="--attnres_block 4"),
+        env={"OMP_NUM_THREADS": "1"}),
     "wav_paper": dict(
         about="WAV v1's design: char-level tinystories and text8, 12/24/48 layers, one seed as in the paper",
         datasets=["tinystories", "text8"], depths=[12, 24, 48], seeds=[0],
@@ -85,13 +79,23 @@ NO_MATPLOTLIB = ("matplotlib is not installed: pip install matplotlib to get plo
 # Sweep
 
 
-def plan(name, out, seeds=None, depths=None, variants=None, extra=(), data_root="data"):
-    """The runs of sweep `name`: [{name, dir, variant, dataset, depth, seed, sweep, args}], seed-major
-    (all variants of a seed before the next seed: an interrupted sweep leaves whole pairs)."""
-    sweep = SWEEPS[name]
-    bad = [v for v in variants or () if v not in VARIANTS]
-    if bad:
-        raise UsageError(f"--variants {','.join(bad)}: unknown; choose from {','.join(VARIANTS)}")
+def plan(name, out, seeds=None, depths=None, variants=None, extra=(), data_root="data", data=None):
+    """The runs of sweep `name` ("custom": variants x depths x seeds on the prepared folder `data`):
+    [{name, dir, variant, dataset, depth, seed, sweep, attnres_block, args, env}], seed-major (all
+    variants of a seed before the next seed: an interrupted sweep leaves whole pairs). seeds and depths
+    are text as on the command line ("0-2", "8,12")."""
+    seeds, depths = _ints(seeds, "--seeds", 0), _ints(depths, "--depths", 1)
+    variants = _variants(variants)
+    for flag, grid in GRID_FLAGS.items():  # after --, they would silently override the grid
+        if _flag_value(extra, flag) is not None:
+            raise UsageError(f"{flag} after --: the sweep sets it for each run; use {grid} (before --)")
+    if name == "custom":
+        sweep = custom_sweep(data, variants)
+    elif data is not None:
+        raise UsageError(f"--data {data}: only sweep custom takes a data folder; sweep {name} reads its datasets "
+                         f"({', '.join(SWEEPS[name]['datasets'])}) from --data_root")
+    else:
+        sweep = SWEEPS[name]
     runs = []
     for dataset in sweep["datasets"]:
         for depth in depths or sweep["depths"]:
@@ -99,25 +103,106 @@ def plan(name, out, seeds=None, depths=None, variants=None, extra=(), data_root=
             if presets and depth not in presets:
                 raise UsageError(f"--depths {depth}: sweep {name} has a preset for depths "
                                  f"{', '.join(map(str, presets))} only (the preset sets the width)")
-            for seed in sweep["seeds"] if seeds is None else seeds:
+            block = sweep_block(variants or sweep["variants"], depth, extra)
+            for seed in seeds or sweep["seeds"]:
                 for variant in variants or sweep["variants"]:
                     run = f"{variant}_L{depth}_s{seed}"
                     if len(sweep["datasets"]) > 1:
                         run = f"{dataset}/{run}"
                     flags = [s for k, v in VARIANTS[variant].items() for s in (f"--{k}", str(v))]
-                    if VARIANTS[variant]["residual"] == "attnres":
-                        flags += shlex.split(sweep.get("attnres_flags", ""))
+                    routed = VARIANTS[variant]["residual"] == "attnres"
+                    if routed and _flag_value(extra, "--attnres_block") is None:
+                        flags += ["--attnres_block", str(block)]
                     args = (["--preset", presets[depth]] if presets else []) + [
-                        "--data", f"{data_root}/{dataset}", "--n_layer", str(depth), "--seed", str(seed),
-                        *flags, *shlex.split(sweep["flags"]), *extra]
+                        "--data", sweep.get("folder", f"{data_root}/{dataset}"), "--n_layer", str(depth),
+                        "--seed", str(seed), *flags, *shlex.split(sweep["flags"]), *extra]
                     runs.append(dict(name=run, dir=Path(out) / run, variant=variant, dataset=dataset, depth=depth,
-                                     seed=seed, sweep=name, args=args, env=sweep.get("env", {})))
+                                     seed=seed, sweep=name, attnres_block=block if routed else None, args=args,
+                                     env=sweep.get("env", {})))
     return runs
 
 
-def run_sweep(runs, launcher, dry_run=False):
-    """Run each run's command (launcher + args + --out_dir) in turn; returns the names of failed runs."""
-    failed, skipped, t0 = [], 0, time.time()
+GRID_FLAGS = {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths", "--seed": "--seeds",
+              "--residual": "--variants", "--wav": "--variants", "--rd": "--variants", "--out_dir": "--out"}
+
+
+def custom_sweep(data, variants):
+    """sweep custom's grid, like an entry of SWEEPS: the dataset named by the folder's meta.json, and
+    train.py's defaults for everything the flags after -- do not set."""
+    if data is None or not variants:
+        raise UsageError("sweep custom needs --data FOLDER (a prepared dataset) and --variants, e.g. "
+                         "--data data/demo --variants prenorm,block,wav,rd")
+    try:
+        dataset = prepare_data.load_meta(data)["dataset"]
+    except prepare_data.DataError as e:
+        raise UsageError(f"--data {data}: {e}") from None
+    return dict(datasets=[dataset], folder=str(data), depths=[MODEL_DEFAULTS["n_layer"]], seeds=CUSTOM_SEEDS,
+                variants=variants, flags="")
+
+
+def sweep_block(variants, depth, extra):
+    """The routing block (sublayers) every AttnRes variant of a sweep gets at this depth, so that no
+    difference between them is also a difference in block size: the largest automatic block among them
+    (WAV needs 4 where Block AttnRes alone takes 2), or --attnres_block given after --. None without
+    AttnRes variants."""
+    routed = [v for v in variants if VARIANTS[v]["residual"] == "attnres"]
+    given = _flag_value(extra, "--attnres_block")
+    if not routed:
+        return None
+    if given is not None:
+        if not given.isdigit():
+            raise UsageError(f"--attnres_block {given} (after --): expected a number of sublayers, e.g. 4")
+        return int(given)
+    try:
+        return max(GPTConfig(n_layer=depth, **VARIANTS[v]).routing_block for v in routed)
+    except ValueError as e:
+        raise UsageError(f"--depths {depth}: {e}") from None
+
+
+def _flag_value(args, flag):
+    """The last value of `flag` in a train.py argument list (--flag V or --flag=V), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def _cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def job_slots(jobs, per_run=1, extra=()):
+    """The environment of each of `jobs` runs at once. On CUDA, each its own GPUs (per_run of them, e.g.
+    --torchrun's processes) through CUDA_VISIBLE_DEVICES; on CPU, each its share of the cores through
+    OMP_NUM_THREADS (torch reads it at start), unless it is set already. One job: the environment as is."""
+    if jobs < 1:
+        raise UsageError(f"--jobs {jobs}: must be at least 1")
+    if jobs == 1:
+        return [{}]
+    device = _flag_value(extra, "--device") or "auto"
+    import torch
+    if device != "cpu" and torch.cuda.is_available():
+        if device.startswith("cuda:"):
+            raise UsageError(f"--jobs {jobs} with --device {device}: drop --device (or give --device cuda); each "
+                             "run gets its own GPU through CUDA_VISIBLE_DEVICES")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if jobs * per_run > len(gpus):
+            raise UsageError(f"--jobs {jobs}: {len(gpus)} visible GPU(s) hold at most {len(gpus) // per_run} runs "
+                             f"of {per_run} GPU(s) at once; lower --jobs")
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per_run:(i + 1) * per_run])} for i in range(jobs)]
+    if "OMP_NUM_THREADS" in os.environ:
+        return [{}] * jobs
+    return [{"OMP_NUM_THREADS": str(max(1, _cores() // (jobs * per_run)))}] * jobs
+
+
+def run_sweep(runs, launcher, dry_run=False, slots=({},)):
+    """Run each run's command (launcher + args + --out_dir), len(slots) at a time, each run in the
+    environment of the slot it takes (job_slots); returns the names of failed runs."""
+    todo, skipped, t0 = [], 0, time.time()
     for i, run in enumerate(runs, 1):
         d = run["dir"]
         if (d / "summary.json").exists():
@@ -128,29 +213,70 @@ def run_sweep(runs, launcher, dry_run=False):
             continue
         resume = (d / "last.pt").exists()  # interrupted: continue it rather than start over
         cmd = [*launcher, *run["args"], "--out_dir", str(d), *(["--resume"] if resume else [])]
-        env = {k: v for k, v in run.get("env", {}).items() if k not in os.environ}
-        command = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
         if dry_run:
-            print(command)
+            print(_shell(cmd, _run_env(run, {})))
             continue
-        d.mkdir(parents=True, exist_ok=True)
-        info = {k: run[k] for k in ("variant", "dataset", "depth", "seed", "sweep", "args")}
-        prepare_data.write_json(d / "run.json", dict(info, command=command))
-        print(f"[{i}/{len(runs)}] {d}{' (resuming from last.pt)' if resume else ''} ...", end=" ", flush=True)
-        t = time.time()
-        with open(d / "train.log", "a") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}).returncode
-        if rc == 0 and (d / "summary.json").exists():
-            final = json.loads((d / "summary.json").read_text())["final"]
-            print(f"done in {time.time() - t:.0f} s, val loss {final['val_loss']:.4f}")
-        else:
-            lines = (d / "train.log").read_text(errors="replace").strip().splitlines() or ["(no output)"]
-            print(f"FAILED (exit {rc}): {next((s for s in reversed(lines) if 'error' in s.lower()), lines[-1])}")
-            failed.append(run["name"])
-    if not dry_run:
-        print(f"sweep: {len(runs)} runs: {skipped} skipped (finished before), {len(runs) - skipped - len(failed)} "
-              f"done, {len(failed)} failed; {time.time() - t0:.0f} s")
+        todo.append((f"[{i}/{len(runs)}] {d}", run, cmd, resume))
+    if dry_run:
+        return []
+
+    free, lock, stop, failed = queue.SimpleQueue(), threading.Lock(), threading.Event(), []
+    for slot in slots:
+        free.put(slot)
+
+    def launch(label, run, cmd, resume):
+        slot = free.get()  # a free slot exists: the pool runs at most len(slots) of these at once
+        try:
+            if stop.is_set():
+                return
+            d, env = run["dir"], _run_env(run, slot)
+            d.mkdir(parents=True, exist_ok=True)
+            info = {k: run[k] for k in ("variant", "dataset", "depth", "seed", "sweep", "attnres_block", "args")}
+            prepare_data.write_json(d / "run.json", dict(info, command=_shell(cmd, env)))
+            with lock:
+                print(f"{label}{' (resuming from last.pt)' if resume else ''}: started"
+                      + "".join(f" {k}={v}" for k, v in slot.items()), flush=True)
+            t = time.time()
+            with open(d / "train.log", "a") as log:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}).returncode
+            ok = rc == 0 and (d / "summary.json").exists()
+            if ok:
+                final = json.loads((d / "summary.json").read_text())["final"]
+                result = f"done in {time.time() - t:.0f} s, val loss {final['val_loss']:.4f}"
+            else:
+                lines = (d / "train.log").read_text(errors="replace").strip().splitlines() or ["(no output)"]
+                result = f"FAILED (exit {rc}): {next((s for s in reversed(lines) if 'error' in s.lower()), lines[-1])}"
+            with lock:
+                print(f"{label}: {result}", flush=True)
+                if not ok:
+                    failed.append(run["name"])
+        finally:
+            free.put(slot)
+
+    pool = concurrent.futures.ThreadPoolExecutor(len(slots))
+    try:
+        for future in [pool.submit(launch, *job) for job in todo]:
+            future.result()
+    except BaseException:  # Ctrl-C: the runs under way get it too; start no more
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    failed.sort(key=[r["name"] for r in runs].index)
+    print(f"sweep: {len(runs)} runs: {skipped} skipped (finished before), {len(runs) - skipped - len(failed)} "
+          f"done, {len(failed)} failed; {time.time() - t0:.0f} s" + f"; {len(slots)} at a time" * (len(slots) > 1))
     return failed
+
+
+def _run_env(run, slot):
+    """A run's extra environment: its slot's, then its sweep's (tiny: one thread); a variable the user
+    set wins, except the slot's CUDA_VISIBLE_DEVICES (job_slots picked it among the user's)."""
+    env = {k: v for k, v in {**slot, **run.get("env", {})}.items() if k not in os.environ}
+    return {**env, **{k: v for k, v in slot.items() if k == "CUDA_VISIBLE_DEVICES"}}
+
+
+def _shell(cmd, env):
+    return " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
 
 
 # -----------------------------------------------------------------------------
@@ -205,11 +331,22 @@ def load_runs(runs_dir):
                 evals.append(record)
         s = summary or {}
         runs.append(dict(name=d.relative_to(root).as_posix(), dir=d, summary=summary, evals=evals,
+                         block=info["attnres_block"] if "attnres_block" in info else routing_block(s.get("config")),
                          variant=info.get("variant") or variant_of(s.get("config", {})),
                          dataset=info.get("dataset") or s.get("dataset"),
                          depth=info.get("depth") or s.get("config", {}).get("n_layer"),
                          seed=info.get("seed", s.get("train", {}).get("seed"))))
     return runs
+
+
+def routing_block(config):
+    """The routing block (sublayers) of a run's GPTConfig dict, automatic resolved; None without AttnRes."""
+    if not config or config.get("residual") != "attnres":
+        return None
+    try:
+        return GPTConfig(**config).routing_block
+    except (TypeError, ValueError):
+        return None
 
 
 def mean_std(values):
@@ -250,8 +387,9 @@ def js_mean(run):  # RD runs: JS divergence between the QK and V routes, mean ov
 
 
 def summarize(runs, baseline):
-    """Finished runs grouped by (dataset, depth): [{dataset, depth, level, baseline, milestones,
-    rows: [{variant, seeds, val, metric, entropy, js, wall, delta, at: {milestone: {val, delta}}}]}]."""
+    """Finished runs grouped by (dataset, depth): [{dataset, depth, level, baseline, milestones, blocks
+    ({AttnRes variant: its routing blocks}), rows: [{variant, seeds, val, metric, entropy, js, wall, delta,
+    at: {milestone: {val, delta}}}]}]."""
     groups = {}
     for r in runs:
         if r["summary"]:
@@ -278,8 +416,10 @@ def summarize(runs, baseline):
                 at={label: dict(val=mean_std([milestone_val(label)(r) for r in rs]),
                                 delta=paired(rs, base, milestone_val(label)) if compare else None)
                     for label in labels}))
+        blocks = {v: sorted({r["block"] for r in rs}) for v, rs in by_variant.items()
+                  if VARIANTS.get(v, {}).get("residual", "attnres") == "attnres" and rs[0]["block"] is not None}
         out.append(dict(dataset=dataset, depth=depth, level=level, baseline=baseline if base else None,
-                        milestones=labels, rows=rows))
+                        milestones=labels, blocks=blocks, rows=rows))
     return out
 
 
@@ -310,6 +450,13 @@ def markdown(runs_dir, runs, groups, baseline):
     for g in groups:
         unit = "val bpc" if g["level"] == "char" else "val ppl"
         lines += [f"## {g['dataset']}, {g['depth']} layers", ""]
+        every = {m for ms in g["blocks"].values() for m in ms}
+        if len(every) == 1:
+            lines += [f"Routing block: {every.pop()} sublayers for every AttnRes variant (like for like).", ""]
+        elif every:
+            lines += ["**Routing blocks differ** (" + ", ".join(f"{v}: {'/'.join(map(str, ms))}" for v, ms in
+                      g["blocks"].items()) + " sublayers): a difference between these variants is also one of "
+                      "block size; rerun them with the same --attnres_block.", ""]
         if g["baseline"] is None:
             lines += [f"(baseline {baseline} has no finished run here: no paired differences)", ""]
         lines += [f"| variant | seeds | val loss | {unit} | Δ val loss | wins | route entropy | JS QK‖V | train s |",
@@ -472,23 +619,46 @@ def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
         print(f"wrote {path}")
 
 
-def _ints(text):  # "0,1,2" or "0-4"
-    try:
-        return [n for part in text.split(",") for n in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected integers like 0,1,2 or 0-4") from None
+def _ints(text, flag, low):
+    """'0,1,2', '0-4' or '0-2,5' as a list of distinct integers >= low; None for None."""
+    if text is None:
+        return None
+    parts = [re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part) for part in str(text).split(",")]
+    values = [n for m in parts if m for n in range(int(m[1]), int(m[2] or m[1]) + 1)]
+    if not all(parts) or not values or len(set(values)) != len(values) or min(values) < low \
+            or any(m[2] and int(m[2]) < int(m[1]) for m in parts):
+        raise UsageError(f"{flag} {text}: expected distinct integers >= {low} like 0,1,2 or a rising range "
+                         f"like {low}-{low + 2}")
+    return values
+
+
+def _variants(text):
+    if text is None:
+        return None
+    names = text.split(",")
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or len(set(names)) != len(names):
+        raise UsageError(f"--variants {text}: " + (f"unknown {', '.join(map(repr, bad))}" if bad else "a variant twice")
+                         + f"; choose from {','.join(VARIANTS)}")
+    return names
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("sweep", help="run a named sweep (train.py per grid point); flags after -- go to every run",
-                       epilog="named sweeps: " + "; ".join(f"{k}: {v['about']}" for k, v in SWEEPS.items()))
-    s.add_argument("name", choices=list(SWEEPS), help="the named sweep")
+    s = sub.add_parser("sweep", help="run a named sweep, or sweep custom: your grid on a prepared folder "
+                       "(train.py per grid point); flags after -- go to every run",
+                       epilog="named sweeps: " + "; ".join(f"{k}: {v['about']}" for k, v in SWEEPS.items())
+                       + "; custom: --variants x --depths x --seeds on --data, train.py's defaults otherwise")
+    s.add_argument("name", choices=[*SWEEPS, "custom"], help="a named sweep, or custom")
     s.add_argument("--out", help="folder of the run folders (default: runs/NAME)")
-    s.add_argument("--seeds", type=_ints, help="override the sweep's seeds: 0,1,2 or 0-4")
-    s.add_argument("--depths", type=_ints, help="override the sweep's depths (n_layer)")
-    s.add_argument("--variants", type=lambda t: t.split(","), help="override the variants: " + ",".join(VARIANTS))
+    s.add_argument("--data", help="custom: the prepared dataset folder (its meta.json names the dataset)")
+    s.add_argument("--seeds", help="override the sweep's seeds: 0,1,2 or 0-4 (custom: default 0-2)")
+    s.add_argument("--depths", help=f"override the sweep's depths (n_layer; custom: default "
+                                    f"{MODEL_DEFAULTS['n_layer']})")
+    s.add_argument("--variants", help="override the variants (custom: required): " + ",".join(VARIANTS))
+    s.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="runs at once (default 1): on CPU each gets cores/N threads, on CUDA its own GPU")
     s.add_argument("--data_root", default="data", help="folder of the prepared datasets (default: data)")
     s.add_argument("--torchrun", type=int, metavar="N", help="run each run on N processes (torchrun --standalone)")
     s.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
@@ -510,12 +680,13 @@ def main(argv=None):
             report(args.runs_dir, args.baseline, args.plots or bool(args.heatmap), args.heatmap)
             return 0
         runs = plan(args.name, args.out or f"runs/{args.name}", args.seeds, args.depths, args.variants, extra,
-                    args.data_root)
+                    args.data_root, args.data)
+        slots = job_slots(args.jobs, args.torchrun or 1, extra)
         launcher = [sys.executable, TRAIN] if not args.torchrun else [  # "--": train.py drops it
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.torchrun}",
             TRAIN, "--"]
         try:
-            failed = run_sweep(runs, launcher, args.dry_run)
+            failed = run_sweep(runs, launcher, args.dry_run, slots)
         except KeyboardInterrupt:
             print("\ninterrupted: run the same command again to resume (finished runs are skipped, "
                   "interrupted ones continue from their last.pt)", file=sys.stderr)

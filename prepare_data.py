@@ -13,6 +13,8 @@ Output contract: a prepared dataset is a folder (default data/NAME/) holding
                                    Read them with open_split() or np.memmap(path, dtype, mode="r").
     meta.json                      {"dataset", "level": "char" | "gpt2", "dtype", "vocab_size",
                                     "chars": the character of each id, in id order (char level only),
+                                    "replaced": characters mapped to the replacement symbol, commonest
+                                    first (tinystories only),
                                     "splits": {"train": n_tokens, ...}, "source": URLs or
                                     "generated (seed S)", "format_version": 1, "options": {...}}
     encoder.json, vocab.bpe        gpt2 level only: GPT-2's BPE files, to turn ids back into text.
@@ -75,7 +77,7 @@ DATASETS = {
              {"seed": 1337, "demo_mb": 2.0}),
     "text8": ("Wikipedia text, 27 chars, 90M/5M/5M; 31 MB zip from mattmahoney.net/dc", {}),
     "tinystories": ("children's stories, char level, train/val; ~2.2 GB of text from "
-                    "huggingface.co/datasets/roneneldan/TinyStories", {"v1": False, "min_count": 1000}),
+                    "huggingface.co/datasets/roneneldan/TinyStories", {"v1": False, "min_per_million": 0.5}),
     "fineweb_edu": ("FineWeb-Edu in GPT-2 tokens, train/val/test; 200 MB per 100M-token shard from "
                     "huggingface.co/datasets/kjj0/finewebedu10B-gpt2", {"shards": 20}),
 }
@@ -250,13 +252,15 @@ def _write_bin(path, chunks, dtype):
     return n
 
 
-def _load_progress(out, recorded):
+def _load_progress(out, name, recorded):
+    """progress.json of an unfinished folder (it names the dataset: load_meta's error tells it)."""
     try:
         state = json.loads((out / "progress.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         state = {}
     if state.get("options") != recorded:  # other options: nothing done so far is reusable
         state = {"options": recorded, "splits": {}}
+    state["dataset"] = name
     return state
 
 
@@ -452,16 +456,28 @@ def _prepare_tinystories(out, o, state):
         counts = np.zeros(0x110000, dtype=np.int64)
         for text in _read_chunks(get("train")):
             counts += np.bincount(_codepoints(text.replace(EOT, "")), minlength=0x110000)
-        frequent = [chr(c) for c in np.flatnonzero(counts >= o["min_count"]) if chr(c) != REPLACEMENT]
+        # a frequency, not a count: a small file keeps its ordinary characters (a 2M-character file at
+        # the former 1000 occurrences lost 'q', 'Z' and ':')
+        least = o["min_per_million"] * counts.sum() / 1e6
+        seen = np.flatnonzero(counts)
+        frequent = [chr(c) for c in seen if counts[c] >= least and chr(c) != REPLACEMENT]
+        rare = sorted((c for c in seen if counts[c] < least), key=lambda c: -counts[c])
         # ids: frequent characters by code point, then EOT, then the replacement symbol (last id)
         state["chars"] = frequent + [EOT, REPLACEMENT]
+        state["replaced"] = [chr(c) for c in rare]  # commonest first
+        state["replaced_share"] = float(counts[rare].sum() / max(1, counts.sum()))
         write_json(out / "progress.json", state)
     chars = state["chars"]
+    if state["replaced"]:
+        shown = " ".join(map(repr, state["replaced"][:40])) + (" ..." if len(state["replaced"]) > 40 else "")
+        print(f"{len(state['replaced'])} characters rarer than --min_per_million {o['min_per_million']:g} "
+              f"({100 * state['replaced_share']:.3g}% of train) become {REPLACEMENT!r}: {shown}")
     dtype = "uint8" if len(chars) <= 256 else "uint16"
     lut = _char_lut(chars, len(chars) - 1)  # rare and unseen characters -> the replacement symbol
     for split in _todo(out, state, ("train", "val"), dtype):
         _finish_split(out, state, split, _encode_stream(get(split), lut, len(chars) - 2), dtype)
-    return dict(level="char", dtype=dtype, vocab_size=len(chars), chars=chars, source=list(urls.values()))
+    return dict(level="char", dtype=dtype, vocab_size=len(chars), chars=chars, replaced=state["replaced"],
+                source=list(urls.values()))
 
 
 # -----------------------------------------------------------------------------
@@ -560,7 +576,7 @@ def prepare(name, out_dir=None, **options):
                         f"(got '{o['base_url']}')")
     if o["backoff"] is None:
         o["backoff"] = float(os.environ.get("NANOROUTE_RETRY_BACKOFF", "1"))
-    for k, low in (("retries", 0), ("shards", 1), ("min_count", 1), ("demo_mb", 0.001)):
+    for k, low in (("retries", 0), ("shards", 1), ("min_per_million", 0), ("demo_mb", 0.001)):
         if k in o and o[k] < low:
             raise DataError(f"--{k} must be at least {low} (got {o[k]})")
     recorded = {k: o[k] for k in defaults}
@@ -570,7 +586,7 @@ def prepare(name, out_dir=None, **options):
         print(f"{out} is already prepared (delete its meta.json to prepare it again)")
         return out
     (out / "meta.json").unlink(missing_ok=True)  # unfinished from here until meta.json is rewritten
-    state = _load_progress(out, recorded)
+    state = _load_progress(out, name, recorded)
     meta = {"dataset": name, **BUILDERS[name](out, o, state)}
     meta["splits"] = {s: state["splits"][s] for s in SPLITS if s in state["splits"]}
     meta.update(format_version=FORMAT_VERSION, options=recorded)
@@ -620,10 +636,28 @@ def _finished(out, name, recorded):
 
 
 def _command(data_dir, name=None):
-    name = name or (data_dir.name if data_dir.name in DATASETS else "NAME")
+    """The command that prepares data_dir: dataset `name`, else the one its progress.json or folder
+    name says, else a placeholder that lists the datasets."""
+    name = name or _started_as(data_dir) or (data_dir.name if data_dir.name in DATASETS else None)
+    if name is None:
+        return f"python prepare_data.py DATASET --out {data_dir} (DATASET: {', '.join(DATASETS)})"
     if data_dir.resolve() == (Path("data") / name).resolve():
         return f"python prepare_data.py {name}"
     return f"python prepare_data.py {name} --out {data_dir}"
+
+
+def _started_as(data_dir):
+    """The dataset an unfinished folder was being prepared as: its progress.json's, else the one its
+    downloads are from; None if neither says."""
+    try:
+        return json.loads((data_dir / "progress.json").read_text(encoding="utf-8"))["dataset"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    downloads = [p.name for p in (data_dir / "downloads").glob("*")]  # whole or .part
+    for name, prefix in (("text8", "text8.zip"), ("tinystories", "TinyStories"), ("fineweb_edu", "finewebedu_")):
+        if any(d.startswith(prefix) for d in downloads):
+            return name
+    return None
 
 
 def load_meta(data_dir):
@@ -755,6 +789,12 @@ def encoder(meta, data_dir):
     def encode(text):
         pieces = splitter.split(text) if splitter else [text]
         missing = sorted({c for p in pieces if p not in reserved for c in p if c not in index})
+        replaced = [c for c in missing if c in meta.get("replaced", ())]
+        if replaced:  # in the text, but rarer than --min_per_million when the folder was prepared
+            raise DataError(f"characters not in the {meta['dataset']} vocabulary: {' '.join(map(repr, missing))}; "
+                            f"{' '.join(map(repr, replaced))} became {REPLACEMENT!r} in the training data "
+                            f"(rarer than --min_per_million {meta['options']['min_per_million']:g}): remove them, "
+                            f"or prepare the data again with a lower --min_per_million")
         if missing:
             raise DataError(f"characters not in the {meta['dataset']} vocabulary: "
                             f"{' '.join(map(repr, missing))}; remove or replace them")
@@ -785,8 +825,9 @@ def _parser():
     p.add_argument("--demo_mb", type=float, help="demo: corpus size in millions of characters (default 2)")
     p.add_argument("--v1", action="store_true", default=None,
                    help="tinystories: the V1 files (GPT-3.5 and GPT-4 stories) instead of V2 (GPT-4)")
-    p.add_argument("--min_count", type=int, help="tinystories: characters seen fewer times in train "
-                   "become the replacement symbol (default 1000)")
+    p.add_argument("--min_per_million", type=float, help="tinystories: characters rarer than this many per "
+                   "million characters of train become the replacement symbol (default 0.5: on the full V2 "
+                   "train file ~1,100 occurrences; on a 2M-character file every character seen; 0 keeps all)")
     p.add_argument("--shards", type=int,
                    help="fineweb_edu: 100M-token train shards to fetch (default 20, official max 99)")
     return p

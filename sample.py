@@ -114,8 +114,9 @@ def sample(a):
     t0 = time.time()
     out = model.generate(idx.expand(a.num_samples, -1), a.max_new_tokens, a.temperature, a.top_k)
     dt = time.time() - t0
+    shown = 0 if a.start is not None else len(ids)  # a default prompt (<|endoftext|>, a newline) is not text
     for row in out.tolist():
-        print(decode(row))
+        print(decode(row[shown:]))
         print("-" * 40)
     n = a.num_samples * a.max_new_tokens
     print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
@@ -131,7 +132,7 @@ def show_routes(model, idx, path, prompt):
     stats = routing_stats(model(idx, return_routes=True)[2])
     reads, sources = stats["reads"], stats["sources"]
     short = [s.replace(".phase", ".ph").replace(".split", ".sp") for s in sources]
-    width = max(5, *map(len, short))
+    width = 1 + max(4, *map(len, short))  # a cell is 4 wide ("█100"); 1 more keeps labels apart
     name_w = max(map(len, reads)) + 2
     snippet = prompt if len(prompt) <= 60 else "..." + prompt[-57:]
     print(f"depth routing of {path} over a {idx.size(1)}-token prompt: {snippet!r}")

@@ -952,10 +952,10 @@ def test_data_tinystories_vocab_eot_and_replacement(tmp_path, _data_server, monk
     _data_server.files.update({"TinyStoriesV2-GPT4-train.txt": train.encode(),
                                "TinyStoriesV2-GPT4-valid.txt": valid.encode()})
     monkeypatch.setattr(prepare_data, "CHUNK", 5)  # stories and <|endoftext|> cut across chunks
-    out = prepare_data.prepare("tinystories", tmp_path / "ts", base_url=_data_server.url,
-                               min_count=2, **_data_fast())
-    meta = prepare_data.load_meta(out)
     plain = train.replace("<|endoftext|>", "")
+    out = prepare_data.prepare("tinystories", tmp_path / "ts", base_url=_data_server.url,
+                               min_per_million=1.5e6 / len(plain), **_data_fast())  # 1.5 occurrences
+    meta = prepare_data.load_meta(out)
     frequent = sorted(c for c in set(plain) if plain.count(c) >= 2)
     assert meta["chars"] == frequent + ["<|endoftext|>", "\ufffd"] and meta["dtype"] == "uint8"
     assert "é" not in meta["chars"] and "T" in meta["chars"]
@@ -974,6 +974,53 @@ def test_data_tinystories_vocab_eot_and_replacement(tmp_path, _data_server, monk
                                  for story in valid.split("<|endoftext|>"))
     assert dec(prepare_data.open_split(out, "val")) == shown and "\ufffdo\ufffd" in shown
     assert enc("Tom<|endoftext|>") == expected("Tom<|endoftext|>")
+
+
+# --min_per_million is a frequency: a small file keeps its ordinary characters, and what it replaces is shown
+def test_data_tinystories_small_file_keeps_ordinary_characters(tmp_path, _data_server, capsys):
+    story = "Once upon a time, Dan saw a quiet Zebra: \"Hi!\" - it said; Kim's cat ran. "
+    train = (story * 30 + "é" + "<|endoftext|>") * 10  # 'q', 'Z', ':' 300 times each in ~23K characters
+    _data_server.files.update({"TinyStoriesV2-GPT4-train.txt": train.encode(),
+                               "TinyStoriesV2-GPT4-valid.txt": story.encode()})
+    out = prepare_data.prepare("tinystories", tmp_path / "small", base_url=_data_server.url, **_data_fast())
+    meta = prepare_data.load_meta(out)
+    assert set(story + "é") <= set(meta["chars"]) and meta["replaced"] == []  # default 0.5 per million
+    assert meta["options"]["min_per_million"] == 0.5
+    assert "become" not in capsys.readouterr().out
+    # a threshold of 15 occurrences: only 'é' (10 times) is rarer; every character of the story is there 300 times
+    plain = train.replace("<|endoftext|>", "")
+    out = prepare_data.prepare("tinystories", tmp_path / "strict", base_url=_data_server.url,
+                               min_per_million=15 / len(plain) * 1e6, **_data_fast())  # 15 occurrences
+    meta = prepare_data.load_meta(out)
+    assert meta["replaced"] == ["é"] and "q" in meta["chars"] and "é" not in meta["chars"]
+    printed = capsys.readouterr().out
+    assert "1 characters rarer than --min_per_million" in printed and "become '\ufffd': 'é'" in printed
+    with pytest.raises(prepare_data.DataError) as e:  # what sample.py prints for such a prompt
+        prepare_data.encoder(meta, out)("Zoé ran ☃")
+    assert "'é' '☃'" in str(e.value) and "'é' became '\ufffd'" in str(e.value)
+    assert "lower --min_per_million" in str(e.value)
+    with pytest.raises(prepare_data.DataError) as e:  # a character the data never had: the plain message
+        prepare_data.encoder(meta, out)("☃")
+    assert "min_per_million" not in str(e.value) and "'☃'; remove or replace them" in str(e.value)
+
+
+# A half-finished folder's error names the dataset that was being prepared (not a placeholder)
+def test_data_half_finished_folder_names_its_dataset(tmp_path, _data_server):
+    _data_server.files["TinyStoriesV2-GPT4-train.txt"] = b"Once upon a time.<|endoftext|>"  # no valid file: 404
+    r = _data_cli("tinystories", "--out", str(tmp_path / "my_stories"), "--base_url", _data_server.url)
+    assert r.returncode == 2 and "404" in _data_one_error_line(r.stderr)
+    with pytest.raises(prepare_data.DataError) as e:
+        prepare_data.load_meta(tmp_path / "my_stories")
+    assert f"run: python prepare_data.py tinystories --out {tmp_path / 'my_stories'}" in str(e.value)
+    assert json.loads((tmp_path / "my_stories/progress.json").read_text())["dataset"] == "tinystories"
+    (tmp_path / "my_text/downloads").mkdir(parents=True)
+    (tmp_path / "my_text/downloads/text8.zip.part").write_bytes(b"PK")  # a download cut before any split
+    with pytest.raises(prepare_data.DataError) as e:
+        prepare_data.load_meta(tmp_path / "my_text")
+    assert f"run: python prepare_data.py text8 --out {tmp_path / 'my_text'}" in str(e.value)
+    with pytest.raises(prepare_data.DataError) as e:  # never started: the datasets to choose from
+        prepare_data.load_meta(tmp_path / "elsewhere")
+    assert "NAME" not in str(e.value) and "(DATASET: demo, text8, tinystories, fineweb_edu)" in str(e.value)
 
 
 # -----------------------------------------------------------------------------
@@ -1477,6 +1524,31 @@ def test_data_check_is_cached_and_sees_a_changed_file(_train_data, tmp_path, mon
     assert scans == [meta["splits"]["train"]]
 
 
+# --eval_tokens's default: smaller on CPU with a large vocabulary, whose output layer dominates evaluation
+def test_default_eval_tokens_depends_on_vocabulary_and_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert train.default_eval_tokens(50257, cpu) == 8192 < train.default_eval_tokens(27, cpu) == 32768
+    assert train.default_eval_tokens(50257, cuda) == 32768 and train.default_eval_tokens(1024, cpu) == 32768
+    assert train.build_parser().get_default("eval_tokens") is None  # None: resolved once data and device are known
+
+
+# train.py says once when the automatic routing block differs from Block AttnRes's at that depth
+def test_train_notes_a_routing_block_other_than_the_parents(_train_data, _train_one_thread, tmp_path, capsys):
+    note = train.block_note(GPTConfig(n_layer=8, residual="attnres", wav=True))
+    assert "routing block is 4 sublayers" in note and "but 2 for Block AttnRes at 8 layers" in note
+    assert "--attnres_block 4" in note
+    assert train.block_note(GPTConfig(n_layer=16, residual="attnres", wav=True)) is None  # 4 for both
+    assert train.block_note(GPTConfig(n_layer=8, residual="attnres", wav=True, attnres_block=4)) is None  # chosen
+    assert train.block_note(GPTConfig(n_layer=8, residual="attnres", rd="decoupled")) is None
+    assert train.block_note(GPTConfig(n_layer=8)) is None
+    demo, _ = _train_data
+    t = ["--data", demo, *_TRAIN_TINY, "--max_iters", 2, "--eval_interval", 1, "--residual", "attnres"]
+    code, out, _ = _train_main(train, [*t, "--wav", "True", "--out_dir", tmp_path / "wav"], capsys)
+    assert code == 0 and out.count("note: the automatic routing block is 4 sublayers") == 1
+    code, out, _ = _train_main(train, [*t, "--out_dir", tmp_path / "block"], capsys)
+    assert code == 0 and "note: the automatic routing block" not in out
+
+
 # -----------------------------------------------------------------------------
 # sample.py
 
@@ -1508,9 +1580,20 @@ def test_sample_routes_view(_train_runs, _train_one_thread, capsys):
     assert [line.split()[0] for line in js] == ["layer0", "layer1", "mean"]
 
 
-def test_gpt2_level_run_and_sample(_train_one_thread, tmp_path, capsys):
+# sample.py --routes: every column label stands apart, also the 5-character detail labels
+def test_sample_routes_header_keeps_labels_apart(capsys):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, sequence_len=8, n_layer=4, n_head=2, n_embd=16, residual="attnres",
+                          wav=True, attnres_block=4)).eval()
+    sample.show_routes(model, tokens(B=1, T=8) % 16, "wav.pt", "a prompt")
+    header = next(line for line in capsys.readouterr().out.splitlines() if "emb" in line)
+    assert header.split() == ["emb", "C0", "C0.ph", "C0.sp", "C1", "P", "P.ph", "P.sp", "H"]
+
+
+def test_gpt2_level_run_and_sample(_train_one_thread, tmp_path, capsys, monkeypatch):
     """A GPT-2-token dataset (a stand-in: random ids, an encoder.json of made-up tokens): no bits per
-    char in the logs, and sample.py starts from <|endoftext|> and decodes through encoder.json."""
+    char in the logs, --eval_tokens's large-vocabulary default on CPU, and sample.py starts from
+    <|endoftext|> (not printed) and decodes through encoder.json."""
     data = tmp_path / "gpt2"
     data.mkdir()
     vocab = prepare_data.GPT2_VOCAB
@@ -1525,16 +1608,20 @@ def test_gpt2_level_run_and_sample(_train_one_thread, tmp_path, capsys):
                                                     vocab_size=vocab, splits=splits, source="test",
                                                     format_version=1)))
     out = tmp_path / "run"
-    argv = ["--data", data, "--out_dir", out, *_TRAIN_TINY, "--n_layer", 1, "--n_embd", 16, "--sequence_len", 16,
+    tiny = _TRAIN_TINY[:_TRAIN_TINY.index("--eval_tokens")] + _TRAIN_TINY[_TRAIN_TINY.index("--eval_tokens") + 2:]
+    monkeypatch.setattr(train, "EVAL_TOKENS_CPU_LARGE_VOCAB", 256)  # the real 8K takes ~20 s here
+    argv = ["--data", data, "--out_dir", out, *tiny, "--n_layer", 1, "--n_embd", 16, "--sequence_len", 16,
             "--max_iters", 2]
-    assert _train_main(train, argv)[0] == 0
+    code, log, _ = _train_main(train, argv, capsys)
+    assert code == 0 and "evaluation: 256 tokens per split" in log
     evals = [r for r in _train_metrics(out) if r["type"] == "eval"]
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["train"]["eval_tokens"] == 256
     assert all(e["val_bpc"] is None for e in evals) and summary["level"] == "gpt2"
     assert summary["final"]["val_bpc"] is None and summary["final"]["test_loss"] is None  # no test split
-    capsys.readouterr()
     code, text, err = _train_main(sample, ["--out_dir", out, "--num_samples", 1, "--max_new_tokens", 4], capsys)
-    assert code == 0 and text.startswith(prepare_data.EOT) and text.count(" t") >= 3 and "4 tokens in" in err
+    assert code == 0 and text.count(" t") >= 3 and "4 tokens in" in err
+    assert prepare_data.EOT not in text and text.startswith(" t")  # the default prompt is not printed
 
 
 # -----------------------------------------------------------------------------
@@ -1902,7 +1989,7 @@ def test_exp_sweep_skips_finished_runs_resumes_interrupted_and_reports_failures(
     fake, calls = tmp_path / "fake_train.py", tmp_path / "calls.jsonl"
     fake.write_text(_EXP_FAKE_TRAIN)
     monkeypatch.setenv("EXP_CALLS", str(calls))
-    runs = experiments.plan("tiny", tmp_path / "out", seeds=[0, 1], variants=["prenorm", "rezero", "rd"])
+    runs = experiments.plan("tiny", tmp_path / "out", seeds="0,1", variants="prenorm,rezero,rd")
     assert [r["name"] for r in runs] == ["prenorm_L4_s0", "rezero_L4_s0", "rd_L4_s0",
                                           "prenorm_L4_s1", "rezero_L4_s1", "rd_L4_s1"]  # seed-major: whole pairs first
     assert "--attnres_block" in runs[2]["args"] and "--attnres_block" not in runs[0]["args"]  # AttnRes only
@@ -2004,3 +2091,130 @@ def test_exp_real_sweep_through_train_py(tmp_path, capsys):
     capsys.readouterr()
     assert experiments.main(argv) == 0
     assert capsys.readouterr().out.count("skip ") == 2
+
+
+# sweep custom: the grid of a prepared folder, named by its meta.json; one routing block per depth for every
+# AttnRes variant (the largest automatic one among them)
+def _exp_renamed_data(demo, root, dataset):
+    folder = Path(root) / "mine"
+    shutil.copytree(demo, folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps(dict(meta, dataset=dataset)))
+    return folder
+
+
+def test_exp_custom_grid_plan_and_like_for_like_block(_train_data, tmp_path):
+    data = _exp_renamed_data(_train_data[0], tmp_path, "tinystories")
+    runs = experiments.plan("custom", tmp_path / "out", "0-1", "4,8", "prenorm,block,wav,rd", data=data)
+    assert [r["name"] for r in runs[:8]] == [f"{v}_L4_s{s}" for s in (0, 1) for v in ("prenorm", "block", "wav", "rd")]
+    assert len(runs) == 16 and [r["depth"] for r in runs] == [4] * 8 + [8] * 8
+    assert {r["dataset"] for r in runs} == {"tinystories"}  # from meta.json, not the folder's name
+    assert all(r["args"][r["args"].index("--data") + 1] == str(data) for r in runs)
+    for r in runs:  # at 4 and 8 layers Block AttnRes alone would take 2 sublayers, WAV takes 4: all get 4
+        routed = r["variant"] != "prenorm"
+        assert r["attnres_block"] == (4 if routed else None)
+        assert r["args"].count("--attnres_block") == routed
+        assert not routed or r["args"][r["args"].index("--attnres_block") + 1] == "4"
+    parents = experiments.plan("custom", tmp_path / "out", "0", "8,24", "block,rd", data=data)
+    assert [r["attnres_block"] for r in parents] == [2, 2, 6, 6]  # without WAV: the automatic block
+    given = experiments.plan("custom", tmp_path / "out", "0", "8", "prenorm,wav", ["--attnres_block", "8"], data=data)
+    assert [r["attnres_block"] for r in given] == [None, 8] and given[1]["args"].count("--attnres_block") == 1
+    default = experiments.plan("custom", tmp_path / "out", None, None, "block", data=data)
+    assert [(r["depth"], r["seed"]) for r in default] == [(4, 0), (4, 1), (4, 2)]
+    assert {r["attnres_block"] for r in experiments.plan("tiny", tmp_path / "t") if r["variant"] != "prenorm"} == {4, None}
+
+
+# sweep's bad grid input: one error line, exit 2
+def test_exp_bad_grid_input_is_one_error_line(_train_data, tmp_path, capsys):
+    demo = str(_train_data[0])
+    custom = ["sweep", "custom", "--out", str(tmp_path / "runs"), "--dry_run"]
+    cases = [
+        ([*custom, "--data", demo, "--variants", "prenorm,blok"], "--variants prenorm,blok: unknown 'blok'; choose"),
+        ([*custom, "--data", demo, "--variants", "wav,wav"], "--variants wav,wav: a variant twice"),
+        ([*custom, "--data", demo, "--variants", "block", "--seeds", "2-0"], "--seeds 2-0: expected distinct"),
+        ([*custom, "--data", demo, "--variants", "block", "--seeds", "0,1,1"], "--seeds 0,1,1: expected distinct"),
+        ([*custom, "--data", demo, "--variants", "block", "--seeds", "a-b"], "--seeds a-b: expected"),
+        ([*custom, "--data", demo, "--variants", "block", "--depths", "0"], "--depths 0: expected distinct integers >= 1"),
+        ([*custom, "--data", demo, "--variants", "wav", "--depths", "1"], "--depths 1: n_layer=1: WAV needs"),
+        ([*custom, "--data", str(tmp_path / "text8"), "--variants", "block"],
+         f"data folder {tmp_path / 'text8'} does not exist; run: python prepare_data.py text8 --out"),
+        ([*custom, "--variants", "block"], "sweep custom needs --data FOLDER"),
+        ([*custom, "--data", demo], "sweep custom needs --data FOLDER (a prepared dataset) and --variants"),
+        (["sweep", "tiny", "--data", demo, "--dry_run"], "only sweep custom takes a data folder"),
+        ([*custom, "--data", demo, "--variants", "block", "--", "--n_layer", "8"], "--n_layer after --: the sweep"),
+        ([*custom, "--data", demo, "--variants", "block", "--", "--data=x"], "--data after --"),
+        ([*custom, "--data", demo, "--variants", "block", "--jobs", "0"], "--jobs 0: must be at least 1"),
+    ]
+    for argv, message in cases:
+        assert experiments.main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith("error: ") and captured.err.count("\n") == 1, argv
+        assert message in captured.err, (argv, captured.err)
+
+
+# --jobs N: N runs at once, each with its share of the CPU cores, or on CUDA its own GPUs
+def test_exp_job_slots_share_cores_or_give_each_run_its_gpus(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(experiments, "_cores", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert experiments.job_slots(1) == [{}]  # one run: the environment as it is
+    assert experiments.job_slots(2) == [{"OMP_NUM_THREADS": "4"}] * 2
+    assert experiments.job_slots(3, per_run=2) == [{"OMP_NUM_THREADS": "1"}] * 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert experiments.job_slots(2) == [{}, {}]  # the user's setting stands
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert experiments.job_slots(4) == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(4)]
+    assert experiments.job_slots(2, per_run=2) == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    assert experiments.job_slots(2, extra=["--device", "cpu"]) == [{}, {}]  # CPU runs: OMP_NUM_THREADS is set
+    with pytest.raises(experiments.UsageError, match="--jobs 5: 4 visible GPU"):
+        experiments.job_slots(5)
+    with pytest.raises(experiments.UsageError, match="drop --device"):
+        experiments.job_slots(2, extra=["--device", "cuda:1"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    slots = experiments.job_slots(2)
+    assert slots == [{"CUDA_VISIBLE_DEVICES": "5"}, {"CUDA_VISIBLE_DEVICES": "7"}]  # among the visible ones
+    run = dict(env={"OMP_NUM_THREADS": "1"})
+    assert experiments._run_env(run, slots[1]) == {"CUDA_VISIBLE_DEVICES": "7"}  # the user's OMP_NUM_THREADS stands
+
+
+def test_exp_custom_sweep_runs_two_at_once_resumes_and_reports(_train_data, tmp_path, monkeypatch, capsys):
+    """Two real tiny runs with --jobs 2, one thread each (on 2 cores): both start before either ends."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(experiments, "_cores", lambda: 2)
+    tiny = [a for i, a in enumerate(_TRAIN_TINY) if "--n_layer" not in _TRAIN_TINY[max(0, i - 1):i + 1]]
+    argv = ["sweep", "custom", "--data", str(_train_data[0]), "--variants", "prenorm,wav", "--depths", "2",
+            "--seeds", "0", "--jobs", "2", "--out", str(tmp_path / "runs"), "--", *tiny, "--max_iters", "3"]
+    assert experiments.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    events = [line.split(": ")[1].split()[0] for line in lines if line.startswith("[")]
+    assert events == ["started", "started", "done", "done"], lines
+    assert "2 done, 0 failed" in lines[-1] and "2 at a time" in lines[-1]
+    info = {v: json.loads((tmp_path / f"runs/{v}_L2_s0/run.json").read_text()) for v in ("prenorm", "wav")}
+    assert all(i["command"].startswith("OMP_NUM_THREADS=1 ") and i["dataset"] == "demo" for i in info.values())
+    assert info["wav"]["attnres_block"] == 4 and info["prenorm"]["attnres_block"] is None
+    assert experiments.main(["report", str(tmp_path / "runs"), "--baseline", "prenorm"]) == 0
+    text = (tmp_path / "runs/report.md").read_text()
+    assert "## demo, 2 layers" in text and "Routing block: 4 sublayers for every AttnRes variant" in text
+    assert "| **prenorm** (baseline) | 1 |" in text and re.search(r"\| wav \| 1 \| \d\.\d{4} ± – \|", text)
+    capsys.readouterr()
+    assert experiments.main(argv) == 0  # the same command again: both finished, nothing runs
+    assert capsys.readouterr().out.count("skip ") == 2
+
+
+# the report states the routing block of each group's AttnRes variants, and flags groups where they differ
+def test_exp_report_states_the_routing_block(tmp_path):
+    _exp_study(tmp_path)
+    assert experiments.main(["report", str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "## demo, 4 layers\n\nRouting block: 2 sublayers for every AttnRes variant (like for like)." in text
+    assert "## fineweb_edu, 16 layers\n\nRouting block: 4 sublayers" in text
+    d = _exp_run(tmp_path, "wav_L4_s0", "wav", 0, 2.0)  # a hand-run WAV: automatic block 4 at 4 layers
+    summary = json.loads((d / "summary.json").read_text())
+    summary["config"].update(wav=True)
+    (d / "summary.json").write_text(json.dumps(summary))
+    assert experiments.main(["report", str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "**Routing blocks differ** (block: 2, rd: 2, wav: 4 sublayers)" in text
+    assert "Routing block: 2 sublayers" not in text and "Routing block: 4 sublayers" in text  # fineweb_edu

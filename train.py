@@ -45,21 +45,40 @@ TRAIN_DEFAULTS = dict(
     data="data/demo", out_dir="out", preset=None,
     batch_size=16, grad_accum=1,  # sequences per micro-step (the global batch, split over processes)
     lr=2e-3, min_lr=None, warmup_iters=20, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0,
-    max_iters=400, max_tokens=None, eval_interval=100, eval_tokens=32768, milestones=None,
+    max_iters=400, max_tokens=None, eval_interval=100, eval_tokens=None, milestones=None,
     log_interval=20, seed=1337, device="auto", dtype="auto", compile=False, resume=False, stop_after=None)
+# --eval_tokens when not given: 32K per split; 8K on CPU with a large vocabulary (GPT-2's 50,257 tokens),
+# where the output layer makes an evaluated token ~8x dearer than at char level with train.py's model
+# (128 x 50257 multiply-adds a token against ~0.9M for the 4 layers): 32K took ~30% of a CPU run there.
+EVAL_TOKENS, EVAL_TOKENS_CPU_LARGE_VOCAB, LARGE_VOCAB = 32768, 8192, 1024
 # train.py's small model; the other GPTConfig fields keep the dataclass defaults
 MODEL_DEFAULTS = dict(sequence_len=256, n_layer=4, n_head=4, n_embd=128)
 # flags that say how this invocation runs, not what the run is: never taken from a checkpoint
 RUNTIME_ARGS = ("out_dir", "preset", "device", "dtype", "compile", "resume", "stop_after")
 
+# The routing variants compared in this codebase, as GPTConfig values (experiments.py's sweeps and the
+# presets below use this table). All three fields are always given, so one variant's values never leak
+# into another (a preset with wav=True, then --residual attnres --wav False --rd off, is Block AttnRes).
+VARIANTS = {
+    "prenorm": dict(residual="prenorm", wav=False, rd="off"),
+    "rezero": dict(residual="rezero", wav=False, rd="off"),
+    "layerscale": dict(residual="layerscale", wav=False, rd="off"),
+    "block": dict(residual="attnres", wav=False, rd="off"),  # Block AttnRes: the parent of WAV and RD
+    "wav": dict(residual="attnres", wav=True, rd="off"),
+    "rd": dict(residual="attnres", wav=False, rd="decoupled"),
+    "rd_tied": dict(residual="attnres", wav=False, rd="tied"),
+    "rd_average": dict(residual="attnres", wav=False, rd="average"),
+    "rd_frozen_v": dict(residual="attnres", wav=False, rd="frozen_v"),
+}
+
 # The papers' set-ups (SPEC.md). Explicit flags override them. WAV v1 (char level, 12/24/48 layers):
 # SPEC.md does not give the paper's width or schedule, so these are our choices (head size 64).
 # Compare with --wav False (Block AttnRes), --residual rezero or --residual layerscale.
-_WAV = dict(data="data/tinystories", residual="attnres", wav=True, n_embd=256, n_head=4, sequence_len=256,
+_WAV = dict(VARIANTS["wav"], data="data/tinystories", n_embd=256, n_head=4, sequence_len=256,
             batch_size=64, lr=1e-3, warmup_iters=500, max_iters=20000, eval_interval=1000, eval_tokens=1 << 20)
 # RD-AttnRes (FineWeb-Edu, GPT-2 tokens, 2.0B tokens, milestones as in the paper); batch 0.5M tokens.
 # Compare with --rd off (the parent), tied, average, frozen_v; pair with --seed.
-_RD = dict(data="data/fineweb_edu", residual="attnres", rd="decoupled", sequence_len=1024, batch_size=64,
+_RD = dict(VARIANTS["rd"], data="data/fineweb_edu", sequence_len=1024, batch_size=64,
            grad_accum=8, lr=6e-4, warmup_iters=200, max_tokens=2_000_000_000, eval_interval=250,
            eval_tokens=1 << 20, milestones="0.25B,0.5B,1B,2B", log_interval=10)
 PRESETS = {
@@ -83,7 +102,8 @@ TRAIN_HELP = dict(
     max_iters="optimizer steps (the schedule length)",
     max_tokens="token budget instead of --max_iters: 2B, 500M, 64K or an integer",
     eval_interval="evaluate and write last.pt (best.pt if better) every this many steps",
-    eval_tokens="tokens per split (train, val) in each evaluation",
+    eval_tokens=f"tokens per split (train, val) in each evaluation (default: {EVAL_TOKENS}; "
+                f"{EVAL_TOKENS_CPU_LARGE_VOCAB} on CPU with a vocabulary over {LARGE_VOCAB} tokens)",
     milestones="also evaluate when the token count crosses these, e.g. 0.25B,0.5B,1B,2B",
     log_interval="print and log the train loss every this many steps", seed="data order and init",
     device="auto (cuda if available, else cpu), cpu, cuda, cuda:N", dtype="auto (bfloat16 autocast on CUDA, "
@@ -179,8 +199,8 @@ def resolve_settings(explicit, ckpt, ckpt_path):
 
 
 def check_settings(a, world):
-    positive = ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_tokens", "log_interval")
-    for name in positive + ("stop_after",) * (a.stop_after is not None):
+    positive = ("batch_size", "grad_accum", "max_iters", "eval_interval", "log_interval")
+    for name in positive + tuple(n for n in ("eval_tokens", "stop_after") if getattr(a, n) is not None):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name} {getattr(a, name)}: must be a positive integer")
     for name in ("lr", "weight_decay", "grad_clip", "warmup_iters", "seed") + ("min_lr",) * (a.min_lr is not None):
@@ -196,6 +216,24 @@ def check_settings(a, world):
     if a.batch_size % world:
         raise UsageError(f"--batch_size {a.batch_size} is not divisible by the {world} processes: "
                          "each process takes an equal share of the batch")
+
+
+def default_eval_tokens(vocab_size, device):
+    """--eval_tokens when not given (see EVAL_TOKENS)."""
+    return EVAL_TOKENS_CPU_LARGE_VOCAB if device.type == "cpu" and vocab_size > LARGE_VOCAB else EVAL_TOKENS
+
+
+def block_note(config):
+    """A note when the automatic routing block differs from the one Block AttnRes (the parent variant)
+    gets at this depth: a comparison with it would then also compare block sizes. None otherwise."""
+    if config.residual != "attnres" or config.attnres_block:
+        return None
+    parent = GPTConfig(n_layer=config.n_layer, **VARIANTS["block"]).routing_block
+    if config.routing_block == parent:
+        return None
+    return (f"note: the automatic routing block is {config.routing_block} sublayers here (WAV needs at least 4) "
+            f"but {parent} for Block AttnRes at {config.n_layer} layers; to compare the two like for like, give "
+            f"both --attnres_block {config.routing_block} (experiments.py sweeps do)")
 
 
 def pick_device(name, local_rank=0):
@@ -516,6 +554,8 @@ def train(argv, cleanup):
         raise UsageError(f"--vocab_size {a.vocab_size} differs from dataset {a.data}'s vocab_size "
                          f"{meta['vocab_size']}: drop the flag (it defaults to the dataset's)")
     a.vocab_size = meta["vocab_size"]
+    if a.eval_tokens is None:
+        a.eval_tokens = default_eval_tokens(a.vocab_size, device)
     try:
         config = GPTConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(GPTConfig)})
     except ValueError as e:
@@ -581,10 +621,13 @@ def train(argv, cleanup):
         f"{config.residual}" + (f" (block {config.routing_block}, wav {config.wav}, rd {config.rd})"
                                 if config.residual == "attnres" else "")
         + f"; {raw_model.get_num_params() / 1e6:.2f}M parameters")
+    if block_note(config):
+        log(block_note(config))
     log(f"training: {a.max_iters} steps x {tokens_per_step:,} tokens (batch {a.batch_size} x accum {a.grad_accum} "
         f"x {T}) = {a.max_iters * tokens_per_step / 1e6:.1f}M tokens; lr {a.lr:g} warmup {a.warmup_iters} cosine "
         f"to {a.lr / 10 if a.min_lr is None else a.min_lr:g}; {world} process(es) on {device}, "
-        f"{str(dtype).removeprefix('torch.')}")
+        f"{str(dtype).removeprefix('torch.')}; evaluation: {a.eval_tokens:,} tokens per split every "
+        f"{a.eval_interval} steps")
 
     t_start, last_eval = time.time(), ckpt.get("last_eval") if ckpt else None
 
