@@ -1638,7 +1638,7 @@ def test_exp_route_matrix_rows_reads_columns_pool_order(tmp_path):
 
 
 @pytest.mark.skipif(not _EXP_HAS_MPL,
-                    reason="matplotlib is not installed (optional); the no-matplotlib path is tested below")
+                    reason="needs matplotlib (optional: pip install matplotlib); the no-matplotlib path is tested below")
 def test_exp_plots_headless(tmp_path, capsys):
     runs_dir = _exp_routed_run(tmp_path)
     _exp_run(runs_dir, "rd_L2_s1", "rd", 1, 2.5, depth=2, evals=((0, 4.0), (100, 3.1), (200, 2.5)))
@@ -1649,7 +1649,10 @@ def test_exp_plots_headless(tmp_path, capsys):
     assert matplotlib.get_backend().lower() == "agg"
 
 
-def test_exp_heatmap_of_a_corrupt_checkpoint_is_one_clear_line(tmp_path, capsys):
+@pytest.mark.parametrize("matplotlib", ["as installed", "missing"])
+def test_exp_heatmap_of_a_corrupt_checkpoint_is_one_clear_line(tmp_path, monkeypatch, capsys, matplotlib):
+    if matplotlib == "missing":
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     runs_dir = _exp_routed_run(tmp_path)
     (runs_dir / "rd_L2_s0" / "best.pt").write_bytes(b"not a checkpoint")
     assert experiments.main(["report", str(runs_dir), "--heatmap", "rd_L2_s0"]) == 2
