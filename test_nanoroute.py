@@ -1097,7 +1097,8 @@ def _train_runs(_train_data, tmp_path_factory):
     try:
         assert _train_main(train, ["--data", demo, "--out_dir", routed, *_TRAIN_TINY, *_TRAIN_ROUTED,
                                    "--max_iters", 4, "--eval_interval", 2, "--milestones", "512,1K"])[0] == 0
-        assert _train_main(train, ["--data", demo, "--out_dir", prenorm, *_TRAIN_TINY, "--max_iters", 1])[0] == 0
+        assert _train_main(train, ["--data", demo, "--out_dir", prenorm, *_TRAIN_TINY, "--residual", "prenorm",
+                                   "--max_iters", 1])[0] == 0
     finally:
         torch.set_num_threads(threads)
     return routed, prenorm
@@ -1233,6 +1234,91 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(_train_data, _train
     assert code == 2 and "error: non-finite" in err and f"last good checkpoint kept at {out / 'last.pt'}" in err
     assert {name: (out / name).read_bytes() for name in good} == good
     assert not list(out.glob("*.tmp"))
+
+
+# the first run: no flags train Block AttnRes and end with the routing summary and the next commands
+def test_default_run_is_routed_and_ends_with_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):
+    demo, _ = _train_data
+    out = tmp_path / "run"
+    code, text, _ = _train_main(train, ["--data", demo, "--out_dir", out, *_TRAIN_TINY, "--max_iters", 2], capsys)
+    assert code == 0 and "residual attnres (block 2, wav False, rd off)" in text
+    assert json.loads((out / "summary.json").read_text())["config"]["residual"] == "attnres"
+    lines = text.split("\nrouting (")[1].splitlines()
+    reads = [line.split()[0] for line in lines[1:lines.index("")]]
+    assert reads == ["layer0.attn", "layer0.mlp", "layer1.attn", "layer1.mlp", "readout"]
+    assert lines[1].split() == ["layer0.attn", "emb", "1.00"]  # the first read sees only the embedding
+    weights = [float(w) for w in lines[5].split()[2::2]]  # readout: emb, C0, C1 with their weights
+    assert weights == sorted(weights, reverse=True) and sum(weights) == pytest.approx(1, abs=0.02)
+    nxt = text.split("\nnext:\n")[1].splitlines()
+    assert [line.split("#")[0].strip() for line in nxt] == [
+        f"python sample.py --out_dir {out}", f"python sample.py --out_dir {out} --routes",
+        f"python train.py --residual prenorm --out_dir {out}_prenorm"]
+
+
+def test_prenorm_run_has_no_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):
+    demo, _ = _train_data
+    code, text, _ = _train_main(train, ["--data", demo, "--out_dir", tmp_path, *_TRAIN_TINY, "--max_iters", 1,
+                                        "--residual", "prenorm"], capsys)
+    assert code == 0 and "\nrouting (" not in text and text.split("\nnext:\n")[1].count("python ") == 1
+
+
+# --device mps: used where torch has MPS (Apple silicon), else one clear line; auto prefers cuda, mps, cpu
+def test_device_mps_where_available_else_one_line(_train_data, _train_runs, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert train.pick_device("mps") == torch.device("mps") and train.pick_device("auto") == torch.device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert train.pick_device("auto") == torch.device("cpu")
+    demo, _ = _train_data
+    routed, _ = _train_runs
+    for script, out_dir in ((train, tmp_path / "run"), (sample, routed)):
+        code, _, err = _train_main(script, ["--data", demo, "--out_dir", out_dir, "--device", "mps"], capsys)
+        assert code == 2 and err == "error: --device mps: MPS (Apple silicon GPU) is not available here; use " \
+                                    "--device cpu\n"
+    assert not (tmp_path / "run").exists()
+
+
+# --wandb_project: one line naming the package when wandb is missing; else the same numbers as metrics.jsonl
+def test_wandb_missing_is_one_line_before_training(_train_data, monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    demo, _ = _train_data
+    code, out, err = _train_main(train, ["--data", demo, "--out_dir", tmp_path / "run", *_TRAIN_TINY,
+                                         "--max_iters", 1, "--wandb_project", "p"], capsys)
+    assert code == 2 and err == "error: --wandb_project needs the wandb package: pip install wandb (or drop the " \
+                                "flag)\n"
+    assert out == "" and not (tmp_path / "run").exists()
+    code, _, err = _train_main(train, ["--data", demo, "--out_dir", tmp_path / "run", "--wandb_run", "r"], capsys)
+    assert code == 2 and err == "error: --wandb_run needs --wandb_project NAME\n"
+
+
+def test_wandb_logs_the_numbers_of_metrics_jsonl(_train_data, _train_one_thread, monkeypatch, tmp_path):
+    wandb = pytest.importorskip("wandb", reason="needs wandb (optional: pip install wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never upload from a test
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged, real_log = [], wandb.Run.log
+
+    def spy(run, data, *args, **kwargs):  # records, then logs for real
+        logged.append((kwargs.get("step"), dict(data)))
+        return real_log(run, data, *args, **kwargs)
+
+    monkeypatch.setattr(wandb.Run, "log", spy)
+    demo, _ = _train_data
+    out = tmp_path / "run"
+    argv = ["--data", demo, "--out_dir", out, *_TRAIN_TINY, *_TRAIN_ROUTED, "--max_iters", 2, "--eval_interval", 1,
+            "--wandb_project", "nanoroute-test", "--wandb_run", "tiny"]
+    assert _train_main(train, argv)[0] == 0
+    lines = _train_metrics(out)
+    assert [step for step, _ in logged] == [line["step"] for line in lines]
+    for line, (_, numbers) in zip(lines, logged):
+        kind = line["type"]
+        expected = {f"{kind}/{k}": v for k, v in line.items() if isinstance(v, (int, float)) and k != "step"}
+        if kind == "eval":
+            expected.update({f"eval/routes/entropy/{read}": v for read, v in line["routes"]["entropy"].items()})
+            expected.update({f"eval/routes/js/{layer}": v for layer, v in line["routes"]["js"].items()},
+                            **{"eval/routes/js_mean": line["routes"]["js_mean"]})
+        assert numbers == expected
+    assert {"train/loss", "train/lr", "eval/val_loss", "eval/val_bpc"} <= {k for _, n in logged for k in n}
+    assert len(list((out / "wandb").glob("offline-run-*/run-*.wandb"))) == 1  # the real wandb wrote its run
 
 
 # -----------------------------------------------------------------------------
