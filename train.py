@@ -546,8 +546,8 @@ def train(argv=None):
         f"{str(dtype).removeprefix('torch.')}")
 
     t_start, last_eval = time.time(), ckpt.get("last_eval") if ckpt else None
-    wandb_run = wandb and wandb.init(project=a.wandb_project, name=a.wandb_run, dir=out_dir,
-                                     config=dict(train_args, **dataclasses.asdict(config)))
+    wandb_run = wandb.init(project=a.wandb_project, name=a.wandb_run, dir=out_dir,
+                           config=dict(train_args, **dataclasses.asdict(config))) if wandb else None
 
     def record(line):  # one line of metrics.jsonl; the same numbers to wandb with --wandb_project
         write_metrics(out_dir / "metrics.jsonl", line)
