@@ -1287,7 +1287,8 @@ def test_wandb_missing_is_one_line_before_training(_train_data, monkeypatch, tmp
     assert code == 2 and err == "error: --wandb_project needs the wandb package: pip install wandb (or drop the " \
                                 "flag)\n"
     assert out == "" and not (tmp_path / "run").exists()
-    code, _, err = _train_main(train, ["--data", demo, "--out_dir", tmp_path / "run", "--wandb_run", "r"], capsys)
+    code, _, err = _train_main(train, ["--data", demo, "--out_dir", tmp_path / "run", *_TRAIN_TINY, "--max_iters", 1,
+                                       "--wandb_run", "r"], capsys)
     assert code == 2 and err == "error: --wandb_run needs --wandb_project NAME\n"
 
 
