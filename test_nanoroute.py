@@ -1249,10 +1249,16 @@ def test_default_run_is_routed_and_ends_with_routing_summary(_train_data, _train
     assert lines[1].split() == ["layer0.attn", "emb", "1.00"]  # the first read sees only the embedding
     weights = [float(w) for w in lines[5].split()[2::2]]  # readout: emb, C0, C1 with their weights
     assert weights == sorted(weights, reverse=True) and sum(weights) == pytest.approx(1, abs=0.02)
-    nxt = text.split("\nnext:\n")[1].splitlines()
-    assert [line.split("#")[0].strip() for line in nxt] == [
-        f"python sample.py --out_dir {out}", f"python sample.py --out_dir {out} --routes",
-        f"python train.py --residual prenorm --out_dir {out}_prenorm"]
+    nxt = [line.split("#")[0].split() for line in text.split("\nnext:\n")[1].splitlines()]
+    assert nxt[:2] == [["python", "sample.py", "--out_dir", str(out)], ["python", "sample.py", "--out_dir", str(out),
+                                                                         "--routes"]]
+    assert nxt[2][:4] == ["python", "train.py", "--residual", "prenorm"] and nxt[2][-2:] == ["--out_dir",
+                                                                                          f"{out}_prenorm"]
+    # the suggested baseline is paired with this run: the same settings but the routing
+    assert _train_main(train, [*nxt[2][2:], "--device", "cpu"])[0] == 0
+    routed, baseline = (json.loads((Path(d) / "summary.json").read_text()) for d in (out, f"{out}_prenorm"))
+    assert baseline["config"] == dict(routed["config"], residual="prenorm")
+    assert baseline["train"] == dict(routed["train"], out_dir=f"{out}_prenorm")
 
 
 def test_prenorm_run_has_no_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):

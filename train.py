@@ -322,15 +322,24 @@ def routing_summary(stats, top=3):
     return "\n".join(lines)
 
 
-def next_commands(out_dir, routed):
-    """What to try after a run, as commands for this --out_dir."""
-    at = "" if Path(out_dir) == Path(TRAIN_DEFAULTS["out_dir"]) else f" --out_dir {out_dir}"
+ROUTING_FIELDS = ("residual", "attnres_block", "wav", "wav_bases", "wav_rho", "wav_detail_bias", "wav_readout_details",
+                  "rd", "fast_routing")
+
+
+def next_commands(a, routed):
+    """What to try after a run, as commands for its --out_dir; the baseline repeats every setting
+    that is not a default (a preset's too) except the routing, so that it is paired with this run."""
+    at = "" if Path(a.out_dir) == Path(TRAIN_DEFAULTS["out_dir"]) else f" --out_dir {a.out_dir}"
     commands = [(f"python sample.py{at}", "text from best.pt")]
     if routed:
+        defaults = {**TRAIN_DEFAULTS, **{f.name: f.default for f in dataclasses.fields(GPTConfig)}, **MODEL_DEFAULTS}
+        same = "".join(f" --{k} {getattr(a, k)}" for k in defaults if k not in ROUTING_FIELDS + RUNTIME_ARGS
+                       and k != "vocab_size" and getattr(a, k) != defaults[k]
+                       and not (k == "max_iters" and a.max_tokens))  # max_iters was computed from max_tokens
         commands += [(f"python sample.py{at} --routes", "how each read routes over a val crop"),
-                     (f"python train.py --residual prenorm --out_dir {out_dir}_prenorm",
-                      "the baseline without routing: same seed, same batches")]
-    width = max(len(command) for command, _ in commands)
+                      (f"python train.py --residual prenorm{same} --out_dir {a.out_dir}_prenorm",
+                       "the baseline without routing: same seed, same batches")]
+    width = min(60, max(len(command) for command, _ in commands))
     return "\n".join(["next:"] + [f"  {command:<{width}}  # {why}" for command, why in commands])
 
 
@@ -672,7 +681,7 @@ def train(argv=None):
         wandb_run.finish()
     if master:
         stats = batch_routing_stats(raw_model, val_data, val_batches[0], T, device, ctx)
-        log("\n" + (routing_summary(stats) + "\n\n" if stats else "") + next_commands(out_dir, stats is not None))
+        log("\n" + (routing_summary(stats) + "\n\n" if stats else "") + next_commands(a, stats is not None))
 
 
 if __name__ == "__main__":
