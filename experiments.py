@@ -520,7 +520,7 @@ def route_matrix(run_dir, rows=16):
 
 def plots(runs_dir, runs, heatmaps, baseline=None):
     """val_loss.png (val loss per variant, and its paired difference to the baseline) and
-    routes_<run>.png next to report.md; returns the paths written."""
+    routes_<run>.png next to report.md for heatmaps {run: route_matrix(run)}; returns the paths written."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # headless
@@ -569,8 +569,7 @@ def plots(runs_dir, runs, heatmaps, baseline=None):
     written.append(Path(runs_dir) / "val_loss.png")
     fig.savefig(written[-1], dpi=90)
     plt.close(fig)
-    for name in heatmaps:
-        reads, sources, matrix = route_matrix(Path(runs_dir) / name)
+    for name, (reads, sources, matrix) in heatmaps.items():
         w = np.array([[np.nan if x is None else x for x in row] for row in matrix])
         fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(sources), 1.0 + 0.3 * len(reads)))
         image = ax.imshow(np.ma.masked_invalid(w), cmap="viridis", vmin=0, vmax=1, aspect="auto")
@@ -611,6 +610,8 @@ def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
         config = (run["summary"] or {}).get("config") or VARIANTS.get(run["variant"], {})
         if config.get("residual", "attnres") != "attnres":
             raise UsageError(f"--heatmap {name}: a {run['variant']} run has no depth routes; choose an AttnRes run")
+    # read the checkpoints now, with or without matplotlib: a damaged one is an error either way
+    heatmaps = {name: route_matrix(Path(runs_dir) / name) for name in heatmaps}
     text = markdown(runs_dir, runs, summarize(runs, baseline), baseline)
     print(text)
     prepare_data.write_atomic(Path(runs_dir) / "report.md", lambda f: f.write(text.encode() + b"\n"))

@@ -40,7 +40,8 @@ def build_parser():
                    help=">= 1e-6 and finite; lower is more conservative (default: 0.8)")
     p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens, >= 1 (default: 200)")
     p.add_argument("--seed", type=int, default=1337, help="sampling seed (default: 1337)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps "
+                   "(default: auto)")
     p.add_argument("--routes", action="store_true", help="show the depth routing over the prompt instead of sampling")
     return p
 

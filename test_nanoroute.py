@@ -1181,7 +1181,8 @@ def _train_runs(_train_data, tmp_path_factory):
     try:
         assert _train_main(train, ["--data", demo, "--out_dir", routed, *_TRAIN_TINY, *_TRAIN_ROUTED,
                                    "--max_iters", 4, "--eval_interval", 2, "--milestones", "512,1K"])[0] == 0
-        assert _train_main(train, ["--data", demo, "--out_dir", prenorm, *_TRAIN_TINY, "--max_iters", 1])[0] == 0
+        assert _train_main(train, ["--data", demo, "--out_dir", prenorm, *_TRAIN_TINY, "--residual", "prenorm",
+                                   "--max_iters", 1])[0] == 0
     finally:
         torch.set_num_threads(threads)
     return routed, prenorm
@@ -1547,6 +1548,98 @@ def test_train_notes_a_routing_block_other_than_the_parents(_train_data, _train_
     assert code == 0 and out.count("note: the automatic routing block is 4 sublayers") == 1
     code, out, _ = _train_main(train, [*t, "--out_dir", tmp_path / "block"], capsys)
     assert code == 0 and "note: the automatic routing block" not in out
+
+
+# the first run: no flags train Block AttnRes and end with the routing summary and the next commands
+def test_default_run_is_routed_and_ends_with_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):
+    demo, _ = _train_data
+    out = tmp_path / "run"
+    code, text, _ = _train_main(train, ["--data", demo, "--out_dir", out, *_TRAIN_TINY, "--max_iters", 2], capsys)
+    assert code == 0 and "residual attnres (block 2, wav False, rd off)" in text
+    assert json.loads((out / "summary.json").read_text())["config"]["residual"] == "attnres"
+    lines = text.split("\nrouting (")[1].splitlines()
+    reads = [line.split()[0] for line in lines[1:lines.index("")]]
+    assert reads == ["layer0.attn", "layer0.mlp", "layer1.attn", "layer1.mlp", "readout"]
+    assert lines[1].split() == ["layer0.attn", "emb", "1.00"]  # the first read sees only the embedding
+    weights = [float(w) for w in lines[5].split()[2::2]]  # readout: emb, C0, C1 with their weights
+    assert weights == sorted(weights, reverse=True) and sum(weights) == pytest.approx(1, abs=0.02)
+    nxt = [line.split("#")[0].split() for line in text.split("\nnext:\n")[1].splitlines()]
+    assert nxt[:2] == [["python", "sample.py", "--out_dir", str(out)], ["python", "sample.py", "--out_dir", str(out),
+                                                                         "--routes"]]
+    assert nxt[2][:4] == ["python", "train.py", "--residual", "prenorm"] and nxt[2][-2:] == ["--out_dir",
+                                                                                          f"{out}_prenorm"]
+    # the suggested baseline is paired with this run: the same settings but the routing
+    assert _train_main(train, [*nxt[2][2:], "--device", "cpu"])[0] == 0
+    routed, baseline = (json.loads((Path(d) / "summary.json").read_text()) for d in (out, f"{out}_prenorm"))
+    assert baseline["config"] == dict(routed["config"], residual="prenorm")
+    assert baseline["train"] == dict(routed["train"], out_dir=f"{out}_prenorm")
+
+
+def test_prenorm_run_has_no_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):
+    demo, _ = _train_data
+    code, text, _ = _train_main(train, ["--data", demo, "--out_dir", tmp_path, *_TRAIN_TINY, "--max_iters", 1,
+                                        "--residual", "prenorm"], capsys)
+    assert code == 0 and "\nrouting (" not in text and text.split("\nnext:\n")[1].count("python ") == 1
+
+
+# --device mps: used where torch has MPS (Apple silicon), else one clear line; auto prefers cuda, mps, cpu
+def test_device_mps_where_available_else_one_line(_train_data, _train_runs, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert train.pick_device("mps") == torch.device("mps") and train.pick_device("auto") == torch.device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert train.pick_device("auto") == torch.device("cpu")
+    demo, _ = _train_data
+    routed, _ = _train_runs
+    for script, out_dir in ((train, tmp_path / "run"), (sample, routed)):
+        code, _, err = _train_main(script, ["--data", demo, "--out_dir", out_dir, "--device", "mps"], capsys)
+        assert code == 2 and err == "error: --device mps: MPS (Apple silicon GPU) is not available here; use " \
+                                    "--device cpu\n"
+    assert not (tmp_path / "run").exists()
+
+
+# --wandb_project: one line naming the package when wandb is missing; else the same numbers as metrics.jsonl
+def test_wandb_missing_is_one_line_before_training(_train_data, monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    demo, _ = _train_data
+    code, out, err = _train_main(train, ["--data", demo, "--out_dir", tmp_path / "run", *_TRAIN_TINY,
+                                         "--max_iters", 1, "--wandb_project", "p"], capsys)
+    assert code == 2 and err == "error: --wandb_project needs the wandb package: pip install wandb (or drop the " \
+                                "flag)\n"
+    assert out == "" and not (tmp_path / "run").exists()
+    code, _, err = _train_main(train, ["--data", demo, "--out_dir", tmp_path / "run", *_TRAIN_TINY, "--max_iters", 1,
+                                       "--wandb_run", "r"], capsys)
+    assert code == 2 and err == "error: --wandb_run needs --wandb_project NAME\n"
+
+
+def test_wandb_logs_the_numbers_of_metrics_jsonl(_train_data, _train_one_thread, monkeypatch, tmp_path):
+    wandb = pytest.importorskip("wandb", reason="needs wandb (optional: pip install wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never upload from a test
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged, real_log = [], wandb.Run.log
+
+    def spy(run, data, *args, **kwargs):  # records, then logs for real
+        logged.append((kwargs.get("step"), dict(data)))
+        return real_log(run, data, *args, **kwargs)
+
+    monkeypatch.setattr(wandb.Run, "log", spy)
+    demo, _ = _train_data
+    out = tmp_path / "run"
+    argv = ["--data", demo, "--out_dir", out, *_TRAIN_TINY, *_TRAIN_ROUTED, "--max_iters", 2, "--eval_interval", 1,
+            "--wandb_project", "nanoroute-test", "--wandb_run", "tiny"]
+    assert _train_main(train, argv)[0] == 0
+    lines = _train_metrics(out)
+    assert [step for step, _ in logged] == [line["step"] for line in lines]
+    for line, (_, numbers) in zip(lines, logged):
+        kind = line["type"]
+        expected = {f"{kind}/{k}": v for k, v in line.items() if isinstance(v, (int, float)) and k != "step"}
+        if kind == "eval":
+            expected.update({f"eval/routes/entropy/{read}": v for read, v in line["routes"]["entropy"].items()})
+            expected.update({f"eval/routes/js/{layer}": v for layer, v in line["routes"]["js"].items()},
+                            **{"eval/routes/js_mean": line["routes"]["js_mean"]})
+        assert numbers == expected
+    assert {"train/loss", "train/lr", "eval/val_loss", "eval/val_bpc"} <= {k for _, n in logged for k in n}
+    assert len(list((out / "wandb").glob("offline-run-*/run-*.wandb"))) == 1  # the real wandb wrote its run
 
 
 # -----------------------------------------------------------------------------
@@ -2049,7 +2142,7 @@ def test_exp_route_matrix_rows_reads_columns_pool_order(tmp_path):
 
 
 @pytest.mark.skipif(not _EXP_HAS_MPL,
-                    reason="matplotlib is not installed (optional); the no-matplotlib path is tested below")
+                    reason="needs matplotlib (optional: pip install matplotlib); the no-matplotlib path is tested below")
 def test_exp_plots_headless(tmp_path, capsys):
     runs_dir = _exp_routed_run(tmp_path)
     _exp_run(runs_dir, "rd_L2_s1", "rd", 1, 2.5, depth=2, evals=((0, 4.0), (100, 3.1), (200, 2.5)))
@@ -2060,7 +2153,10 @@ def test_exp_plots_headless(tmp_path, capsys):
     assert matplotlib.get_backend().lower() == "agg"
 
 
-def test_exp_heatmap_of_a_corrupt_checkpoint_is_one_clear_line(tmp_path, capsys):
+@pytest.mark.parametrize("matplotlib", ["as installed", "missing"])
+def test_exp_heatmap_of_a_corrupt_checkpoint_is_one_clear_line(tmp_path, monkeypatch, capsys, matplotlib):
+    if matplotlib == "missing":
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     runs_dir = _exp_routed_run(tmp_path)
     (runs_dir / "rd_L2_s0" / "best.pt").write_bytes(b"not a checkpoint")
     assert experiments.main(["report", str(runs_dir), "--heatmap", "rd_L2_s0"]) == 2

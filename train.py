@@ -1,7 +1,8 @@
 """
 Train a nanoroute GPT on a prepared dataset: one CPU or GPU, or several under torchrun (DDP).
 
-    python train.py                                            # demo data, small model, CPU, minutes
+    python train.py                                            # demo data, small Block AttnRes model, minutes
+    python train.py --residual prenorm --out_dir out_prenorm   # the same run without depth routing
     python train.py --residual attnres --rd decoupled --out_dir out/rd
     python train.py --preset rd_s --seed 1 --out_dir out/rd_s_seed1
     torchrun --nproc_per_node=8 train.py --preset rd_s --rd off --out_dir out/rd_s_off
@@ -46,15 +47,19 @@ TRAIN_DEFAULTS = dict(
     batch_size=16, grad_accum=1,  # sequences per micro-step (the global batch, split over processes)
     lr=2e-3, min_lr=None, warmup_iters=20, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0,
     max_iters=400, max_tokens=None, eval_interval=100, eval_tokens=None, milestones=None,
-    log_interval=20, seed=1337, device="auto", dtype="auto", compile=False, resume=False, stop_after=None)
+    log_interval=20, seed=1337, device="auto", dtype="auto", compile=False, resume=False, stop_after=None,
+    wandb_project=None, wandb_run=None)
 # --eval_tokens when not given: 32K per split; 8K on CPU with a large vocabulary (GPT-2's 50,257 tokens),
 # where the output layer makes an evaluated token ~8x dearer than at char level with train.py's model
 # (128 x 50257 multiply-adds a token against ~0.9M for the 4 layers): 32K took ~30% of a CPU run there.
 EVAL_TOKENS, EVAL_TOKENS_CPU_LARGE_VOCAB, LARGE_VOCAB = 32768, 8192, 1024
-# train.py's small model; the other GPTConfig fields keep the dataclass defaults
-MODEL_DEFAULTS = dict(sequence_len=256, n_layer=4, n_head=4, n_embd=128)
+# train.py's small model; the other GPTConfig fields keep the dataclass defaults. Routed by default
+# (Block AttnRes): the first run shows what this project is about. Not WAV or RD: Block AttnRes is
+# the base both modify, its summary is the easiest to read, and each is one flag away (--wav, --rd).
+MODEL_DEFAULTS = dict(sequence_len=256, n_layer=4, n_head=4, n_embd=128, residual="attnres")
 # flags that say how this invocation runs, not what the run is: never taken from a checkpoint
-RUNTIME_ARGS = ("out_dir", "preset", "device", "dtype", "compile", "resume", "stop_after")
+RUNTIME_ARGS = ("out_dir", "preset", "device", "dtype", "compile", "resume", "stop_after", "wandb_project",
+                "wandb_run")
 
 # The routing variants compared in this codebase, as GPTConfig values (experiments.py's sweeps and the
 # presets below use this table). All three fields are always given, so one variant's values never leak
@@ -106,9 +111,12 @@ TRAIN_HELP = dict(
                 f"{EVAL_TOKENS_CPU_LARGE_VOCAB} on CPU with a vocabulary over {LARGE_VOCAB} tokens)",
     milestones="also evaluate when the token count crosses these, e.g. 0.25B,0.5B,1B,2B",
     log_interval="print and log the train loss every this many steps", seed="data order and init",
-    device="auto (cuda if available, else cpu), cpu, cuda, cuda:N", dtype="auto (bfloat16 autocast on CUDA, "
-    "float32 on CPU), float32, bfloat16", compile="torch.compile the model", resume="continue from OUT_DIR/last.pt",
-    stop_after="stop after this step, saving last.pt (then --resume); the schedule still ends at --max_iters")
+    device="auto (cuda if available, else mps, else cpu), cpu, cuda, cuda:N, mps (Apple silicon)",
+    dtype="auto (bfloat16 autocast on CUDA, float32 elsewhere), float32, bfloat16",
+    compile="torch.compile the model", resume="continue from OUT_DIR/last.pt",
+    stop_after="stop after this step, saving last.pt (then --resume); the schedule still ends at --max_iters",
+    wandb_project="also log metrics.jsonl's numbers to this Weights & Biases project (pip install wandb)",
+    wandb_run="name of the wandb run (default: wandb's)")
 
 
 def _bool(text):
@@ -153,7 +161,7 @@ def build_parser():
     g = p.add_argument_group("training")
     types = dict(data=str, out_dir=str, preset=str, lr=float, min_lr=float, weight_decay=float, beta1=float,
                  beta2=float, grad_clip=float, max_tokens=count, eval_tokens=count, milestones=_milestones,
-                 device=str, dtype=str, compile=_bool, resume=_bool)
+                 device=str, dtype=str, compile=_bool, resume=_bool, wandb_project=str, wandb_run=str)
     for name, default in TRAIN_DEFAULTS.items():
         kind = types.get(name, int)
         extra = dict(nargs="?", const=True, metavar="BOOL") if kind is _bool else dict(metavar=METAVARS[kind])
@@ -213,6 +221,8 @@ def check_settings(a, world):
             raise UsageError(f"--{name} {getattr(a, name)}: must be in [0, 1), e.g. 0.9 / 0.95")
     if a.dtype not in ("auto", "float32", "bfloat16"):
         raise UsageError(f"--dtype {a.dtype}: choose auto, float32 or bfloat16")
+    if a.wandb_run is not None and a.wandb_project is None:
+        raise UsageError("--wandb_run needs --wandb_project NAME")
     if a.batch_size % world:
         raise UsageError(f"--batch_size {a.batch_size} is not divisible by the {world} processes: "
                          "each process takes an equal share of the batch")
@@ -237,12 +247,15 @@ def block_note(config):
 
 
 def pick_device(name, local_rank=0):
+    """auto: CUDA, else Apple's MPS, else the CPU."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise UsageError(f"--device {name}: choose auto, cpu, cuda or cuda:N")
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+        raise UsageError(f"--device {name}: choose auto, cpu, cuda, cuda:N or mps")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: CUDA is not available here; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--device mps: MPS (Apple silicon GPU) is not available here; use --device cpu")
     if name == "cuda":
         name = f"cuda:{local_rank}"  # under torchrun: one GPU per process
     return torch.device(name)
@@ -319,8 +332,8 @@ def evaluate(model, data, batches, T, device, ctx, rank, world):
 
 
 @torch.no_grad()
-def routes_block(model, data, offsets, T, device, ctx):
-    """Routing diagnostics of one eval batch (8 rows): entropy per read, RD's JS divergence."""
+def batch_routing_stats(model, data, offsets, T, device, ctx):
+    """routing_stats of one eval batch (8 rows); None for a model without depth routing."""
     if model.config.residual != "attnres":
         return None
     model.eval()
@@ -328,9 +341,50 @@ def routes_block(model, data, offsets, T, device, ctx):
     with ctx:
         routes = model(x, y, return_routes=True)[2]
     model.train()
-    stats = routing_stats(routes)
+    return routing_stats(routes)
+
+
+def routes_block(model, data, offsets, T, device, ctx):
+    """Routing diagnostics of one eval batch for metrics.jsonl: entropy per read, RD's JS divergence."""
+    stats = batch_routing_stats(model, data, offsets, T, device, ctx)
+    if stats is None:
+        return None
     return dict(entropy={name: r["entropy"] + 0.0 for name, r in stats["reads"].items()}, js=stats["js"],
                 js_mean=stats["js_mean"])
+
+
+def routing_summary(stats, top=3):
+    """A few lines for the end of a run: the sources each read leans on most (mean weight)."""
+    lines = ["routing (mean weight per source, one val batch; emb: embedding, C<i>: completed block i, "
+             "P: partial block)"]
+    for name, read in stats["reads"].items():
+        ranked = sorted(zip(read["mean_weight"], read["sources"]), reverse=True)[:top]
+        lines.append(f"  {name:<14}" + "  ".join(f"{source} {weight:.2f}" for weight, source in ranked)
+                     + ("  ..." if len(read["sources"]) > top else ""))
+    if stats["js_mean"] is not None:
+        lines.append(f"  RD: JS divergence between the QK and V routes, mean over layers {stats['js_mean']:.4f} nats")
+    return "\n".join(lines)
+
+
+ROUTING_FIELDS = ("residual", "attnres_block", "wav", "wav_bases", "wav_rho", "wav_detail_bias", "wav_readout_details",
+                  "rd", "fast_routing")
+
+
+def next_commands(a, routed):
+    """What to try after a run, as commands for its --out_dir; the baseline repeats every setting
+    that is not a default (a preset's too) except the routing, so that it is paired with this run."""
+    at = "" if Path(a.out_dir) == Path(TRAIN_DEFAULTS["out_dir"]) else f" --out_dir {a.out_dir}"
+    commands = [(f"python sample.py{at}", "text from best.pt")]
+    if routed:
+        defaults = {**TRAIN_DEFAULTS, **{f.name: f.default for f in dataclasses.fields(GPTConfig)}, **MODEL_DEFAULTS}
+        same = "".join(f" --{k} {getattr(a, k)}" for k in defaults if k not in ROUTING_FIELDS + RUNTIME_ARGS
+                       and k != "vocab_size" and getattr(a, k) != defaults[k]
+                       and not (k == "max_iters" and a.max_tokens))  # max_iters was computed from max_tokens
+        commands += [(f"python sample.py{at} --routes", "how each read routes over a val crop"),
+                      (f"python train.py --residual prenorm{same} --out_dir {a.out_dir}_prenorm",
+                       "the baseline without routing: same seed, same batches")]
+    width = min(60, max(len(command) for command, _ in commands))
+    return "\n".join(["next:"] + [f"  {command:<{width}}  # {why}" for command, why in commands])
 
 
 def save_atomic(obj, path):
@@ -386,6 +440,32 @@ def strip_prefixes(state_dict):  # torch.compile adds _orig_mod., DDP adds modul
 def write_metrics(path, record):
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def import_wandb():
+    """wandb, for --wandb_project; checked before any training, so a missing package costs nothing."""
+    try:
+        import wandb
+    except ImportError:
+        raise UsageError("--wandb_project needs the wandb package: pip install wandb (or drop the flag)") from None
+    return wandb
+
+
+def wandb_numbers(record):
+    """A metrics.jsonl record as wandb metrics: its numbers, named type/field (nested: type/field/key)."""
+    numbers = {}
+
+    def walk(name, value):
+        if isinstance(value, dict):
+            for key, v in value.items():
+                walk(f"{name}/{key}", v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            numbers[name] = value
+
+    for key, value in record.items():
+        if key not in ("type", "step"):  # the step is wandb's own axis
+            walk(f"{record['type']}/{key}", value)
+    return numbers
 
 
 def keep_metrics_until(path, step):
@@ -540,6 +620,7 @@ def train(argv, cleanup):
                          "another --out_dir (or delete that folder)")
     a, preset = resolve_settings(explicit, ckpt, ckpt_path)
     check_settings(a, world)
+    wandb = import_wandb() if a.wandb_project and master else None
     if preset:
         log(f"preset {a.preset}: " + " ".join(f"{k}={v}" + (f" (overridden: {explicit[k]})" if k in explicit else "")
                                              for k, v in preset.items()))
@@ -630,6 +711,13 @@ def train(argv, cleanup):
         f"{a.eval_interval} steps")
 
     t_start, last_eval = time.time(), ckpt.get("last_eval") if ckpt else None
+    wandb_run = wandb.init(project=a.wandb_project, name=a.wandb_run, dir=out_dir,
+                           config=dict(train_args, **dataclasses.asdict(config))) if wandb else None
+
+    def record(line):  # one line of metrics.jsonl; the same numbers to wandb with --wandb_project
+        write_metrics(out_dir / "metrics.jsonl", line)
+        if wandb_run:
+            wandb_run.log(wandb_numbers(line), step=line["step"])
 
     def checkpoint(improved):
         if not all(p.isfinite().all() for p in raw_model.parameters()):
@@ -672,7 +760,7 @@ def train(argv, cleanup):
                          elapsed_s=round(wall_before + time.time() - t_start, 3),
                          milestone=",".join(crossed) or None, routes=routes)
         if master:
-            write_metrics(out_dir / "metrics.jsonl", last_eval)
+            record(last_eval)
         log(f"eval step {step} | train {train_loss:.4f} | val {val_loss:.4f}"
             + (f" | bpc {last_eval['val_bpc']:.4f}" if char_level else "")
             + (f" | js_mean {routes['js_mean']:.4f}" if routes and routes["js_mean"] is not None else "")
@@ -718,7 +806,7 @@ def train(argv, cleanup):
             dt = train_time / steps_since_log
             mfu = raw_model.estimate_mfu(tokens_per_step / world, dt) if device.type == "cuda" else None
             if master:
-                write_metrics(out_dir / "metrics.jsonl", dict(
+                record(dict(
                     type="train", step=step, tokens=tokens, loss=loss, lr=lr, tok_per_s=round(tokens_per_step / dt, 1),
                     ms_per_step=round(1000 * dt, 2), mfu=mfu))
             log(f"step {step} | loss {loss:.4f} | lr {lr:.1e} | {tokens_per_step / dt / 1e3:.1f}k tok/s | "
@@ -731,6 +819,8 @@ def train(argv, cleanup):
             if last_eval is None or last_eval["step"] != step:
                 checkpoint(improved=False)
             log(f"stopped after step {step} (--stop_after); continue with --resume")
+            if wandb_run:
+                wandb_run.finish()
             return
         if stop_requested(stop_signals, ddp, device):
             if last_eval is None or last_eval["step"] != step:
@@ -759,6 +849,11 @@ def train(argv, cleanup):
     log(f"done: {step} steps, {tokens:,} tokens, val {last_eval['val_loss']:.4f}"
         + (f", test {test_loss:.4f}" if test_loss is not None else "")
         + f", {summary['wall_time_s']:.0f} s; wrote {out_dir}/summary.json")
+    if wandb_run:
+        wandb_run.finish()
+    if master:
+        stats = batch_routing_stats(raw_model, val_data, val_batches[0], T, device, ctx)
+        log("\n" + (routing_summary(stats) + "\n\n" if stats else "") + next_commands(a, stats is not None))
 
 
 if __name__ == "__main__":
