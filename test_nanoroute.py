@@ -941,18 +941,20 @@ def test_data_full_disk_and_ctrl_c_leave_nothing_complete(tmp_path, _data_server
 
 
 # a file from a pinned official URL whose size or sha256 is not the pinned one is rejected
-@pytest.mark.parametrize("wrong", ["size", "sha256"])
+@pytest.mark.parametrize("wrong", ["shorter", "longer", "sha256"])
 def test_data_official_file_with_other_size_or_sha256_is_rejected(tmp_path, _data_server, monkeypatch, capsys, wrong):
     text, zipped = _data_text8()
     _data_server.files["text8.zip"] = zipped
     url, sha = _data_server.url + "/text8.zip", hashlib.sha256(zipped).hexdigest()
-    pins = {"size": (len(zipped) + 1, sha), "sha256": (len(zipped), hashlib.sha256(b"other").hexdigest())}
+    pins = {"shorter": (len(zipped) + 1, sha), "longer": (len(zipped) - 1, sha),  # than the pin says
+            "sha256": (len(zipped), hashlib.sha256(b"other").hexdigest())}
     monkeypatch.setattr(prepare_data, "KNOWN", {url: pins[wrong]})  # the test server plays the official site
     out = tmp_path / "t8"
     args = ["text8", "--out", str(out), "--base_url", _data_server.url, "--retries", "0"]
     assert prepare_data.main(args) == 2
     line = _data_one_error_line(capsys.readouterr().err)
-    assert "text8.zip" in line and {"size": f"expected {len(zipped) + 1}", "sha256": "sha256 differs"}[wrong] in line
+    why = "sha256 differs" if wrong == "sha256" else f"{len(zipped)} bytes, expected {pins[wrong][0]}"
+    assert "text8.zip" in line and why in line
     assert [p for p in out.rglob("*") if p.is_file()] == []
     monkeypatch.setattr(prepare_data, "KNOWN", {url: (len(zipped), sha)})  # the right pins pass
     assert prepare_data.main(args) == 0
@@ -1562,6 +1564,19 @@ def test_sample_same_seed_same_text(_train_runs, _train_one_thread, capsys):
         texts.append(out)
     assert texts[0] == texts[1] and texts[0] != texts[2]
 
+
+
+# sampling: sample.py hands --temperature and --top_k to generate
+def test_sample_temperature_and_top_k_reach_generate(_train_runs, _train_one_thread, capsys):
+    routed, _ = _train_runs
+
+    def text(*flags):
+        return _train_main(sample, ["--out_dir", routed, "--num_samples", 2, "--max_new_tokens", 30, *flags],
+                           capsys)[1]
+    greedy = text("--top_k", 1, "--seed", 1)
+    assert text("--top_k", 1, "--seed", 2) == greedy  # top_k 1 is greedy, whatever the seed
+    assert text("--temperature", 1e-4, "--seed", 3) == greedy  # so is a near-zero temperature
+    assert text("--temperature", 1.0, "--seed", 3) != greedy
 
 # sampling: a prompt longer than the context keeps its last sequence_len tokens
 def test_sample_long_prompt_keeps_its_end(_train_runs, _train_one_thread, capsys):
