@@ -17,8 +17,8 @@ Exit code 0, except 2 for bad usage. This script is a tool for the tests, not pa
 
 import argparse
 import concurrent.futures
+import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -154,21 +154,21 @@ FAULTS = [
 ]
 
 
-def copy_repository(dest):
-    """The git-tracked files of the working tree, as they are now, into dest."""
+def snapshot():
+    """{path: bytes} of the git-tracked files of the working tree, read once: every fault then starts
+    from the same code and tests, even if the files are edited while the tool runs."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
-    for name in filter(None, files.stdout.split("\0")):
-        src = ROOT / name
-        if src.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / name)
+    names = [n for n in files.stdout.split("\0") if n and (ROOT / n).is_file()]
+    return {name: (ROOT / name).read_bytes() for name in names}
 
 
-def run_suite(fault, timeout):
+def run_suite(files, fault, timeout):
     """Apply one fault (None: none) to a fresh copy and run the tests: (status, seconds, first failure)."""
     with tempfile.TemporaryDirectory(prefix="nanoroute_fault_") as tmp:
         tmp = Path(tmp)
-        copy_repository(tmp)
+        for name, data in files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_bytes(data)
         if fault is not None:
             file, old, new, _ = fault
             text = (tmp / file).read_text(encoding="utf-8")
@@ -187,7 +187,6 @@ def run_suite(fault, timeout):
 
 
 def _clean_env():
-    import os
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     for name in ("NANOROUTE_BASE_URL", "NANOROUTE_TEST_DEVICE"):
         env.pop(name, None)
@@ -216,8 +215,9 @@ def main(argv=None):
     print(f"{len(faults)} faults, {a.jobs} at a time; first the unmodified suite", flush=True)
     results = {}
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
-        baseline = pool.submit(run_suite, None, a.timeout)
-        futures = {pool.submit(run_suite, f, a.timeout): i for i, f in enumerate(faults)}
+        files = snapshot()
+        baseline = pool.submit(run_suite, files, None, a.timeout)
+        futures = {pool.submit(run_suite, files, f, a.timeout): i for i, f in enumerate(faults)}
         status, seconds, why = baseline.result()
         if status != "survived":
             print(f"WARNING: the unmodified suite fails ({why}): every fault will look killed", flush=True)
