@@ -1732,6 +1732,20 @@ def test_bench_helpers():
     assert bench.paired_ratios(times, "wav") == {}
 
 
+# bench.py: the CPU memory count is parameters + gradients + AdamW state + what the forward saves
+def test_bench_cpu_memory_count_adds_every_part():
+    model = make_model()
+    opt = model.configure_optimizers(0.1, 1e-3)
+    x, y, amp = tokens(), tokens(seed=4), contextlib.nullcontext()
+    bench.train_step(model, opt, x, y, amp)  # AdamW's state exists after a step
+    n = sum(p.numel() for p in model.parameters())  # float32; the tied embedding counts once
+    params, state = bench.static_bytes(model, opt)
+    assert sum(params.values()) == 4 * n and state >= 2 * 4 * n  # two moments per parameter (and steps)
+    exclude = set(params) | {b.untyped_storage().data_ptr() for b in model.buffers()}
+    saved = bench.saved_bytes(model, x, y, amp, exclude)
+    assert saved > 0
+    assert bench.memory_bytes(model, model, opt, x, y, amp, "cpu") == 4 * n + 4 * n + state + saved
+
 def test_bench_smoke(tmp_path):
     data = _bench_run(tmp_path)
     variants = data["variants"]

@@ -128,15 +128,15 @@ FAULTS = [
     # --- bench.py: ratios and counts
     ("bench.py", "{k: v / values[base] for k, v in values.items()}", "{k: values[base] / v for k, v in values.items()}",
      "ratios to the baseline are inverted"),
-    ("bench.py", "rs = [t / b for t, b in zip(ts, times[base])]", "rs = [t / b for t, b in zip(ts, sorted(times[base]))]",
+    ("bench.py", "rs = [t / b for t, b in zip(ts, times[base])]", "rs = [t / b for t, b in zip(ts, reversed(times[base]))]",
      "per-round ratios pair rounds that did not run side by side"),
     ("bench.py", "tokens_per_s=tokens_per_step / med)", "tokens_per_s=tokens_per_step / min(times_s))",
      "tokens/s from the fastest step, not the median"),
     ("bench.py", "grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)",
      "grads = 0", "the memory count leaves out the gradients"),
     ("bench.py", "idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)",
-     "idx = torch.cat((idx, logits[:, 0].argmax(-1, keepdim=True)), dim=1)",
-     "the recompute baseline decodes from the wrong position"),
+     "idx = torch.cat((idx, logits[:, -1].argmin(-1, keepdim=True)), dim=1)",
+     "the recompute baseline is not greedy decoding"),
     ("bench.py", "bad = [v for v in names if v not in VARIANTS]", "bad = []", "an unknown variant name is not refused"),
 
     # --- nanoroute.py: public behaviour only (the internals are being rewritten)
