@@ -11,9 +11,10 @@ temporary folder, applies that one edit, and runs the README's test command ther
 first failure: python -m pytest -q -x -p no:cacheprovider. A failing suite kills the fault; a passing
 one lets it survive. To stop sooner, a small plugin runs the test sections nearest the edited file
 first (train.py: "Training and sampling", then "Bad input", then the rest); every test still runs
-unless one fails, so a fault is killed exactly when the suite in its usual order would fail. A fault whose old snippet is not found exactly once is reported as stale (the
-code moved on: refresh the snippet) and not counted. The unmodified copy is run first: if it fails,
-the counts mean nothing and the tool says so. Prints killed/total per file and every survivor.
+unless one fails, so a fault is killed exactly when the suite in its usual order would fail.
+A fault whose old snippet is not found exactly once is reported as stale (the code moved on: refresh
+the snippet) and not counted. The unmodified copy is run first: if it fails, the counts mean nothing
+and the tool says so. Prints killed/total per file and every survivor.
 Exit code 0, except 2 for bad usage. This script is a tool for the tests, not part of the package.
 """
 
@@ -59,7 +60,8 @@ FAULTS = [
      "every micro-step of a step reads the same crops"),
     ("train.py", "data[o + 1:o + 1 + T] for o in offsets", "data[o:o + T] for o in offsets",
      "targets are the inputs, not shifted by one"),
-    ("train.py", "val_loss = evaluate(model, val_data, val_batches", "val_loss = evaluate(model, train_data, val_batches",
+    ("train.py", "val_loss = evaluate(model, val_data, val_batches",
+     "val_loss = evaluate(model, train_data, val_batches",
      "the logged val loss is measured on training text"),
     ("train.py", "test_loss = evaluate(model, test_data,", "test_loss = evaluate(model, val_data,",
      "the final test loss is measured on the val split"),
@@ -134,7 +136,8 @@ FAULTS = [
     ("prepare_data.py", "and all(open_split(out, s, meta) is not None for s in meta[\"splits\"]))", ")",
      "a folder with a damaged split counts as finished"),
     ("prepare_data.py", "    if size != want:", "    if size is None:", "a split of the wrong size is read"),
-    ("prepare_data.py", 'return lambda ids: b"".join(table.get(int(i), unknown) for i in ids).decode("utf-8", "replace")',
+    ("prepare_data.py",
+     'return lambda ids: b"".join(table.get(int(i), unknown) for i in ids).decode("utf-8", "replace")',
      'return lambda ids: "".join(table.get(int(i), unknown).decode("utf-8", "replace") for i in ids)',
      "GPT-2 tokens are decoded one by one: characters split over tokens break"),
 
@@ -152,7 +155,8 @@ FAULTS = [
     # --- bench.py: ratios and counts
     ("bench.py", "{k: v / values[base] for k, v in values.items()}", "{k: values[base] / v for k, v in values.items()}",
      "ratios to the baseline are inverted"),
-    ("bench.py", "rs = [t / b for t, b in zip(ts, times[base])]", "rs = [t / b for t, b in zip(ts, reversed(times[base]))]",
+    ("bench.py", "rs = [t / b for t, b in zip(ts, times[base])]",
+     "rs = [t / b for t, b in zip(ts, reversed(times[base]))]",
      "per-round ratios pair rounds that did not run side by side"),
     ("bench.py", "tokens_per_s=tokens_per_step / med)", "tokens_per_s=tokens_per_step / min(times_s))",
      "tokens/s from the fastest step, not the median"),
