@@ -211,7 +211,7 @@ def run_suite(files, fault, timeout):
             run = subprocess.run(TEST_COMMAND, cwd=tmp, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return "killed", time.time() - t0, f"timed out after {timeout} s"
-        failed = re.search(r"^(FAILED|ERROR) (\S+)", run.stdout, re.M)
+        failed = re.search(r"^(FAILED|ERROR) (.+?)(?: - |$)", run.stdout, re.M)
         why = failed[2] if failed else (run.stdout.strip().splitlines() or ["(no output)"])[-1]
         return ("survived" if run.returncode == 0 else "killed"), time.time() - t0, why
 
