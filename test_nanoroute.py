@@ -857,9 +857,11 @@ def test_data_server_ignoring_range_restarts_from_zero(tmp_path, _data_server):
     _data_server.ignore_range = True
     (tmp_path / "t8" / "downloads").mkdir(parents=True)
     (tmp_path / "t8" / "downloads" / "text8.zip.part").write_bytes(b"junk" * 50)
-    out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
+    out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, keep_downloads=True,
+                               **_data_fast())
     assert _data_server.log[0][1] == "bytes=200-"  # it did ask to resume; the server sent it all
     _data_check_text8(out, text, _data_server.url)
+    assert (out / "downloads" / "text8.zip").read_bytes() == zipped  # no junk kept before it
 
 
 def test_data_whole_part_file_is_finished_not_refetched(tmp_path, _data_server):
