@@ -8,6 +8,7 @@ loops over sources (no batching, no online softmax, no custom autograd), from SP
 import concurrent.futures
 import contextlib
 import errno
+import hashlib
 import http.server
 import importlib.util
 import io
@@ -243,6 +244,28 @@ def test_routed_inputs_equal_reference(mode, fast):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
 
+
+
+# WAV with a short last block, or a routing block that does not divide 2*n_layer, equals the reference
+@pytest.mark.parametrize("n_layer,block,bases", [(3, 4, "split"), (4, 6, "split"), (5, 4, "both"), (5, 6, "split"),
+                                                 (5, 8, "split")])
+def test_wav_split_basis_with_a_short_last_block_equals_reference(n_layer, block, bases):
+    # the split basis signs by position in the *full* block (SPEC), so a short last block is the hard case
+    assert (2 * n_layer) % block  # every shape here ends on a partial block
+    for fast in (True, False):
+        model = randomise_routing(make_model(residual="attnres", wav=True, wav_bases=bases, n_layer=n_layer,
+                                             attnres_block=block, wav_readout_details=True, fast_routing=fast))
+        idx = tokens(T=6)
+        logits, _, routes = model(idx, return_routes=True)
+        with torch.no_grad():
+            ref_logits, ref_reads, _ = reference_forward(model, idx)
+        assert {r["name"] for r in routes} == set(ref_reads)
+        for r in routes:
+            names, w = ref_reads[r["name"]]
+            assert r["sources"] == names, (fast, r["name"])
+            torch.testing.assert_close(r["weights"], w, atol=1e-5, rtol=1e-5)
+        assert any(n.endswith(".split") for n in ref_reads["readout"][0])  # the readout sees details
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
 
 def test_pool_names_and_short_last_block():
     model = make_model(residual="attnres", wav=True, attnres_block=4)  # 6 sublayers: blocks of 4 and 2
@@ -782,6 +805,17 @@ def test_data_api_roundtrip_and_clear_errors(tmp_path):
     assert dec([meta["vocab_size"] + 5]) == "\ufffd"  # a padded head's extra ids decode harmlessly
 
 
+
+# the demo's train/val/test splits are disjoint: no story is both trained on and evaluated on
+def test_data_demo_splits_are_disjoint(tmp_path):
+    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.3)
+    meta = prepare_data.load_meta(out)
+    decode = prepare_data.decoder(meta, out)
+    stories = {s: decode(prepare_data.open_split(out, s)).split("\n\n") for s in prepare_data.SPLITS}
+    assert all(len(stories[s]) > 20 and stories[s][-1] == "" for s in stories)  # whole stories only
+    for a, b in (("train", "val"), ("train", "test"), ("val", "test")):
+        assert not set(stories[a][:-1]) & set(stories[b][:-1]), (a, b)
+
 # -----------------------------------------------------------------------------
 # text8
 
@@ -824,9 +858,11 @@ def test_data_server_ignoring_range_restarts_from_zero(tmp_path, _data_server):
     _data_server.ignore_range = True
     (tmp_path / "t8" / "downloads").mkdir(parents=True)
     (tmp_path / "t8" / "downloads" / "text8.zip.part").write_bytes(b"junk" * 50)
-    out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
+    out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, keep_downloads=True,
+                               **_data_fast())
     assert _data_server.log[0][1] == "bytes=200-"  # it did ask to resume; the server sent it all
     _data_check_text8(out, text, _data_server.url)
+    assert (out / "downloads" / "text8.zip").read_bytes() == zipped  # no junk kept before it
 
 
 def test_data_whole_part_file_is_finished_not_refetched(tmp_path, _data_server):
@@ -941,6 +977,48 @@ def test_writes_that_matter_fsync_the_file_before_the_rename_and_the_folder_afte
         i = events.index(("replace", str(path)))
         assert events[i - 1] == ("fsync", f"{path}.tmp") and events[i + 1] == ("fsync", str(path.parent)), path
 
+
+# a file from a pinned official URL whose size or sha256 is not the pinned one is rejected
+@pytest.mark.parametrize("wrong", ["shorter", "longer", "sha256"])
+def test_data_official_file_with_other_size_or_sha256_is_rejected(tmp_path, _data_server, monkeypatch, capsys, wrong):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    url, sha = _data_server.url + "/text8.zip", hashlib.sha256(zipped).hexdigest()
+    pins = {"shorter": (len(zipped) + 1, sha), "longer": (len(zipped) - 1, sha),  # than the pin says
+            "sha256": (len(zipped), hashlib.sha256(b"other").hexdigest())}
+    monkeypatch.setattr(prepare_data, "KNOWN", {url: pins[wrong]})  # the test server plays the official site
+    out = tmp_path / "t8"
+    args = ["text8", "--out", str(out), "--base_url", _data_server.url, "--retries", "0"]
+    assert prepare_data.main(args) == 2
+    line = _data_one_error_line(capsys.readouterr().err)
+    why = "sha256 differs" if wrong == "sha256" else f"{len(zipped)} bytes, expected {pins[wrong][0]}"
+    assert "text8.zip" in line and why in line
+    assert [p for p in out.rglob("*") if p.is_file()] == []
+    monkeypatch.setattr(prepare_data, "KNOWN", {url: (len(zipped), sha)})  # the right pins pass
+    assert prepare_data.main(args) == 0
+    _data_check_text8(out, text, _data_server.url)
+
+
+# Ctrl-C while a download is verified leaves no file under its final name, and a re-run verifies again
+def test_data_ctrl_c_during_verification_leaves_nothing_a_rerun_trusts(tmp_path, _data_server, monkeypatch,
+                                                                        capsys):
+    _, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped  # a valid zip, but not the file the pin names
+    monkeypatch.setattr(prepare_data, "KNOWN", {_data_server.url + "/text8.zip": (len(zipped), "0" * 64)})
+    out, sha256 = tmp_path / "t8", hashlib.sha256
+    args = ["text8", "--out", str(out), "--base_url", _data_server.url, "--retries", "0"]
+
+    class Interrupted:  # Ctrl-C in the middle of hashing the download
+        def update(self, block):
+            raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_data.hashlib, "sha256", Interrupted)
+    assert prepare_data.main(args) == 2
+    assert "interrupted" in _data_one_error_line(capsys.readouterr().err)
+    assert [p.name for p in out.rglob("*") if p.is_file()] == ["text8.zip.part"]
+    monkeypatch.setattr(prepare_data.hashlib, "sha256", sha256)
+    assert prepare_data.main(args) == 2
+    assert "sha256 differs" in _data_one_error_line(capsys.readouterr().err)
+    assert [p for p in out.rglob("*") if p.is_file()] == []
 
 # -----------------------------------------------------------------------------
 # tinystories
@@ -1642,6 +1720,150 @@ def test_wandb_logs_the_numbers_of_metrics_jsonl(_train_data, _train_one_thread,
     assert len(list((out / "wandb").glob("offline-run-*/run-*.wandb"))) == 1  # the real wandb wrote its run
 
 
+# training: every micro-step of a --grad_accum step reads its own crops
+def test_grad_accum_micro_steps_read_their_own_crops(_train_data, _train_one_thread, tmp_path, monkeypatch):
+    demo, _ = _train_data
+    seen, real = [], train.get_batch
+
+    def spy(data, offsets, T, device):  # records the crops, then reads them as train.py does
+        seen.append(tuple(int(o) for o in offsets))
+        return real(data, offsets, T, device)
+    monkeypatch.setattr(train, "get_batch", spy)
+    argv = ["--data", demo, "--out_dir", tmp_path / "run", *_TRAIN_TINY, "--grad_accum", 3, "--max_iters", 2,
+            "--eval_interval", 10]
+    assert _train_main(train, argv)[0] == 0
+    n = prepare_data.load_meta(demo)["splits"]["train"]
+    crops = [tuple(int(o) for o in train.batch_offsets(1337, step, micro, n, 32, 8))
+             for step in range(2) for micro in range(3)]
+    assert len(set(crops)) == 6
+    assert [c for c in seen if c in crops] == crops  # each one once, in order; the rest are evaluations
+
+
+def _train_crop_loss(model, data, offsets, T):
+    """The model's mean loss over crops data[o:o+T] predicting data[o+1:o+T+1], written out here."""
+    x = torch.stack([torch.from_numpy(data[o:o + T].astype(np.int64)) for o in offsets])
+    y = torch.stack([torch.from_numpy(data[o + 1:o + T + 1].astype(np.int64)) for o in offsets])
+    return model(x, y)[1]
+
+
+# training: the logged train, val and test losses are the losses on those splits
+def test_logged_losses_are_the_split_losses_of_the_checkpoint(_train_data, _train_runs):
+    demo, _ = _train_data
+    routed, _ = _train_runs
+    ckpt = torch.load(routed / "last.pt", weights_only=True)
+    model = GPT(GPTConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    last = [r for r in _train_metrics(routed) if r["type"] == "eval"][-1]
+    final = json.loads((routed / "summary.json").read_text())["final"]
+    assert last["step"] == ckpt["step"] == 4
+    for split, split_id, logged in (("train", 0, last["train_loss"]), ("val", 1, last["val_loss"]),
+                                    ("test", 2, final["test_loss"])):
+        data = prepare_data.open_split(demo, split)
+        with torch.no_grad():
+            losses = [_train_crop_loss(model, data, offsets, 32) for offsets in
+                      train.eval_offsets(len(data), 32, 8, 256, split_id)]
+        assert logged == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5), split
+
+
+# training: gradient accumulation averages: clipping sees the gradient norm of the step's mean loss
+def test_grad_accum_clips_the_gradient_of_the_mean_loss(_train_data, _train_one_thread, tmp_path, monkeypatch):
+    demo, _ = _train_data
+    seen, real = [], torch.nn.utils.clip_grad_norm_
+
+    def spy(params, max_norm, *args, **kwargs):  # records the norm and the weights it was computed at
+        params = list(params)
+        norm = real(params, max_norm, *args, **kwargs)
+        seen.append((norm.item(), [p.detach().clone() for p in params]))
+        return norm
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    out = tmp_path / "run"
+    assert _train_main(train, ["--data", demo, "--out_dir", out, *_TRAIN_TINY, "--grad_accum", 3, "--max_iters", 1,
+                               "--eval_interval", 10])[0] == 0
+    (norm, weights), = seen
+    model = GPT(GPTConfig(**torch.load(out / "last.pt", weights_only=True)["config"]))
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights):
+            p.copy_(w)
+    data = prepare_data.open_split(demo, "train")
+    losses = [_train_crop_loss(model, data, train.batch_offsets(1337, 0, micro, len(data), 32, 8), 32)
+              for micro in range(3)]
+    mean = torch.stack(losses).mean()
+    mean.backward()
+    want = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    assert norm == pytest.approx(want, rel=1e-4) and norm > 1.0  # > grad_clip: clipping did act
+    logged = [r for r in _train_metrics(out) if r["type"] == "train"][0]
+    assert logged["loss"] == pytest.approx(mean.item(), rel=1e-5)  # the logged loss is that mean too
+
+
+# training: --resume keeps the best val loss and best.pt when the resumed run gets worse
+def test_resume_keeps_best_when_the_run_gets_worse(_train_data, _train_one_thread, tmp_path, capsys):
+    demo, _ = _train_data
+    out = tmp_path / "run"
+    assert _train_main(train, ["--data", demo, "--out_dir", out, *_TRAIN_TINY, "--max_iters", 8,
+                               "--eval_interval", 2, "--stop_after", 4])[0] == 0
+    best_bytes = (out / "best.pt").read_bytes()
+    best = torch.load(out / "best.pt", weights_only=True)["best_val_loss"]
+    # resumed with a far too large learning rate: every later evaluation is worse than the best
+    assert _train_main(train, ["--out_dir", out, "--resume", "--lr", 3.0, "--warmup_iters", 0], capsys)[0] == 0
+    later = [r["val_loss"] for r in _train_metrics(out) if r["type"] == "eval" and r["step"] > 4]
+    assert len(later) == 2 and min(later) > best
+    assert (out / "best.pt").read_bytes() == best_bytes
+    assert torch.load(out / "last.pt", weights_only=True)["best_val_loss"] == best
+    assert json.loads((out / "summary.json").read_text())["best_val_loss"] == best
+
+
+# training: resume under torchrun is bitwise exact: each process restores its own dropout RNG
+def test_torchrun_resume_is_bitwise_exact(_train_data, _train_one_thread, tmp_path):
+    demo, _ = _train_data
+    flags = ["--data", demo, *_TRAIN_TINY, *_TRAIN_ROUTED, "--dropout", 0.1, "--max_iters", 4, "--eval_interval", 2]
+
+    def torchrun(*extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={_train_free_port()}", str(_TRAIN_ROOT / "train.py"), "--", *map(str, flags),
+               *map(str, extra)]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_train_env())
+
+    def finish(run):
+        out, err = run.communicate(timeout=180)
+        assert run.returncode == 0, out[-2000:] + err[-4000:]
+    whole, part = torchrun("--out_dir", tmp_path / "whole"), torchrun("--out_dir", tmp_path / "part",
+                                                                       "--stop_after", 2)
+    finish(whole)
+    finish(part)
+    finish(torchrun("--out_dir", tmp_path / "part", "--resume"))
+    a, b = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in ("whole", "part"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x["torch"], y["torch"]) for x, y in zip(a["rng"], b["rng"]))
+    assert _train_metrics(tmp_path / "whole")[-1]["val_loss"] == _train_metrics(tmp_path / "part")[-1]["val_loss"]
+
+
+# training and sampling: evaluation and generation turn dropout off
+def test_eval_and_generation_are_deterministic_with_dropout(_train_data, _train_runs, _train_one_thread, tmp_path,
+                                                            capsys):
+    demo, _ = _train_data
+    val = prepare_data.open_split(demo, "val")
+    model = GPT(GPTConfig(vocab_size=prepare_data.load_meta(demo)["vocab_size"], sequence_len=32, n_layer=2,
+                          n_head=2, n_embd=32, dropout=0.5))
+    batches = train.eval_offsets(len(val), 32, 4, 256, 1)
+    losses = [train.evaluate(model, val, batches, 32, torch.device("cpu"), contextlib.nullcontext(), 0, 1)
+              for _ in range(2)]
+    assert model.training  # evaluate puts the model back into training mode
+    with torch.no_grad():
+        noisy = torch.stack([_train_crop_loss(model, val, b, 32) for b in batches]).mean().item()  # dropout on
+        model.eval()
+        clean = torch.stack([_train_crop_loss(model, val, b, 32) for b in batches]).mean().item()
+    assert losses[0] == losses[1] == pytest.approx(clean, rel=1e-6) and noisy != pytest.approx(clean, rel=1e-3)
+    # sample.py: greedy decoding of a dropout-0.5 checkpoint is the same whatever the seed
+    routed, _ = _train_runs
+    ckpt = torch.load(routed / "best.pt", weights_only=True)
+    ckpt["config"]["dropout"] = 0.5
+    (tmp_path / "drop").mkdir()
+    torch.save(ckpt, tmp_path / "drop" / "best.pt")
+    texts = [_train_main(sample, ["--out_dir", tmp_path / "drop", "--num_samples", 2, "--max_new_tokens", 40,
+                                  "--top_k", 1, "--seed", seed], capsys)[1] for seed in (1, 2)]
+    assert texts[0] == texts[1] and texts[0].count("-" * 40) == 2
+
 # -----------------------------------------------------------------------------
 # sample.py
 
@@ -1716,6 +1938,89 @@ def test_gpt2_level_run_and_sample(_train_one_thread, tmp_path, capsys, monkeypa
     assert code == 0 and text.count(" t") >= 3 and "4 tokens in" in err
     assert prepare_data.EOT not in text and text.startswith(" t")  # the default prompt is not printed
 
+
+
+# sampling: temperature and top-k draw from softmax(logits / T) over the k likeliest tokens
+def _sample_counts_fit(counts, probs, n):
+    """Each token's count within 6 binomial standard deviations of n*p: a fixed-seed draw from the
+    right distribution passes (a miss has odds of about 1e-8 per token), a wrong distribution fails."""
+    sd = torch.sqrt(n * probs * (1 - probs))
+    return bool(((counts - n * probs).abs() <= 6 * sd + 1).all())
+
+
+def _sample_probs(logits, temperature, k):
+    probs = torch.zeros_like(logits, dtype=torch.float64)
+    top = logits.topk(k).indices
+    probs[top] = torch.softmax(logits[top].double() / temperature, 0)
+    return probs
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.7, 5), (1.6, None)])
+def test_generate_draws_from_softmax_over_temperature_among_top_k(temperature, top_k):
+    model = make_model()
+    with torch.no_grad():  # spread the logits over a few units, so that temperature matters
+        model.lm_head.weight.normal_(0, 0.3)
+        prompt, n = tokens(B=1, T=3), 20000
+        logits = model(prompt)[0][0, -1]
+        torch.manual_seed(0)
+        drawn = model.generate(prompt.expand(n, -1), 1, temperature, top_k)[:, -1]
+    counts = torch.bincount(drawn, minlength=VOCAB).double()
+    k = top_k or VOCAB
+    probs = _sample_probs(logits, temperature, k)
+    assert counts[probs == 0].sum() == 0  # only the top k tokens appear
+    assert _sample_counts_fit(counts, probs, n)
+    # the check has the power to see the usual mistakes: no temperature, top-k off by one
+    assert not _sample_counts_fit(counts, _sample_probs(logits, 1.0, k), n)
+    for wrong_k in (k - 1, k + 1) if top_k else ():
+        assert not _sample_counts_fit(counts, _sample_probs(logits, temperature, wrong_k), n)
+
+
+# sampling: the same --seed writes the same text, run to run; another seed writes another
+def test_sample_same_seed_same_text(_train_runs, _train_one_thread, capsys):
+    routed, _ = _train_runs
+    texts = []
+    for seed in (5, 5, 6):
+        code, out, _ = _train_main(sample, ["--out_dir", routed, "--num_samples", 2, "--max_new_tokens", 30,
+                                            "--temperature", 1.0, "--seed", seed], capsys)
+        assert code == 0
+        texts.append(out)
+    assert texts[0] == texts[1] and texts[0] != texts[2]
+
+
+
+# sampling: sample.py hands --temperature and --top_k to generate
+def test_sample_temperature_and_top_k_reach_generate(_train_runs, _train_one_thread, capsys):
+    routed, _ = _train_runs
+
+    def text(*flags):
+        return _train_main(sample, ["--out_dir", routed, "--num_samples", 2, "--max_new_tokens", 30, *flags],
+                           capsys)[1]
+    greedy = text("--top_k", 1, "--seed", 1)
+    assert text("--top_k", 1, "--seed", 2) == greedy  # top_k 1 is greedy, whatever the seed
+    assert text("--temperature", 1e-4, "--seed", 3) == greedy  # so is a near-zero temperature
+    assert text("--temperature", 1.0, "--seed", 3) != greedy
+
+# sampling: a prompt longer than the context keeps its last sequence_len tokens
+def test_sample_long_prompt_keeps_its_end(_train_runs, _train_one_thread, capsys):
+    routed, _ = _train_runs
+    prompt = "Lily saw a cat. " * 3 + "Tom ran to the big park."  # sequence_len is 32
+    code, out, err = _train_main(sample, ["--out_dir", routed, "--num_samples", 1, "--max_new_tokens", 3,
+                                          "--start", prompt], capsys)
+    assert code == 0 and "using its last 32" in err
+    assert out.startswith(prompt[-32:]) and not out.startswith(prompt[:32])
+
+
+# sampling: GPT-2 decoding joins bytes before UTF-8, so multi-byte characters split over tokens survive
+def test_gpt2_decoding_round_trips_multibyte_characters(tmp_path):
+    for name, data in _data_gpt2_files().items():
+        (tmp_path / name).write_bytes(data)
+    meta = dict(level="gpt2", vocab_size=prepare_data.GPT2_VOCAB)
+    decode = prepare_data.decoder(meta, tmp_path)
+    for text in ("café", "日本", "🙂 ok", " the é\n日本🙂<|endoftext|>"):
+        ids = list(text.removesuffix(prepare_data.EOT).encode("utf-8"))  # one token per byte
+        ids += [prepare_data.GPT2_EOT] if text.endswith(prepare_data.EOT) else []
+        assert decode(ids) == text
+    assert decode([258, 195, 169]) == " theé"  # a merged token, then é's two bytes
 
 # -----------------------------------------------------------------------------
 # Bad input: one line on stderr, exit code 2, no traceback. Each case runs the script as __main__ with
@@ -1930,6 +2235,20 @@ def test_bench_helpers():
     assert paired["block"] == pytest.approx((1.2, 1.1, 1.2))
     assert bench.paired_ratios(times, "wav") == {}
 
+
+# bench.py: the CPU memory count is parameters + gradients + AdamW state + what the forward saves
+def test_bench_cpu_memory_count_adds_every_part():
+    model = make_model()
+    opt = model.configure_optimizers(0.1, 1e-3)
+    x, y, amp = tokens(), tokens(seed=4), contextlib.nullcontext()
+    bench.train_step(model, opt, x, y, amp)  # AdamW's state exists after a step
+    n = sum(p.numel() for p in model.parameters())  # float32; the tied embedding counts once
+    params, state = bench.static_bytes(model, opt)
+    assert sum(params.values()) == 4 * n and state >= 2 * 4 * n  # two moments per parameter (and steps)
+    exclude = set(params) | {b.untyped_storage().data_ptr() for b in model.buffers()}
+    saved = bench.saved_bytes(model, x, y, amp, exclude)
+    assert saved > 0
+    assert bench.memory_bytes(model, model, opt, x, y, amp, "cpu") == 4 * n + 4 * n + state + saved
 
 def test_bench_smoke(tmp_path):
     data = _bench_run(tmp_path)

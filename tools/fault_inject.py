@@ -1,0 +1,285 @@
+"""
+Fault injection: does the test suite notice small, realistic bugs in nanoroute's scripts?
+
+    python tools/fault_inject.py                     # every fault, one at a time (long: one suite run each)
+    python tools/fault_inject.py --jobs 2            # two faults at a time
+    python tools/fault_inject.py --only train.py     # the faults of one file
+    python tools/fault_inject.py --list              # print the faults, run nothing
+
+For each fault it copies the repository's git-tracked files (as they are in the working tree) to a
+temporary folder, applies that one edit, and runs the README's test command there, stopping at the
+first failure: python -m pytest -q -x -p no:cacheprovider. A failing suite kills the fault; a passing
+one lets it survive. To stop sooner, a small plugin runs the test sections nearest the edited file
+first (train.py: "Training and sampling", then "Bad input", then the rest); every test still runs
+unless one fails, so a fault is killed exactly when the suite in its usual order would fail.
+A fault whose old snippet is not found exactly once is reported as stale (the code moved on: refresh
+the snippet) and not counted. The unmodified copy is run first: if it fails, the counts mean nothing
+and the tool says so. Prints killed/total per file and every survivor.
+Exit code 0, except 2 for bad usage. This script is a tool for the tests, not part of the package.
+"""
+
+import argparse
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_COMMAND = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "_fault_order"]
+
+# the sections of test_nanoroute.py (the words after "# " in their header lines) to run first, per file
+SECTIONS_FIRST = {"nanoroute.py": ["Model"], "prepare_data.py": ["Data", "Training"],
+                  "train.py": ["Training", "Bad input"], "sample.py": ["Training", "Bad input"],
+                  "experiments.py": ["Experiments"], "bench.py": ["Benchmark"]}
+# the plugin, written next to the copy's tests: reorders the collected tests, changes nothing else
+ORDER_PLUGIN = """
+import os, re
+
+def pytest_collection_modifyitems(session, config, items):
+    first = [s for s in os.environ.get("FAULT_SECTIONS_FIRST", "").split(",") if s]
+    headers = {}  # test file -> [(line, section)]
+
+    def rank(item):
+        path, line = str(item.fspath), item.location[1]
+        if path not in headers:
+            text = open(path, encoding="utf-8").read().splitlines()
+            headers[path] = [(i, t[2:]) for i, t in enumerate(text) if re.match(r"# [A-Z][a-z]+( [a-z]+)*:", t)]
+        section = next((s for i, s in reversed(headers[path]) if i <= line), "")
+        return next((k for k, f in enumerate(first) if section.startswith(f)), len(first))
+    items[:] = sorted(items, key=rank)  # stable: the usual order inside each group
+"""
+
+# (file, old snippet, new snippet, what the fault does). Each is one small edit a person could make.
+FAULTS = [
+    # --- train.py: data, losses, accumulation, checkpoints, resume, DDP
+    ("train.py", "np.random.default_rng([seed, step, micro])", "np.random.default_rng([seed, step, 0])",
+     "every micro-step of a step reads the same crops"),
+    ("train.py", "data[o + 1:o + 1 + T] for o in offsets", "data[o:o + T] for o in offsets",
+     "targets are the inputs, not shifted by one"),
+    ("train.py", "val_loss = evaluate(model, val_data, val_batches",
+     "val_loss = evaluate(model, train_data, val_batches",
+     "the logged val loss is measured on training text"),
+    ("train.py", "test_loss = evaluate(model, test_data,", "test_loss = evaluate(model, val_data,",
+     "the final test loss is measured on the val split"),
+    ("train.py", "(loss / a.grad_accum).backward()", "loss.backward()",
+     "gradient accumulation sums instead of averaging"),
+    ("train.py", "loss = loss_sum / a.grad_accum", "loss = loss_sum",
+     "the logged train loss is the sum over micro-steps"),
+    ("train.py", "improved, best_val = val_loss < best_val,", "improved, best_val = val_loss != best_val,",
+     "best.pt is overwritten by any different val loss, worse too"),
+    ("train.py", 'step, tokens, best_val = ckpt["step"], ckpt["tokens"], ckpt["best_val_loss"]',
+     'step, tokens, best_val = ckpt["step"], ckpt["tokens"], math.inf',
+     "--resume forgets the best val loss"),
+    ("train.py", 'torch.set_rng_state(ckpt["rng"][rank]["torch"])', 'torch.set_rng_state(ckpt["rng"][0]["torch"])',
+     "every process resumes with rank 0's dropout RNG"),
+    ("train.py", "    model.eval()\n    losses = []", "    losses = []",
+     "evaluation runs with dropout on"),
+    # survives this file's tests alone: the test that a write failing halfway keeps last.pt loadable kills it
+    ("train.py", 'tmp = Path(f"{path}.tmp")', "tmp = Path(path)",
+     "checkpoints are written in place, not to a temporary file renamed when complete"),
+    ("train.py", 'if json.loads(line)["step"] <= step:', 'if json.loads(line)["step"] < step:',
+     "resume drops the log line of the checkpoint's own step"),
+    ("train.py", "return a.lr * (step + 1) / a.warmup_iters", "return a.lr * step / a.warmup_iters",
+     "warmup starts at lr 0 (off by one)"),
+    ("train.py", "tokens - tokens_per_step < n <= tokens", "tokens - tokens_per_step < n < tokens",
+     "a milestone hit exactly by a step is missed"),
+    ("train.py", "        dist.all_reduce(loss)  # equal shares: the mean of the means is the global mean\n"
+                 "        loss /= world", "        dist.all_reduce(loss)",
+     "the DDP evaluation loss is the sum over processes"),
+    ("train.py", "offsets = batch_offsets(a.seed, step, micro, len(train_data), T, a.batch_size)[rank::world]",
+     "offsets = batch_offsets(a.seed, step, micro, len(train_data), T, a.batch_size)[:a.batch_size // world]",
+     "every DDP process trains on the same rows"),
+    ("train.py", 'if ckpt is not None and ckpt["config"]["vocab_size"] != meta["vocab_size"]:',
+     "if False:", "--resume with another dataset's vocabulary is not caught"),
+
+    # --- sample.py
+    ("sample.py", "    torch.manual_seed(a.seed)\n", "", "--seed is ignored"),
+    ("sample.py", "ids = ids[-config.sequence_len:]", "ids = ids[:config.sequence_len]",
+     "a long prompt keeps its start, not its end"),
+    ("sample.py", "model.to(device).eval()", "model.to(device)", "generation runs with dropout on"),
+    ("sample.py", "a.max_new_tokens, a.temperature, a.top_k)", "a.max_new_tokens, a.temperature, None)",
+     "--top_k is ignored"),
+    ("sample.py", "a.max_new_tokens, a.temperature, a.top_k)", "a.max_new_tokens, 1.0, a.top_k)",
+     "--temperature is ignored"),
+    ("sample.py", "if not a.temperature > 0:", "if a.temperature < 0:", "--temperature 0 is not refused"),
+    ("sample.py", 'if meta["vocab_size"] != config.vocab_size:', "if False:",
+     "a dataset with another vocabulary is not refused"),
+
+    # --- prepare_data.py: downloads, verification, splits, decoding
+    ("prepare_data.py", "if size is not None and path.stat().st_size != size:",
+     "if size is not None and path.stat().st_size < size:", "a pinned file longer than the pin is accepted"),
+    ("prepare_data.py", "if h.hexdigest() != sha256:", "if h.hexdigest() == sha256:", "the sha256 check is inverted"),
+    ("prepare_data.py", "why = _check_known(part, url) or (verify(part) if verify else None)",
+     "why = verify(part) if verify else None", "pinned sizes and hashes are never checked"),
+    ("prepare_data.py", "    why = _check_known(part, url) or (verify(part) if verify else None)\n    if why:\n"
+                        "        part.unlink()",
+     "    os.replace(part, dest)\n    part = dest\n    why = _check_known(part, url) or (verify(part) if verify "
+     "else None)\n    if why:\n        part.unlink()",
+     "a download is renamed to its final name before it is verified"),
+    ("prepare_data.py", "have = 0  # the server ignored our Range", "pass  # the server ignored our Range",
+     "a server that ignores Range gets its file appended to the partial one"),
+    ("prepare_data.py", 'headers.update({"Range": f"bytes={have}-"} if have else {})',
+     'headers.update({"Range": f"bytes={have + 1}-"} if have else {})', "a resumed download skips a byte"),
+    # survives with urllib3 2, which raises on a body shorter than Content-Length before this check runs;
+    # the check is what catches a cut connection under urllib3 1.x (requests allows both)
+    ("prepare_data.py", "if length >= 0 and part.stat().st_size != have + length:", "if False:",
+     "a connection closed early is not noticed"),
+    ("prepare_data.py", "for attempt in range(retries + 1):", "for attempt in range(retries):",
+     "one try fewer than --retries promises"),
+    ("prepare_data.py", "        stories, n = [], 0", "        rng, stories, n = random.Random(seed), [], 0",
+     "each demo split restarts the generator: val and test repeat train's stories"),
+    ("prepare_data.py", "parts = dict(train=ids[:a], val=ids[a:b], test=ids[b:])",
+     "parts = dict(train=ids[:a], val=ids[b:], test=ids[a:b])", "text8's val and test are swapped"),
+    ("prepare_data.py", "return i + int(hits[0])", "return i + int(hits[0]) + 1",
+     "fineweb's val/test cut is one token after the document boundary"),
+    ("prepare_data.py", "and all(open_split(out, s, meta) is not None for s in meta[\"splits\"]))", ")",
+     "a folder with a damaged split counts as finished"),
+    ("prepare_data.py", "    if size != want:", "    if size is None:", "a split of the wrong size is read"),
+    ("prepare_data.py",
+     'return lambda ids: b"".join(table.get(int(i), unknown) for i in ids).decode("utf-8", "replace")',
+     'return lambda ids: "".join(table.get(int(i), unknown).decode("utf-8", "replace") for i in ids)',
+     "GPT-2 tokens are decoded one by one: characters split over tokens break"),
+
+    # --- experiments.py: statistics of the report, the sweep
+    ("experiments.py", "wins=sum(d < 0 for d in diffs)", "wins=sum(d <= 0 for d in diffs)", "a tie counts as a win"),
+    ("experiments.py", "statistics.stdev(values) if len(values) > 1", "statistics.pstdev(values) if len(values) > 1",
+     "population instead of sample standard deviation"),
+    ("experiments.py", "if not name.endswith(\".v\")]", "]", "RD's value reads enter the route entropy"),
+    ("experiments.py", '*(["--resume"] if resume else [])', "*([])", "an interrupted run is restarted, not resumed"),
+    ("experiments.py", "(lambda v: v / math.log(2)) if level == \"char\"", "(lambda v: v / math.log(10)) if level == "
+     "\"char\"", "bits per character in the wrong base"),
+    ("experiments.py", "diffs = [value(r) - base[r[\"seed\"]] for r in runs",
+     "diffs = [base[r[\"seed\"]] - value(r) for r in runs", "paired differences have the wrong sign"),
+
+    # --- bench.py: ratios and counts
+    ("bench.py", "{k: v / values[base] for k, v in values.items()}", "{k: values[base] / v for k, v in values.items()}",
+     "ratios to the baseline are inverted"),
+    ("bench.py", "rs = [t / b for t, b in zip(ts, times[base])]",
+     "rs = [t / b for t, b in zip(ts, reversed(times[base]))]",
+     "per-round ratios pair rounds that did not run side by side"),
+    ("bench.py", "tokens_per_s=tokens_per_step / med)", "tokens_per_s=tokens_per_step / min(times_s))",
+     "tokens/s from the fastest step, not the median"),
+    ("bench.py", "grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)",
+     "grads = 0", "the memory count leaves out the gradients"),
+    ("bench.py", "idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)",
+     "idx = torch.cat((idx, logits[:, -1].argmin(-1, keepdim=True)), dim=1)",
+     "the recompute baseline is not greedy decoding"),
+    ("bench.py", "bad = [v for v in names if v not in VARIANTS]", "bad = []", "an unknown variant name is not refused"),
+
+    # --- nanoroute.py: public behaviour only (the internals are being rewritten)
+    ("nanoroute.py", "logits = logits / temperature", "logits = logits / 1.0", "generate ignores temperature"),
+    ("nanoroute.py", "logits[logits < v[:, [-1]]] = -float(\"inf\")", "logits[logits <= v[:, [-1]]] = -float(\"inf\")",
+     "top-k keeps k - 1 tokens"),
+    ("nanoroute.py", "context = idx[:, -cfg.sequence_len:]", "context = idx[:, :cfg.sequence_len]",
+     "generation past sequence_len reads the start of the text, not its end"),
+    ("nanoroute.py", "decay = [p for p in self.parameters() if id(p) in matrices]",
+     "decay = [p for p in self.parameters() if p.dim() >= 1]", "pseudo-queries and gains get weight decay"),
+    ("nanoroute.py", "return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).mean().item()",
+     "return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).sum().item()", "JS divergence summed over tokens"),
+    ("nanoroute.py", "if not 0.0 <= self.dropout < 1.0:", "if not 0.0 <= self.dropout <= 2.0:",
+     "dropout 1.5 is accepted"),
+]
+
+
+def snapshot():
+    """{path: bytes} of the git-tracked files of the working tree, read once: every fault then starts
+    from the same code and tests, even if the files are edited while the tool runs."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
+    names = [n for n in files.stdout.split("\0") if n and (ROOT / n).is_file()]
+    return {name: (ROOT / name).read_bytes() for name in names}
+
+
+def run_suite(files, fault, timeout):
+    """Apply one fault (None: none) to a fresh copy and run the tests: (status, seconds, first failure)."""
+    with tempfile.TemporaryDirectory(prefix="nanoroute_fault_") as tmp:
+        tmp = Path(tmp)
+        for name, data in files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_bytes(data)
+        (tmp / "_fault_order.py").write_text(ORDER_PLUGIN, encoding="utf-8")
+        env = _clean_env()
+        if fault is not None:
+            file, old, new, _ = fault
+            env["FAULT_SECTIONS_FIRST"] = ",".join(SECTIONS_FIRST.get(file, []))
+            text = (tmp / file).read_text(encoding="utf-8")
+            if text.count(old) != 1:
+                return "stale", 0.0, f"old snippet found {text.count(old)} times"
+            (tmp / file).write_text(text.replace(old, new), encoding="utf-8")
+        t0 = time.time()
+        try:
+            run = subprocess.run(TEST_COMMAND, cwd=tmp, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return "killed", time.time() - t0, f"timed out after {timeout} s"
+        failed = re.search(r"^(FAILED|ERROR) (.+?)(?: - |$)", run.stdout, re.M)
+        why = failed[2] if failed else (run.stdout.strip().splitlines() or ["(no output)"])[-1]
+        return ("survived" if run.returncode == 0 else "killed"), time.time() - t0, why
+
+
+def _clean_env():
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    for name in ("NANOROUTE_BASE_URL", "NANOROUTE_TEST_DEVICE"):
+        env.pop(name, None)
+    return env
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("--jobs", type=int, default=1, help="faults tested at the same time (default 1)")
+    p.add_argument("--only", metavar="FILE", help="only the faults of this file, e.g. train.py")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per suite run; longer counts as killed")
+    p.add_argument("--list", action="store_true", help="print the faults and exit")
+    a = p.parse_args(argv)
+    files = sorted({f[0] for f in FAULTS})
+    if a.only is not None and a.only not in files:
+        p.error(f"--only {a.only}: no faults for it; choose one of {', '.join(files)}")
+    if a.jobs < 1:
+        p.error(f"--jobs {a.jobs}: must be at least 1")
+    faults = [f for f in FAULTS if a.only in (None, f[0])]
+    if a.list:
+        for i, (file, old, _, what) in enumerate(faults, 1):
+            found = (ROOT / file).read_text(encoding="utf-8").count(old)
+            print(f"{i:3d} {file:<16} {what}" + ("" if found == 1 else f"  [stale: found {found} times]"))
+        return 0
+
+    print(f"{len(faults)} faults, {a.jobs} at a time; first the unmodified suite", flush=True)
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
+        files = snapshot()
+        baseline = pool.submit(run_suite, files, None, a.timeout)
+        futures = {pool.submit(run_suite, files, f, a.timeout): i for i, f in enumerate(faults)}
+        status, seconds, why = baseline.result()
+        if status != "survived":
+            print(f"WARNING: the unmodified suite fails ({why}): every fault will look killed", flush=True)
+        else:
+            print(f"unmodified suite passes ({seconds:.0f} s)", flush=True)
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            results[i] = future.result()
+            status, seconds, why = results[i]
+            file, _, _, what = faults[i]
+            print(f"{status:<8} {file:<16} {what} ({seconds:.0f} s; {why})", flush=True)
+
+    print("\nper file: killed / counted (stale faults are not counted)")
+    for file in files:
+        mine = [results[i][0] for i, f in enumerate(faults) if f[0] == file]
+        counted = [s for s in mine if s != "stale"]
+        if mine:
+            killed = counted.count("killed")
+            rate = f"{100 * killed / len(counted):.0f}%" if counted else "-"
+            print(f"  {file:<16} {killed:3d} / {len(counted):<3d} {rate:>5}" +
+                  (f"   ({mine.count('stale')} stale)" if "stale" in mine else ""))
+    for label in ("survived", "stale"):
+        rows = [(faults[i], r) for i, r in sorted(results.items()) if r[0] == label]
+        if rows:
+            print(f"\n{label}:")
+            for (file, _, _, what), (_, _, why) in rows:
+                print(f"  {file}: {what}" + (f" ({why})" if label == "stale" else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
