@@ -134,7 +134,7 @@ def custom_sweep(data, variants):
                          "--data data/demo --variants prenorm,block,wav,rd")
     try:
         dataset = prepare_data.load_meta(data)["dataset"]
-    except prepare_data.DataError as e:
+    except prepare_data.UsageError as e:
         raise UsageError(f"--data {data}: {e}") from None
     return dict(datasets=[dataset], folder=str(data), depths=[MODEL_DEFAULTS["n_layer"]], seeds=CUSTOM_SEEDS,
                 variants=variants, flags="")

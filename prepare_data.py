@@ -90,9 +90,6 @@ class UsageError(Exception):
     code 2. Defined here, in the module every other script imports, so there is one such type."""
 
 
-DataError = UsageError  # the name prepare_data's own functions raise it under
-
-
 class _Transient(Exception):
     """A download failure worth retrying: network hiccup, cut connection, HTTP 5xx."""
 
@@ -117,13 +114,13 @@ def download(url, dest, retries=5, backoff=1.0, verify=None):
             break
         except _Transient as e:
             if attempt == retries:
-                raise DataError(f"download of {url} failed after {retries + 1} tries ({e}); check the "
+                raise UsageError(f"download of {url} failed after {retries + 1} tries ({e}); check the "
                                 "network or the mirror, then re-run (the download resumes)") from None
             time.sleep(backoff * 2 ** attempt)
     why = _check_known(part, url) or (verify(part) if verify else None)
     if why:
         part.unlink()
-        raise DataError(f"{dest.name} from {url} is corrupt or truncated ({why}); it was deleted, "
+        raise UsageError(f"{dest.name} from {url} is corrupt or truncated ({why}); it was deleted, "
                         "re-run to download it again")
     os.replace(part, dest)
     return dest
@@ -144,7 +141,7 @@ def _fetch(url, part):
             if r.status_code in (408, 429) or r.status_code >= 500:
                 raise _Transient(f"HTTP {r.status_code}")
             if r.status_code not in (200, 206):
-                raise DataError(f"HTTP {r.status_code} {r.reason} for {url}; check the dataset name and "
+                raise UsageError(f"HTTP {r.status_code} {r.reason} for {url}; check the dataset name and "
                                 "--base_url / $NANOROUTE_BASE_URL")
             if r.status_code == 206 and not r.headers.get("Content-Range", "").startswith(f"bytes {have}-"):
                 part.unlink()
@@ -412,7 +409,7 @@ def _prepare_text8(out, o, state):
         ids = _char_lut(chars, 255)[:256].astype(np.uint8)[data]
         if (ids == 255).any() or (url == TEXT8_URL and len(ids) != 10 ** 8):
             path.unlink()
-            raise DataError(f"{path} does not hold text8 (characters other than a-z and space, or not "
+            raise UsageError(f"{path} does not hold text8 (characters other than a-z and space, or not "
                             "10^8 of them); it was deleted, re-run to download it again")
         # Proportional 90/5/5 %: exactly the standard 90M / 5M / 5M for the official 10^8 characters.
         a, b = len(ids) * 90 // 100, len(ids) * 95 // 100
@@ -501,7 +498,7 @@ def _shard_tokens(path):
         why = None if bad is None else f"token id {bad} is not a GPT-2 token"
     if why:
         path.unlink()
-        raise DataError(f"{path} is corrupt ({why}); it was deleted, re-run to download it again")
+        raise UsageError(f"{path} is corrupt ({why}); it was deleted, re-run to download it again")
     return tokens
 
 
@@ -563,22 +560,22 @@ BUILDERS = dict(demo=_prepare_demo, text8=_prepare_text8, tinystories=_prepare_t
 def prepare(name, out_dir=None, **options):
     """Prepare dataset `name` into out_dir (default data/NAME); a finished folder is left as is."""
     if name not in DATASETS:
-        raise DataError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
+        raise UsageError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
     defaults = DATASETS[name][1]
     for k in options:
         if k not in defaults and k not in RUN_OPTIONS:
             allowed = ", ".join(f"--{a}" for a in defaults) or "none"
-            raise DataError(f"option --{k} does not apply to {name} (its own options: {allowed})")
+            raise UsageError(f"option --{k} does not apply to {name} (its own options: {allowed})")
     o = {**RUN_OPTIONS, **defaults, **{k: v for k, v in options.items() if v is not None}}
     o["base_url"] = o["base_url"] or os.environ.get("NANOROUTE_BASE_URL") or None
     if o["base_url"] and not re.match(r"https?://", o["base_url"]):
-        raise DataError(f"--base_url / NANOROUTE_BASE_URL must start with http:// or https:// "
+        raise UsageError(f"--base_url / NANOROUTE_BASE_URL must start with http:// or https:// "
                         f"(got '{o['base_url']}')")
     if o["backoff"] is None:
         o["backoff"] = float(os.environ.get("NANOROUTE_RETRY_BACKOFF", "1"))
     for k, low in (("retries", 0), ("shards", 1), ("min_per_million", 0), ("demo_mb", 0.001)):
         if k in o and o[k] < low:
-            raise DataError(f"--{k} must be at least {low} (got {o[k]})")
+            raise UsageError(f"--{k} must be at least {low} (got {o[k]})")
     recorded = {k: o[k] for k in defaults}
     out = writable_folder(Path(out_dir) if out_dir else Path("data") / name, "--out")
     if _finished(out, name, recorded):
@@ -631,7 +628,7 @@ def _finished(out, name, recorded):
         meta = load_meta(out)
         return (meta["dataset"] == name and meta.get("options") == recorded
                 and all(open_split(out, s, meta) is not None for s in meta["splits"]))
-    except DataError:
+    except UsageError:
         return False
 
 
@@ -661,23 +658,23 @@ def _started_as(data_dir):
 
 
 def load_meta(data_dir):
-    """Read and check data_dir/meta.json; DataError says which command prepares the folder."""
+    """Read and check data_dir/meta.json; UsageError says which command prepares the folder."""
     d = Path(data_dir)
     path = d / "meta.json"
     if not path.exists():
         what = "does not exist" if not d.exists() else "is not a finished dataset (no meta.json)"
-        raise DataError(f"data folder {d} {what}; run: {_command(d)}")
+        raise UsageError(f"data folder {d} {what}; run: {_command(d)}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise DataError(f"cannot read {path} ({e}); prepare it again: {_command(d)}") from None
+        raise UsageError(f"cannot read {path} ({e}); prepare it again: {_command(d)}") from None
     keys = ("dataset", "level", "dtype", "vocab_size", "splits", "source", "format_version")
     ok = (isinstance(meta, dict) and all(k in meta for k in keys)
           and meta["format_version"] == FORMAT_VERSION and meta["dtype"] in ("uint8", "uint16")
           and meta["level"] in ("char", "gpt2")
           and (meta["level"] == "gpt2" or len(meta.get("chars", ())) == meta["vocab_size"]))
     if not ok:
-        raise DataError(f"{path} is not a nanoroute dataset (format {FORMAT_VERSION}); prepare it "
+        raise UsageError(f"{path} is not a nanoroute dataset (format {FORMAT_VERSION}); prepare it "
                         f"again: {_command(d, meta.get('dataset') if isinstance(meta, dict) else None)}")
     return meta
 
@@ -687,13 +684,13 @@ def open_split(data_dir, split, meta=None):
     d = Path(data_dir)
     meta = meta or load_meta(d)
     if split not in meta["splits"]:
-        raise DataError(f"{d} has no '{split}' split (it has: {', '.join(meta['splits'])})")
+        raise UsageError(f"{d} has no '{split}' split (it has: {', '.join(meta['splits'])})")
     path, n = d / f"{split}.bin", meta["splits"][split]
     want = n * np.dtype(meta["dtype"]).itemsize
     size = path.stat().st_size if path.exists() else None
     if size != want:
         have = "missing" if size is None else f"{size} bytes"
-        raise DataError(f"{path} is {have}, expected {want} bytes ({n} tokens); prepare it again: "
+        raise UsageError(f"{path} is {have}, expected {want} bytes ({n} tokens); prepare it again: "
                         f"{_command(d, meta['dataset'])}")
     if n == 0:
         return np.zeros(0, dtype=meta["dtype"])
@@ -753,7 +750,7 @@ def _gpt2_table(data_dir):
     """{id: bytes} from the local encoder.json (its ids are also GPT-2's BPE merge ranks)."""
     path = Path(data_dir) / "encoder.json"
     if not path.exists():
-        raise DataError(f"{path} is missing; prepare the folder again: "
+        raise UsageError(f"{path} is missing; prepare the folder again: "
                         f"{_command(Path(data_dir), 'fineweb_edu')}")
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
     vocab = json.loads(path.read_text(encoding="utf-8"))
@@ -771,12 +768,12 @@ def decoder(meta, data_dir):
 
 
 def encoder(meta, data_dir):
-    """text -> ids. Char level: DataError names characters outside the vocabulary."""
+    """text -> ids. Char level: UsageError names characters outside the vocabulary."""
     if meta["level"] == "gpt2":
         try:
             import tiktoken
         except ImportError:
-            raise DataError("encoding a GPT-2 prompt needs tiktoken: pip install tiktoken") from None
+            raise UsageError("encoding a GPT-2 prompt needs tiktoken: pip install tiktoken") from None
         table = _gpt2_table(data_dir)
         special = {EOT: next(i for i, b in table.items() if b == EOT.encode())}
         enc = tiktoken.Encoding(name="gpt2-local", pat_str=GPT2_PATTERN, special_tokens=special,
@@ -791,12 +788,12 @@ def encoder(meta, data_dir):
         missing = sorted({c for p in pieces if p not in reserved for c in p if c not in index})
         replaced = [c for c in missing if c in meta.get("replaced", ())]
         if replaced:  # in the text, but rarer than --min_per_million when the folder was prepared
-            raise DataError(f"characters not in the {meta['dataset']} vocabulary: {' '.join(map(repr, missing))}; "
+            raise UsageError(f"characters not in the {meta['dataset']} vocabulary: {' '.join(map(repr, missing))}; "
                             f"{' '.join(map(repr, replaced))} became {REPLACEMENT!r} in the training data "
                             f"(rarer than --min_per_million {meta['options']['min_per_million']:g}): remove them, "
                             f"or prepare the data again with a lower --min_per_million")
         if missing:
-            raise DataError(f"characters not in the {meta['dataset']} vocabulary: "
+            raise UsageError(f"characters not in the {meta['dataset']} vocabulary: "
                             f"{' '.join(map(repr, missing))}; remove or replace them")
         ids = []
         for p in pieces:
@@ -841,7 +838,7 @@ def main(argv=None):
         return 0
     except KeyboardInterrupt:
         msg = "interrupted; re-run the same command to resume (finished downloads and splits are kept)"
-    except DataError as e:
+    except UsageError as e:
         msg = str(e)
     except requests.RequestException as e:  # before OSError, which it subclasses
         msg = f"download failed: {e}; check the network and --base_url"

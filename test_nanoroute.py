@@ -790,15 +790,15 @@ def test_data_api_roundtrip_and_clear_errors(tmp_path):
     meta = prepare_data.load_meta(out)
     enc, dec = prepare_data.encoder(meta, out), prepare_data.decoder(meta, out)
     assert dec(enc('Lily said, "Hello!"\n')) == 'Lily said, "Hello!"\n'
-    with pytest.raises(prepare_data.DataError, match="€"):
+    with pytest.raises(prepare_data.UsageError, match="€"):
         enc("10 €")
-    with pytest.raises(prepare_data.DataError, match="python prepare_data.py demo --out"):
+    with pytest.raises(prepare_data.UsageError, match="python prepare_data.py demo --out"):
         prepare_data.load_meta(tmp_path / "nothing" / "demo")
-    with pytest.raises(prepare_data.DataError, match="no 'bogus' split"):
+    with pytest.raises(prepare_data.UsageError, match="no 'bogus' split"):
         prepare_data.open_split(out, "bogus")
     with open(out / "val.bin", "r+b") as f:  # a damaged split is refused, and the command repairs it
         f.truncate(10)
-    with pytest.raises(prepare_data.DataError, match="expected .* prepare_data.py demo"):
+    with pytest.raises(prepare_data.UsageError, match="expected .* prepare_data.py demo"):
         prepare_data.open_split(out, "val")
     prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.1)
     assert len(prepare_data.open_split(out, "val")) == meta["splits"]["val"]
@@ -1073,11 +1073,11 @@ def test_data_tinystories_small_file_keeps_ordinary_characters(tmp_path, _data_s
     assert meta["replaced"] == ["é"] and "q" in meta["chars"] and "é" not in meta["chars"]
     printed = capsys.readouterr().out
     assert "1 characters rarer than --min_per_million" in printed and "become '\ufffd': 'é'" in printed
-    with pytest.raises(prepare_data.DataError) as e:  # what sample.py prints for such a prompt
+    with pytest.raises(prepare_data.UsageError) as e:  # what sample.py prints for such a prompt
         prepare_data.encoder(meta, out)("Zoé ran ☃")
     assert "'é' '☃'" in str(e.value) and "'é' became '\ufffd'" in str(e.value)
     assert "lower --min_per_million" in str(e.value)
-    with pytest.raises(prepare_data.DataError) as e:  # a character the data never had: the plain message
+    with pytest.raises(prepare_data.UsageError) as e:  # a character the data never had: the plain message
         prepare_data.encoder(meta, out)("☃")
     assert "min_per_million" not in str(e.value) and "'☃'; remove or replace them" in str(e.value)
 
@@ -1087,16 +1087,16 @@ def test_data_half_finished_folder_names_its_dataset(tmp_path, _data_server):
     _data_server.files["TinyStoriesV2-GPT4-train.txt"] = b"Once upon a time.<|endoftext|>"  # no valid file: 404
     r = _data_cli("tinystories", "--out", str(tmp_path / "my_stories"), "--base_url", _data_server.url)
     assert r.returncode == 2 and "404" in _data_one_error_line(r.stderr)
-    with pytest.raises(prepare_data.DataError) as e:
+    with pytest.raises(prepare_data.UsageError) as e:
         prepare_data.load_meta(tmp_path / "my_stories")
     assert f"run: python prepare_data.py tinystories --out {tmp_path / 'my_stories'}" in str(e.value)
     assert json.loads((tmp_path / "my_stories/progress.json").read_text())["dataset"] == "tinystories"
     (tmp_path / "my_text/downloads").mkdir(parents=True)
     (tmp_path / "my_text/downloads/text8.zip.part").write_bytes(b"PK")  # a download cut before any split
-    with pytest.raises(prepare_data.DataError) as e:
+    with pytest.raises(prepare_data.UsageError) as e:
         prepare_data.load_meta(tmp_path / "my_text")
     assert f"run: python prepare_data.py text8 --out {tmp_path / 'my_text'}" in str(e.value)
-    with pytest.raises(prepare_data.DataError) as e:  # never started: the datasets to choose from
+    with pytest.raises(prepare_data.UsageError) as e:  # never started: the datasets to choose from
         prepare_data.load_meta(tmp_path / "elsewhere")
     assert "NAME" not in str(e.value) and "(DATASET: demo, text8, tinystories, fineweb_edu)" in str(e.value)
 
@@ -1121,7 +1121,7 @@ def test_data_fineweb_shards_split_and_decoding(tmp_path, _data_server):
         import tiktoken  # noqa: F401
         assert prepare_data.encoder(meta, out)(" the cat") == [258, 32, 99, 97, 116]
     except ImportError:
-        with pytest.raises(prepare_data.DataError, match="pip install tiktoken"):
+        with pytest.raises(prepare_data.UsageError, match="pip install tiktoken"):
             prepare_data.encoder(meta, out)
 
 
