@@ -520,20 +520,244 @@ def test_optimizer_decays_only_matrices():
     assert not any(p is layerscale.residual_gain for g in opt.param_groups if g["weight_decay"] for p in g["params"])
 
 
-@pytest.mark.parametrize("mode", ["block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout",
-                                  "wav_wide", "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav"])
-def test_fast_path_equals_reference_path_forward_and_gradients(mode):
-    # wav_wide (m = 6) has reads over all four pieces of a partial block (see GPT._write)
+# The kernel and fast == reference checks run on NANOROUTE_TEST_DEVICE (default cpu; cuda on a GPU:
+# NANOROUTE_TEST_DEVICE=cuda python -m pytest -q -k "fast or reference or kernel"), in float32 and
+# under bf16 autocast. The routing math is float32 in both, so the kernel's tolerances are float32's;
+# a model under autocast rounds its sublayers to bf16, which amplifies float32-level differences.
+TEST_DEVICE = os.environ.get("NANOROUTE_TEST_DEVICE", "cpu")
+PRECISIONS = ["float32", "bf16_autocast"]
+
+
+@pytest.fixture
+def device():
+    if TEST_DEVICE == "cuda":
+        if not torch.cuda.is_available():
+            pytest.fail("NANOROUTE_TEST_DEVICE=cuda, but torch sees no CUDA device")
+        tf32 = torch.backends.cuda.matmul.allow_tf32  # true float32 matmuls (train.py turns TF32 on)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        yield torch.device("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    else:
+        yield torch.device(TEST_DEVICE)
+
+
+def precision_context(device, precision):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16_autocast" \
+        else contextlib.nullcontext()
+
+
+def model_tolerance(device, precision):
+    if precision == "bf16_autocast":
+        return dict(atol=3e-2, rtol=3e-2)
+    return dict(atol=1e-5, rtol=1e-4) if device.type == "cpu" else dict(atol=1e-4, rtol=1e-3)
+
+
+def fast_and_reference(mode, device, precision, model_class=GPT):
+    """Logits and parameter gradients of one randomised model, fast path and reference path."""
     results = []
     for fast in (True, False):
-        model = randomise_routing(make_model(**ATTNRES_MODES[mode], fast_routing=fast))
-        logits, loss = model(tokens(), tokens(seed=4))
+        torch.manual_seed(0)
+        cfg = GPTConfig(**{**TINY, **ATTNRES_MODES[mode]} if isinstance(mode, str) else {**TINY, **mode},
+                        fast_routing=fast)
+        model = randomise_routing(model_class(cfg)).to(device)
+        with precision_context(device, precision):
+            logits, loss = model(tokens().to(device), tokens(seed=4).to(device))
         loss.backward()
-        results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
-    (fast_logits, fast_grads), (ref_logits, ref_grads) = results
-    torch.testing.assert_close(fast_logits, ref_logits, atol=1e-5, rtol=1e-5)
+        results.append((logits.float(), {n: p.grad for n, p in model.named_parameters()}))
+    return results
+
+
+@pytest.mark.parametrize("mode", ["block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout",
+                                  "wav_wide", "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav"])
+def test_fast_path_equals_reference_path_forward_and_gradients(mode, device):
+    # wav_wide (m = 6) has reads over all four pieces of a partial block (see write)
+    (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(mode, device, "float32")
+    tol = model_tolerance(device, "float32")
+    torch.testing.assert_close(fast_logits, ref_logits, **tol)
     for name in ref_grads:
-        torch.testing.assert_close(fast_grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["block", "full", "wav", "rd_wav"])
+def test_fast_path_equals_reference_path_under_bf16_autocast(mode, device):
+    (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(mode, device, "bf16_autocast")
+    tol = model_tolerance(device, "bf16_autocast")
+    torch.testing.assert_close(fast_logits, ref_logits, **tol)
+    for name in ref_grads:
+        if name.startswith(("query.", "detail_bias.")):  # the routing's own parameters
+            torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
+
+
+# The kernel alone, against depth_read on random inputs: R reads over S completed sources and P
+# partial sources given as fixed combinations of K stored terms with detached per-token scales.
+def kernel_inputs(device, seed=0, B=2, T=5, d=16, S=3, K=3):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    completed = [rand(B, T, d).requires_grad_() for _ in range(S)]
+    terms = [rand(B, T, d).requires_grad_() for _ in range(K)]
+    coeffs = [(1, 1, 1), (1, -1, 1), (0.5, 1, -2)]  # any fixed numbers, not only signs
+    scales = [None, torch.rand(B, T, generator=g).to(device) + 0.5, torch.rand(B, T, generator=g).to(device) * 3]
+    queries = rand(2, d).requires_grad_()
+    biases = rand(2, S + len(coeffs)).requires_grad_()
+    return completed, terms, coeffs, scales, queries, biases
+
+
+def kernel_sources(completed, terms, coeffs, scales):
+    """Sources for the kernel, and route(read, sources) -> (query, biases of those sources)."""
+    stored = [nanoroute.stored_source(f"c{i}", v) for i, v in enumerate(completed)]
+    terms, partial = tuple(terms), []  # the kernel's contract: the partial sources share their terms
+    for i, (c, scale) in enumerate(zip(coeffs, scales)):
+        value = nanoroute.Source("", terms, c, scale, None).value.detach()
+        partial.append(nanoroute.Source(f"p{i}", terms, c, scale,
+                                        torch.rsqrt(nanoroute.mean_square(value) + nanoroute.EPS)))
+    return stored, partial
+
+
+def kernel_route(queries, biases, stored, partial):
+    column = {s.name: i for i, s in enumerate(stored + partial)}
+    return lambda r, sources: (queries[r], biases[r, [column[s.name] for s in sources]])
+
+
+def kernel_and_reference(inputs, precision, device, n_partial):
+    """(h, weights) of both reads and the gradients of a random loss, by the kernel and by depth_read."""
+    completed, terms, coeffs, scales, queries, biases = inputs
+    stored, partial = kernel_sources(completed, terms, coeffs, scales)
+    partial = partial[:n_partial]
+    route = kernel_route(queries, biases, stored, partial)
+    leaves = [queries, biases, *completed, *terms]
+    out = []
+    for kernel in (True, False):
+        with precision_context(device, precision):
+            reads = nanoroute.TwoPhaseReads(route, [0, 1], stored) if kernel else nanoroute.ReferenceReads(route, stored)
+            results = [reads(r, partial, keep_weights=True) for r in (0, 1)]
+        g = torch.Generator().manual_seed(5)
+        loss = sum((h * torch.randn(h.shape, generator=g).to(device)).sum() for h, _ in results)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        out.append(([h for h, _ in results], [w for _, w in results], grads))
+    return out
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("n_partial", [0, 1, 3])
+def test_kernel_equals_reference_read_forward_and_gradients(device, precision, n_partial):
+    inputs = kernel_inputs(device)
+    (h, w, grads), (ref_h, ref_w, ref_grads) = kernel_and_reference(inputs, precision, device, n_partial)
+    tol = dict(atol=1e-5, rtol=1e-4) if device.type == "cpu" else dict(atol=1e-4, rtol=1e-3)
+    for a, b in zip(h + w, ref_h + ref_w, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, **tol)
+    names = ["queries", "biases", "completed", "completed", "completed", "term", "term", "term"]
+    for name, a, b in zip(names, grads, ref_grads, strict=True):
+        if name == "term" and n_partial == 0:
+            assert a is None and b is None  # no partial source: the terms are not read
+            continue
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_kernel_backward_inside_autocast_equals_outside(device):
+    # a user may call backward() inside an autocast block: the kernel's backward stays float32
+    inputs = kernel_inputs(device)
+    completed, terms, coeffs, scales, queries, biases = inputs
+    grads = []
+    for inside in (False, True):
+        stored, partial = kernel_sources(completed, terms, coeffs, scales)
+        route = kernel_route(queries, biases, stored, partial)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            reads = nanoroute.TwoPhaseReads(route, [0, 1], stored)
+            loss = sum((reads(r, partial)[0] * (r + 1)).square().sum() for r in (0, 1))
+            if inside:
+                grads.append(torch.autograd.grad(loss, [queries, biases, *completed, *terms]))
+        if not inside:
+            grads.append(torch.autograd.grad(loss, [queries, biases, *completed, *terms]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# Extending the routing: a new detail basis is one small method override (docs/routing.md)
+class GPTWithCrossBasis(GPT):
+    """WAV with a third detail basis, cross = phase · split: + − − + over a block of 4."""
+
+    def detail_signs(self, l):
+        signs = super().detail_signs(l)
+        return {**signs, "cross": signs["phase"] * signs["split"]}
+
+
+def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(device):
+    cfg = dict(residual="attnres", wav=True, attnres_block=4)
+    model = GPTWithCrossBasis(GPTConfig(**TINY, **cfg))
+    assert all(b.shape == (3,) for b in model.detail_bias.values())  # a detail bias per read for it too
+    _, _, routes = model(tokens(), return_routes=True)
+    assert routing_stats(routes)["sources"] == ["emb", "C0", "C0.phase", "C0.split", "C0.cross",
+                                                "P", "P.phase", "P.split", "P.cross"]
+    us = [torch.randn(2, 5, 16) for _ in range(4)]
+    block = nanoroute.PartialBlock({}, {})
+    for l, u in enumerate(us):
+        block = model.write(block, u, l)
+    cross = {s.basis: s for s in model.block_sources("P", block)}["cross"]
+    torch.testing.assert_close(cross._replace(scale=None).value, us[0] - us[1] - us[2] + us[3])
+    # and the fast kernel reads it exactly like the reference read, forward and gradients
+    for precision in PRECISIONS:
+        (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(cfg, device, precision,
+                                                                                GPTWithCrossBasis)
+        tol = model_tolerance(device, precision)
+        torch.testing.assert_close(fast_logits, ref_logits, **tol)
+        for name in ref_grads:
+            if precision == "float32" or name.startswith(("query.", "detail_bias.")):
+                torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
+
+
+# Numerics: backward() called inside an autocast block gives the gradients it gives outside
+@pytest.mark.parametrize("fast", [True, False])
+def test_backward_inside_bf16_autocast_equals_outside(fast):
+    grads = []
+    for inside in (False, True):
+        model = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"], fast_routing=fast))
+        sources = []  # every update written into the pool, to compare the sources' gradients
+        write = model.write
+
+        def keep_and_write(block, u, l):
+            u.retain_grad()
+            sources.append(u)
+            return write(block, u, l)
+
+        model.write = keep_and_write
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(tokens(), tokens(seed=4))
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        routing = {n: p.grad for n, p in model.named_parameters() if n.startswith(("query.", "detail_bias."))}
+        grads.append((routing, [u.grad for u in sources]))
+    (routing, updates), (routing_inside, updates_inside) = grads
+    assert any(n.startswith("detail_bias.") for n in routing)
+    for name in routing:  # queries and detail biases
+        torch.testing.assert_close(routing_inside[name], routing[name], atol=1e-7, rtol=1e-5, msg=name)
+    for a, b in zip(updates_inside, updates, strict=True):  # the sources, through every update
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-7, rtol=1e-5)
+
+
+# RD with Linear biases: the value projection keeps its bias
+def test_rd_value_projection_keeps_its_bias():
+    def model(rd, v_query=None):
+        m = make_model(**{**ATTNRES_MODES["rd_decoupled"], "rd": rd}, bias=True)
+        with torch.no_grad():
+            for layer in m.layers:
+                layer.attn.c_attn.bias.normal_()  # non-zero biases for Q, K and V
+            if v_query is not None:
+                m.query["layer1_attn_v"].copy_(v_query)
+        return m
+
+    idx = tokens()
+    off = model("off")(idx)[0]
+    torch.testing.assert_close(model("decoupled")(idx)[0], off, atol=1e-6, rtol=1e-6)  # zero V query
+    torch.testing.assert_close(model("tied")(idx)[0], off, atol=1e-6, rtol=1e-6)
+    # the value bias reaches the output on the RD path: changing it changes the logits
+    dec = model("decoupled", v_query=torch.randn(16))
+    before = dec(idx)[0]
+    with torch.no_grad():
+        dec.layers[1].attn.c_attn.bias[32:].add_(1.0)  # the V part of layer 1's bias (n_embd = 16)
+    assert not torch.allclose(dec(idx)[0], before, atol=1e-4)
 
 
 def test_wav_keeps_no_more_per_sublayer_for_backward_than_block_attnres():
