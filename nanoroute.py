@@ -121,11 +121,11 @@ class GPTConfig:
 
 
 def norm(x):
-    # parameterless RMSNorm; a gain would only rescale what the next Linear learns anyway
+    # choice: parameterless RMSNorm; a gain would only rescale what the next Linear learns anyway
     return F.rms_norm(x, (x.size(-1),), eps=EPS)
 
 
-def rotary_tables(sequence_len, head_dim, base=10000.0):
+def rotary_tables(sequence_len, head_dim, base=10000.0):  # choice: rotary positions, e = token embedding
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
     freqs = torch.outer(torch.arange(sequence_len).float(), inv_freq)  # (T, hs/2)
     return freqs.cos(), freqs.sin()
@@ -226,11 +226,10 @@ def mean_square(v):
 
 
 class Source(NamedTuple):
-    """One source of the pool, value = scale · Σ_k coeffs[k]·terms[k]: a fixed linear combination of
-    stored tensors (B, T, d), times a detached per-token scale (B, T) (None: 1). A completed source is
-    one stored tensor; a source of the partial block is a signed sum of the block's pieces (see
-    write), which the fast kernel reads without building it. inv_rms (B, T) = 1/sqrt(mean(value²)+ε)
-    is computed once, for every read that sees the source (SPEC: RMSNorm(v)·w = (v·w)·rsqrt(...))."""
+    """One source of the pool: value = scale · Σ_k coeffs[k]·terms[k], stored tensors (B, T, d) and a
+    detached per-token scale (B, T) (None: 1). A completed source is one stored tensor; a source of
+    the partial block is a signed sum of the block's pieces (see write). inv_rms (B, T) is
+    1/sqrt(mean(value²)+ε), computed once for every read (SPEC: RMSNorm(v)·w = (v·w)·rsqrt(...))."""
     name: str  # emb, C0, C0.phase, C0.split, ..., P, P.phase, P.split
     terms: tuple
     coeffs: tuple
@@ -252,10 +251,9 @@ def stored_source(name, value, basis=None):
 
 
 def depth_read(query, bias, values):
-    """SPEC: one read, h = Σ_s α_s v_s with α = softmax_s(wᵀ RMSNorm(v_s) + bias_s): keys are the
-    normed sources, values the raw ones, no 1/sqrt(d) temperature. query (d,), bias (S,), values:
-    S tensors (B, T, d). Returns h (B, T, d) and the weights α (S, B, T). This is the definition;
-    the kernel below the banner computes the same for a whole block at once."""
+    """SPEC: one read, h = Σ_s α_s v_s, α = softmax_s(wᵀ RMSNorm(v_s) + bias_s): keys are the normed
+    sources, values the raw ones, no 1/sqrt(d) temperature. query (d,), bias (S,), S values (B, T, d).
+    Returns h (B, T, d) and α (S, B, T). The kernel below the banner computes the same, faster."""
     with float32(values[0]):  # SPEC: Numerics, key RMS, logits and softmax in float32
         V = torch.stack([v.float() for v in values])  # (S, B, T, d)
         logits = norm(V) @ query.float() + bias.float()[:, None, None]  # (S, B, T)
@@ -264,7 +262,7 @@ def depth_read(query, bias, values):
 
 
 class ReferenceReads:
-    """The reads of one routing block computed one by one with depth_read, over the whole pool."""
+    """The reads of one routing block, one by one with depth_read over the whole pool."""
 
     def __init__(self, route, completed):
         self.route, self.completed = route, completed
@@ -283,17 +281,16 @@ class PartialBlock(NamedTuple):
 
 
 class DepthRouting:
-    """The routing of residual=attnres, as methods of GPT (GPT inherits them): its parameters, the
-    pool, the read, the write, RD's routes, the readout, and the forward loop that joins them."""
+    """The routing of residual=attnres, inherited by GPT: its parameters, the pool, the write, the
+    read, RD's routes and the forward loop that joins them (with the readout)."""
 
     def init_routing(self, config):
-        # One pseudo-query per read, zero-initialised (SPEC), and per read one detail bias per WAV
-        # basis (choice). Reads in forward order: layer{j}.attn, [layer{j}.attn.v,] layer{j}.mlp, readout.
-        # Created from constants, not the random stream (SPEC: Paired experiments).
+        # One pseudo-query per read, zero-initialised (SPEC); choice: one detail bias per read and basis.
+        # From constants, not the random stream (SPEC: Paired experiments). Reads in forward order.
         d, n_bases = config.n_embd, len(self.detail_signs(0))
         self.read_names = [name for j in range(config.n_layer) for name in self._layer_reads(j)] + ["readout"]
-        # The first sublayer reads e alone (weight 1 whatever its query), so it has no parameters;
-        # neither has rd=frozen_v's value route, whose query stays zero and detail bias at its init.
+        # choice: the first sublayer reads e alone (weight 1 whatever its query): no parameters; nor has
+        # rd=frozen_v's value route, whose query stays zero and detail bias at its init.
         learned = [r for r in self.read_names if not r.startswith("layer0.attn")
                    and not (config.rd == "frozen_v" and r.endswith(".v"))]
         self.query = nn.ParameterDict({_key(r): nn.Parameter(torch.zeros(d)) for r in learned})
@@ -322,10 +319,9 @@ class DepthRouting:
         return {basis: signs[basis] for basis in self.config.detail_bases}
 
     def block_sources(self, name, block):
-        """SPEC: the sources of one block: its state C = Σ u_i (P for the partial block), then each
-        detail basis D = Σ sign_i·u_i, RMS-matched to the state: D̃ = s·D with s = min(ρ, rms(C) /
-        (rms(D) + ε)) per token, detached (SPEC: WAV stability 2). Each is a signed sum of the
-        block's pieces (see write)."""
+        """SPEC: the sources of one block, signed sums of its pieces (see write): the state C = Σ u_i
+        (P for the partial block), then each detail basis D = Σ sign_i·u_i RMS-matched to the state,
+        D̃ = s·D with s = min(ρ, rms(C) / (rms(D) + ε)) per token, detached (SPEC: WAV stability 2)."""
         if not block.pieces:
             return []
         keys, terms = list(block.pieces), tuple(block.pieces.values())
@@ -346,14 +342,13 @@ class DepthRouting:
     # ----- the write -----------------------------------------------------------------
 
     def write(self, block, u, l):
-        """SPEC: the update u of sublayer l joins the partial block: P += u, and with WAV
-        P^basis += sign·u. The block keeps its updates summed by their sign pattern (its pieces: one
-        without WAV, at most 4 with both bases), so every source of the block is a fixed signed sum of
-        the pieces and a sublayer adds to one piece only: it leaves one tensor for the backward
-        however many bases there are. The running sums are kept without gradient."""
+        """SPEC: the update u of sublayer l joins the partial block: P += u, with WAV P^basis += sign·u.
+        The block keeps its updates summed by sign pattern (its pieces: one without WAV, at most 4
+        with both bases); each of its sources is a fixed signed sum of the pieces, and a sublayer adds
+        to one piece: it leaves one tensor for the backward however many bases there are."""
         signs = self.detail_signs(l)
         key = tuple(signs.values())
-        u = u.float()  # sources accumulate in float32, like nanoGPT's residual stream
+        u = u.float()  # choice: sources accumulate in float32, like nanoGPT's residual stream
         pieces = {**block.pieces, key: block.pieces[key] + u if key in block.pieces else u}
         if not signs:  # Block AttnRes: the one piece is P itself
             return PartialBlock(pieces, {"state": pieces[key]})
@@ -378,10 +373,9 @@ class DepthRouting:
         return query, torch.cat([beta.new_zeros(1), beta])[index]
 
     def block_reads(self, names, completed, cache):
-        """The reads `names` of one block over the completed sources (plus, per read, the partial
-        ones). The one place that picks how reads are computed: the two-phase kernel below the banner,
-        or the reference depth_read (fast_routing=False; and generation with a KV cache: one token at
-        a time leaves nothing to batch)."""
+        """The reads `names` of one block over the completed sources (plus each read's partial ones).
+        The one place that picks how reads are computed: the two-phase kernel below the banner, or
+        depth_read (fast_routing=False; choice: generation with a KV cache, one token at a time)."""
         if self.config.fast_routing and (cache is None or torch.is_grad_enabled()):
             return TwoPhaseReads(self.route, names, completed)
         return ReferenceReads(self.route, completed)
@@ -641,8 +635,7 @@ class TwoPhaseReads:
         self.phase1 = {name: (mix[r], lse[r], p[..., r]) for r, name in enumerate(names)}
 
     def __call__(self, name, partial, keep_weights=False):
-        """h (B, T, d) of read `name` over the completed and the partial sources, and if asked its
-        weights (S, B, T)."""
+        """h (B, T, d) of read `name` over the completed and partial sources; its weights (S, B, T)."""
         mix, lse, p = self.phase1[name]
         if not partial:  # a compact copy: a view would keep phase 1's output for the whole block alive
             return mix.contiguous(), p.permute(2, 0, 1) if keep_weights else None
@@ -666,7 +659,7 @@ def completed_reads(queries, biases, values, inv_rms):
     with float32(values[0]):
         V = torch.stack(values, dim=2).float()  # (B, T, S, d)
         inv_rms = torch.stack(inv_rms, dim=2)  # (B, T, S)
-        dots = V @ queries.float().t()  # (B, T, S, R)
+        dots = V @ queries.float().t()  # (B, T, S, R); choice: TF32 allowed on CUDA (SPEC: Choices)
         logits = dots * inv_rms[..., None] + biases.float().t()
         lse = logits.logsumexp(2)  # (B, T, R)
         p = (logits - lse[:, :, None]).exp()
