@@ -1694,7 +1694,7 @@ def test_bench_subset_without_baselines_and_profile(tmp_path, capsys):
                for v in data["variants"].values())
     assert list(data["generation"]["variants"]) == ["rezero"]
     out = capsys.readouterr().out
-    assert "### Profile: wav, 3 training steps" in out and "Phase2Backward" in out
+    assert "### Profile: wav, 3 training steps" in out and "PartialMergeBackward" in out
     calls = re.search(r"KV-cache generation of 4 tokens: (\d+) aten calls per token", out)
     assert calls and int(calls.group(1)) > 0
 
