@@ -5,7 +5,12 @@ nanoroute: a minimal GPT whose residual stream is a choice of depth routing.
     on top of attnres:  wav = True   (WAV v1 multi-resolution block sources)
                         rd  = decoupled | tied | average | frozen_v   (RD-AttnRes)
 
-The mathematics is in SPEC.md; comments marked "# SPEC: <section>" point to it.
+The mathematics is in SPEC.md; comments marked "# SPEC: <section>" point to it, and SPEC.md's
+"Choices the papers leave open" lists what this file decides (comments marked "# choice:").
+The file reads top-down: config, Transformer pieces, the routing (source pool, read, write, RD's
+routes, readout), the GPT, generation, diagnostics. Below the banner near the end is a generic fast
+kernel for the reads (two-phase, Kimi report Algorithm 1); the model above it is the whole model.
+docs/routing.md says how to change the routing.
 
 References:
 1) nanoGPT model.py, A. Karpathy: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -15,18 +20,6 @@ References:
 5) ReZero, Bachlechner et al. 2020, arXiv:2003.04887
 6) LayerScale (CaiT), Touvron et al. 2021, arXiv:2103.17239
 7) RoFormer (rotary position embedding), Su et al. 2021, arXiv:2104.09864
-
-Choices SPEC.md leaves open, made here:
-- Positions: rotary embeddings (RoPE) on queries and keys, so the embedding e that AttnRes reads
-  is the token embedding alone. No position table to crop, relative positions for char-level data.
-- Norms: RMSNorm without a learnable gain everywhere (sublayer inputs, final norm, routing keys).
-  A key-norm gain would be redundant with the pseudo-query (SPEC: wᵀ(g⊙k̂) = (w⊙g)ᵀk̂).
-- WAV: rho (wav_rho) defaults to 4.0: the paper's value is not public; 4 lets a detail basis be
-  matched up to the scale of its state source unless it is nearly cancelled (< 1/4 of it).
-  One detail bias per read and per basis. With rd=frozen_v the value route keeps its detail bias
-  frozen at its initial value, like its zero query.
-- attnres_block=0 (default) picks whole layers per block and at most 8 blocks:
-  m = 2·ceil(n_layer / 8) sublayers (4 at least with WAV).
 """
 
 import contextlib
@@ -54,7 +47,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False  # biases in Linear layers
     residual: str = "prenorm"  # prenorm | rezero | layerscale | attnres
-    attnres_block: int = 0  # sublayers per routing block; 1 = Full AttnRes; 0 = auto (see top)
+    attnres_block: int = 0  # sublayers per routing block; 1 = Full AttnRes; 0 = auto (routing_block)
     wav: bool = False  # WAV v1 detail sources (needs residual=attnres)
     wav_bases: str = "both"  # phase | split | both
     wav_rho: float = 4.0  # cap on the detached RMS-matching scale of detail sources
@@ -123,190 +116,16 @@ class GPTConfig:
         return WAV_BASES[self.wav_bases] if self.wav else ()
 
 
-def norm(x):
-    # parameterless RMSNorm; a gain would only rescale what the next Linear learns anyway
-    return F.rms_norm(x, (x.size(-1),), eps=EPS)
-
-
-def float32(x):
-    """Context for routing math: autocast off, since it would run vecdot and matmul in bf16
-    (entered only when autocast is on: the context manager costs more than a small op)."""
-    device = x.device.type
-    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
-
-
-def mean_square(v):
-    # per-token mean(v²) in float32 (B, T): one fused reduction
-    with float32(v):
-        return torch.linalg.vector_norm(v.float(), dim=-1).square() / v.size(-1)
-
-
-# -----------------------------------------------------------------------------
-# The depth read. SPEC: Attention Residuals, h = Σ_s α_s v_s with α = softmax_s(wᵀ RMSNorm(v_s) + bias_s)
-
-
-def depth_read_reference(query, bias, values):
-    """The readable definition of one read. query (d,), bias (S,), values: S tensors (B, T, d).
-    Returns h (B, T, d) and the weights α (S, B, T). No 1/sqrt(d) temperature (SPEC)."""
-    with float32(values[0]):
-        V = torch.stack([v.float() for v in values])  # (S, B, T, d)
-        logits = norm(V) @ query.float() + bias.float()[:, None, None]  # (S, B, T)
-        weights = logits.softmax(0)
-        return (weights[..., None] * V).sum(0), weights
-
-
-def phase1(queries, biases, values, rinv):
-    """The forward math of Phase1: queries (R, d), biases (R, S), S sources (B, T, d) and their rinv.
-    Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R), the stacked rinv (B, T, S) and the dot
-    products vᵀw (B, T, S, R)."""
-    with float32(values[0]):
-        V = torch.stack(values, dim=2).float()  # (B, T, S, d)
-        rinv = torch.stack(rinv, dim=2)  # (B, T, S)
-        dots = V @ queries.float().t()  # (B, T, S, R)
-        logits = dots * rinv[..., None] + biases.float().t()
-        lse = logits.logsumexp(2)  # (B, T, R)
-        p = (logits - lse[:, :, None]).exp()
-        mix = p.transpose(2, 3) @ V  # (B, T, R, S) @ (B, T, S, d) -> (B, T, R, d)
-    return mix, lse, p, rinv, dots
-
-
-def phase2(mix, lse, query, bias, rinv, scale, sigma, pieces):
-    """The forward math of Phase2: one read's phase-1 summary, its query (d,), and the P partial
-    sources, each a signed sum of the block's K pieces, source_p = scale_p · Σ_k sigma[p, k] · piece_k
-    (SPEC: WAV bases; scale 1 for the state): biases (P,), inverse RMS and detached scales (P, B, T),
-    sigma (P, K) of ±1 (None: one source, the one piece, as without WAV), pieces (B, T, d).
-    Returns h (B, T, d), the merge weights a (1+P, B, T) and the dot products sourceᵀw (P, B, T)."""
-    with float32(mix):
-        q = query.float()
-        # vecdot, not v @ q: a per-token dot product is one fused pass, matrix-vector is 2x slower on CPU
-        dots = _per_source(sigma, torch.stack([torch.linalg.vecdot(v.float(), q) for v in pieces])) * scale
-        a = torch.cat([lse[None], dots * rinv + bias.float()[:, None, None]]).softmax(0)
-        h = a[0][..., None] * mix
-        for v, w in zip(pieces, _per_piece(sigma, a[1:] * scale)):  # each piece's weight in h
-            h.addcmul_(w[..., None], v.float())
-    return h, a, dots
-
-
-def _per_source(sigma, x):
-    """Σ_k sigma[p, k]·x_k for every source p: (K, ...) -> (P, ...)."""
-    return x if sigma is None else (sigma @ x.flatten(1)).view(sigma.size(0), *x.shape[1:])
-
-
-def _per_piece(sigma, x):
-    """Σ_p sigma[p, k]·x_p for every piece k: (P, ...) -> (K, ...)."""
-    return x if sigma is None else (sigma.t() @ x.flatten(1)).view(sigma.size(1), *x.shape[1:])
-
-
-class Phase1(torch.autograd.Function):
-    """Phase 1 of the two-phase read (SPEC: Two-phase computation): the R reads of a routing block
-    against its S completed sources, in one batched pass. For read r it returns the mixture of the
-    completed sources normalised over them, mix_r (B, T, d), and its log-sum-exp lse_r (B, T), which
-    phase 2 treats as one source with logit lse_r; and the weights p (B, T, S, R), for diagnostics.
-    The backward is batched the same way, so each source gets one gradient per block instead of one
-    per read. It saves the dot products vᵀw (as small as p) and recomputes p from them; the sources
-    are held by the model anyway:
-        dlogit_rs = p_rs (⟨dmix_r, v_s⟩ − Σ_s' p_rs' ⟨dmix_r, v_s'⟩ + dlse_r)
-        dv_s = Σ_r p_rs dmix_r + dlogit_rs·rinv_s·w_r,  dw_r = Σ dlogit_rs·rinv_s·v_s,
-        drinv_s = Σ_r dlogit_rs·(v_s·w_r),  dbias_rs = Σ dlogit_rs."""
-
-    @staticmethod
-    def forward(ctx, queries, biases, *values_and_rinv):
-        S = len(values_and_rinv) // 2
-        mix, lse, p, rinv, dots = phase1(queries, biases, values_and_rinv[:S], values_and_rinv[S:])
-        ctx.save_for_backward(queries, biases, rinv, dots, lse, *values_and_rinv[:S])
-        ctx.mark_non_differentiable(p)
-        return (*mix.unbind(2), *lse.unbind(2), p)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        queries, biases, rinv, dots, lse, *values = ctx.saved_tensors
-        R = queries.size(0)
-        Q = queries.float()
-        p = (dots * rinv[..., None] + biases.float().t() - lse[:, :, None]).exp()  # as in the forward
-        dmix = torch.stack(grads[:R], dim=2).float()  # (B, T, R, d)
-        dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R)
-        V = torch.stack(values, dim=2).float()  # (B, T, S, d)
-        g = (dmix @ V.transpose(2, 3)).transpose(2, 3)  # (B, T, S, R): ⟨dmix_r, v_s⟩
-        dlogits = p * (g - (p * g).sum(2, keepdim=True) + dlse[:, :, None])
-        c = dlogits * rinv[..., None]
-        dV = p @ dmix + c @ Q  # (B, T, S, d)
-        dQ = c.flatten(0, 2).t() @ V.flatten(0, 2)  # (R, d)
-        drinv = (dlogits * dots).sum(-1)  # (B, T, S)
-        dbiases = dlogits.sum((0, 1)).t()  # (R, S)
-        return dQ.to(queries.dtype), dbiases, *(t.to(v.dtype) for t, v in zip(dV.unbind(2), values)), \
-            *drinv.unbind(2)
-
-
-class Phase2(torch.autograd.Function):
-    """Phase 2: one read merges its phase-1 summary (mix, lse) with the sources of the partial block,
-    by a softmax over [lse, logits of the partial sources] (the online-softmax merge). Returns h and the
-    merge weights a (1+P, B, T). The partial sources come folded: as the block's pieces (its updates
-    summed by sign pattern, SPEC: WAV bases), the signs sigma that make each source from them, and the
-    sources' detached scales and inverse RMS. So the P sources of a read are never materialised, the
-    key norm and the WAV scale need no graph nodes, and a sublayer leaves one new tensor (the piece it
-    wrote) for the backward, as Block AttnRes does, however many detail bases WAV has. Saves h, the
-    pieces (shared with the block's other reads) and P×B×T numbers. Backward, with source
-    ṽ_p = s_p·v_p, v_p = Σ_k σ_pk·piece_k and rinv_p = (s_p²·mean(v_p²) + ε)^(−1/2):
-        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dlse = −Σ_p dlogit_p (softmax gradients sum to zero,
-        so no copy of mix is needed),  dmix = a_0 dh,
-        dv_p = s_p (a_p dh + dlogit_p·rinv_p·w) − dlogit_p·(ṽ_p·w)·rinv_p³·s_p²/d · v_p,
-        dpiece_k = Σ_p σ_pk dv_p."""
-
-    @staticmethod
-    def forward(ctx, mix, lse, query, bias, rinv, scale, sigma, *pieces):
-        h, a, dots = phase2(mix, lse, query, bias, rinv, scale, sigma, pieces)
-        ctx.save_for_backward(query, rinv, scale, sigma, dots, a, h, *pieces)
-        ctx.mark_non_differentiable(a)
-        return h, a
-
-    @staticmethod
-    def backward(ctx, dh, _):
-        query, rinv, scale, sigma, dots, a, h, *pieces = ctx.saved_tensors
-        dh, q = dh.float(), query.float()
-        pieces = [v.float() for v in pieces]
-        g = _per_source(sigma, torch.stack([torch.linalg.vecdot(dh, v) for v in pieces]))
-        dlogit = a[1:] * (g * scale - torch.linalg.vecdot(dh, h))  # (P, B, T)
-        c = dlogit * rinv * scale  # through the dot product
-        norm_term = dlogit * dots * rinv.pow(3) * scale.square() / h.size(-1)  # through the key norm
-        c_k, a_k = _per_piece(sigma, c), _per_piece(sigma, a[1:] * scale)
-        # −Σ_p σ_pk·norm_term_p·v_p = Σ_j M_kj·piece_j, M_kj = −Σ_p σ_pk·σ_pj·norm_term_p
-        M = -norm_term[:, None] if sigma is None else -_per_piece(sigma, sigma[:, :, None, None] * norm_term[:, None])
-        dquery = sum(c_k[k].flatten() @ v.flatten(0, 1) for k, v in enumerate(pieces))
-        dpieces = []
-        for k in range(len(pieces)):
-            dv = torch.addcmul(c_k[k][..., None] * q, a_k[k][..., None], dh)
-            for j, v in enumerate(pieces):
-                dv.addcmul_(M[k, j][..., None], v)
-            dpieces.append(dv)
-        return (a[0][..., None] * dh, -dlogit.sum(0), dquery.to(query.dtype), dlogit.sum((1, 2)), None, None, None,
-                *(dv.to(v.dtype) for dv, v in zip(dpieces, ctx.saved_tensors[7:])))
-
-
-class Source(NamedTuple):
-    """One entry of the source pool: its name (emb, C0, C0.phase, ..., P, P.split), its value
-    (B, T, d), its inverse RMS (B, T), and its basis (0 state, 1.. detail basis). For the partial
-    block on the fast path the source is folded: value is None (Phase2 makes it from the block's
-    pieces), scale is its detached RMS-matching scale (B, T), and rinv is detached: Phase2 applies
-    both, and their gradients, itself."""
-    name: str
-    value: torch.Tensor
-    rinv: torch.Tensor
-    basis: int
-    scale: torch.Tensor = None
-
-
-class Partial(NamedTuple):
-    """The routing block being filled: its running sums by basis (SPEC: partial source P and its
-    details) and, on the fast path, its pieces (see GPT._write), which then carry the gradient."""
-    sums: dict
-    pieces: dict
-
-
 # -----------------------------------------------------------------------------
 # Transformer sublayers
 
 
-def rotary_tables(sequence_len, head_dim, base=10000.0):
+def norm(x):
+    # choice: parameterless RMSNorm; a gain would only rescale what the next Linear learns anyway
+    return F.rms_norm(x, (x.size(-1),), eps=EPS)
+
+
+def rotary_tables(sequence_len, head_dim, base=10000.0):  # choice: rotary positions, e = token embedding
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
     freqs = torch.outer(torch.arange(sequence_len).float(), inv_freq)  # (T, hs/2)
     return freqs.cos(), freqs.sin()
@@ -388,10 +207,233 @@ class Layer(nn.Module):
 
 
 # -----------------------------------------------------------------------------
+# Depth routing (residual=attnres). SPEC: Attention Residuals, WAV v1, RD-AttnRes.
+# The source pool is a list of Source; a read is a softmax over the pool's key-normed sources; an
+# update is written into the partial block; a completed block joins the pool for good.
+
+
+def float32(x):
+    """Context for routing math: autocast off, since it would run vecdot and matmul in bf16
+    (entered only when autocast is on: the context manager costs more than a small op)."""
+    device = x.device.type
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+
+
+def mean_square(v):
+    # per-token mean(v²) in float32 (B, T): one fused reduction
+    with float32(v):
+        return torch.linalg.vector_norm(v.float(), dim=-1).square() / v.size(-1)
+
+
+class Source(NamedTuple):
+    """One source of the pool: value = scale · Σ_k coeffs[k]·terms[k], stored tensors (B, T, d) and a
+    detached per-token scale (B, T) (None: 1). A completed source is one stored tensor; a source of
+    the partial block is a signed sum of the block's pieces (see write). inv_rms (B, T) is
+    1/sqrt(mean(value²)+ε), computed once for every read (SPEC: RMSNorm(v)·w = (v·w)·rsqrt(...))."""
+    name: str  # emb, C0, C0.phase, C0.split, ..., P, P.phase, P.split
+    terms: tuple
+    coeffs: tuple
+    scale: torch.Tensor
+    inv_rms: torch.Tensor
+    basis: str = None  # None for a state source, else its detail basis (its logit gets a detail bias)
+
+    @property
+    def value(self):
+        v = None
+        for c, t in zip(self.coeffs, self.terms):
+            v = (t if c == 1 else c * t) if v is None else torch.add(v, t, alpha=c)
+        return v if self.scale is None else v * self.scale[..., None]
+
+
+def stored_source(name, value, basis=None):
+    """A source kept as one tensor, with the graph of its key norm (completed blocks, e)."""
+    return Source(name, (value,), (1.0,), None, torch.rsqrt(mean_square(value) + EPS), basis)
+
+
+def depth_read(query, bias, values):
+    """SPEC: one read, h = Σ_s α_s v_s, α = softmax_s(wᵀ RMSNorm(v_s) + bias_s): keys are the normed
+    sources, values the raw ones, no 1/sqrt(d) temperature. query (d,), bias (S,), S values (B, T, d).
+    Returns h (B, T, d) and α (S, B, T). The kernel below the banner computes the same, faster."""
+    with float32(values[0]):  # SPEC: Numerics, key RMS, logits and softmax in float32
+        V = torch.stack([v.float() for v in values])  # (S, B, T, d)
+        logits = norm(V) @ query.float() + bias.float()[:, None, None]  # (S, B, T)
+        weights = logits.softmax(0)
+        return (weights[..., None] * V).sum(0), weights
+
+
+class ReferenceReads:
+    """The reads of one routing block, one by one with depth_read over the whole pool."""
+
+    def __init__(self, route, completed):
+        self.route, self.completed = route, completed
+
+    def __call__(self, name, partial, keep_weights=False):
+        pool = self.completed + partial
+        return depth_read(*self.route(name, pool), [s.value for s in pool])
+
+
+class PartialBlock(NamedTuple):
+    """The routing block being filled (SPEC: partial source P). pieces: its updates summed by sign
+    pattern, {signs: Σ u_i} (with gradient); sums: its running sums by basis, {"state": P, basis:
+    P^basis} (without gradient, for the key norms and the RMS matching)."""
+    pieces: dict
+    sums: dict
+
+
+class DepthRouting:
+    """The routing of residual=attnres, inherited by GPT: its parameters, the pool, the write, the
+    read, RD's routes and the forward loop that joins them (with the readout)."""
+
+    def init_routing(self, config):
+        # One pseudo-query per read, zero-initialised (SPEC); choice: one detail bias per read and basis.
+        # From constants, not the random stream (SPEC: Paired experiments). Reads in forward order.
+        d, n_bases = config.n_embd, len(self.detail_signs(0))
+        self.read_names = [name for j in range(config.n_layer) for name in self._layer_reads(j)] + ["readout"]
+        # choice: the first sublayer reads e alone (weight 1 whatever its query): no parameters; nor has
+        # rd=frozen_v's value route, whose query stays zero and detail bias at its init.
+        learned = [r for r in self.read_names if not r.startswith("layer0.attn")
+                   and not (config.rd == "frozen_v" and r.endswith(".v"))]
+        self.query = nn.ParameterDict({_key(r): nn.Parameter(torch.zeros(d)) for r in learned})
+        reads_details = [r for r in learned if r != "readout" or config.wav_readout_details]
+        self.detail_bias = nn.ParameterDict(
+            {_key(r): nn.Parameter(torch.full((n_bases,), config.wav_detail_bias)) for r in reads_details}
+            if n_bases else {})
+        self.register_buffer("frozen_query", torch.zeros(d), persistent=False)
+        self.register_buffer("frozen_detail_bias", torch.full((n_bases,), config.wav_detail_bias), persistent=False)
+
+    def _layer_reads(self, j):
+        v_route = [f"layer{j}.attn.v"] if self.config.rd in ("decoupled", "average", "frozen_v") else []
+        return [f"layer{j}.attn", *v_route, f"layer{j}.mlp"]
+
+    def _sublayer_reads(self, l):
+        return self._layer_reads(l // 2)[:-1] if l % 2 == 0 else [f"layer{l // 2}.mlp"]
+
+    # ----- the pool ------------------------------------------------------------------
+
+    def detail_signs(self, l):
+        """SPEC: WAV v1 bases. The sign of sublayer l's update in each detail basis of its block:
+        phase +1 for attention, −1 for MLP; split +1 in the first half of the full block (i < m/2,
+        also while the block is partial), −1 in the second. {} without WAV. Add a basis here."""
+        m = self.config.routing_block
+        signs = {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
+        return {basis: signs[basis] for basis in self.config.detail_bases}
+
+    def block_sources(self, name, block):
+        """SPEC: the sources of one block, signed sums of its pieces (see write): the state C = Σ u_i
+        (P for the partial block), then each detail basis D = Σ sign_i·u_i RMS-matched to the state,
+        D̃ = s·D with s = min(ρ, rms(C) / (rms(D) + ε)) per token, detached (SPEC: WAV stability 2)."""
+        if not block.pieces:
+            return []
+        keys, terms = list(block.pieces), tuple(block.pieces.values())
+        with torch.no_grad():
+            state_ms = mean_square(block.sums["state"])
+            out = [Source(name, terms, (1,) * len(terms), None, torch.rsqrt(state_ms + EPS))]
+            for k, basis in enumerate(self.detail_signs(0)):
+                detail_ms = mean_square(block.sums[basis])
+                scale = (state_ms.sqrt() / (detail_ms.sqrt() + EPS)).clamp(max=self.config.wav_rho)
+                inv_rms = torch.rsqrt(scale.square() * detail_ms + EPS)  # mean((s·D)²) = s²·mean(D²)
+                out.append(Source(f"{name}.{basis}", terms, tuple(key[k] for key in keys), scale, inv_rms, basis))
+        return out
+
+    def complete(self, block, name):
+        """SPEC: a completed block's sources C_b (and its details) join the pool, each stored once."""
+        return [stored_source(s.name, s.value, s.basis) for s in self.block_sources(name, block)]
+
+    # ----- the write -----------------------------------------------------------------
+
+    def write(self, block, u, l):
+        """SPEC: the update u of sublayer l joins the partial block: P += u, with WAV P^basis += sign·u.
+        The block keeps its updates summed by sign pattern (its pieces: one without WAV, at most 4
+        with both bases); each of its sources is a fixed signed sum of the pieces, and a sublayer adds
+        to one piece: it leaves one tensor for the backward however many bases there are."""
+        signs = self.detail_signs(l)
+        key = tuple(signs.values())
+        u = u.float()  # choice: sources accumulate in float32, like nanoGPT's residual stream
+        pieces = {**block.pieces, key: block.pieces[key] + u if key in block.pieces else u}
+        if not signs:  # Block AttnRes: the one piece is P itself
+            return PartialBlock(pieces, {"state": pieces[key]})
+        with torch.no_grad():  # a new block's sums get tensors of their own (torch.compile rejects aliases)
+            sums = {b: torch.add(block.sums[b], u, alpha=s) if block.sums else u * s
+                    for b, s in {"state": 1, **signs}.items()}
+        return PartialBlock(pieces, sums)
+
+    # ----- the read ------------------------------------------------------------------
+
+    def route(self, name, sources):
+        """A read's pseudo-query (d,) and its logit bias per source (S,): 0 for a state source, the
+        read's detail bias for a detail source (SPEC: WAV stability 1)."""
+        learned = _key(name) in self.query
+        query = self.query[_key(name)] if learned else self.frozen_query
+        if all(s.basis is None for s in sources):
+            return query, query.new_zeros(len(sources))
+        beta = self.detail_bias[_key(name)] if learned else self.frozen_detail_bias
+        bases = list(self.detail_signs(0))
+        index = torch.tensor([0 if s.basis is None else 1 + bases.index(s.basis) for s in sources],
+                             device=beta.device)
+        return query, torch.cat([beta.new_zeros(1), beta])[index]
+
+    def block_reads(self, names, completed, cache):
+        """The reads `names` of one block over the completed sources (plus each read's partial ones).
+        The one place that picks how reads are computed: the two-phase kernel below the banner, or
+        depth_read (fast_routing=False; choice: generation with a KV cache, one token at a time)."""
+        if self.config.fast_routing and (cache is None or torch.is_grad_enabled()):
+            return TwoPhaseReads(self.route, names, completed)
+        return ReferenceReads(self.route, completed)
+
+    # ----- the forward loop ----------------------------------------------------------
+
+    def _attnres(self, e, rope, cache, routes):
+        """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}, P] (with WAV
+        each block also brings its detail sources), runs on the read, and writes its update into P."""
+        cfg, m, n_sub = self.config, self.config.routing_block, 2 * self.config.n_layer
+
+        def read(name):
+            h, weights = reads(name, partial, routes is not None)
+            if routes is not None:
+                routes.append(dict(name=name, sources=[s.name for s in reads.completed + partial],
+                                   weights=weights.detach()))
+            return h
+
+        completed = [stored_source("emb", e)]
+        block = PartialBlock({}, {})
+        for l in range(n_sub):
+            if l % m == 0:  # a new block
+                names = [r for k in range(l, min(l + m, n_sub)) for r in self._sublayer_reads(k)]
+                reads = self.block_reads(names, completed, cache)
+            partial = self.block_sources("P", block)
+            x, x_v = (read(f"layer{l // 2}.mlp"), None) if l % 2 else self.attention_inputs(l // 2, read, routes)
+            u = self._sublayer(l, x, rope, cache, x_v)
+            block = self.write(block, u, l)
+            if (l + 1) % m == 0:  # block complete: P becomes C_b (a short last block stays P)
+                completed = completed + self.complete(block, f"C{l // m}")
+                block = PartialBlock({}, {})
+        # SPEC: final readout, one more read over the final pool; details only if asked for (choice)
+        keep = lambda sources: [s for s in sources if cfg.wav_readout_details or s.basis is None]  # noqa: E731
+        reads, partial = self.block_reads(["readout"], keep(completed), cache), keep(self.block_sources("P", block))
+        return read("readout")
+
+    def attention_inputs(self, j, read, routes):
+        """SPEC: RD-AttnRes. The inputs of attention layer j: (h for Q, K and V, None) with rd=off, or
+        (h^QK, h^V), two routes over the same pool and key norm."""
+        rd = self.config.rd
+        if rd in ("off", "tied"):  # tied: w^V ≡ w^QK, one read serves Q, K and V
+            x = read(f"layer{j}.attn")
+            if rd == "tied" and routes is not None:  # list the (identical) value route too
+                routes.append(dict(routes[-1], name=f"layer{j}.attn.v"))
+            return x, None
+        x, x_v = read(f"layer{j}.attn"), read(f"layer{j}.attn.v")
+        return (0.5 * (x + x_v), None) if rd == "average" else (x, x_v)  # average: Q, K, V read ½(h^QK + h^V)
+
+
+def _key(read_name):  # ParameterDict keys cannot contain "."
+    return read_name.replace(".", "_")
+
+
+# -----------------------------------------------------------------------------
 # The model
 
 
-class GPT(nn.Module):
+class GPT(DepthRouting, nn.Module):
 
     def __init__(self, config):
         super().__init__()
@@ -416,23 +458,7 @@ class GPT(nn.Module):
             gamma = 0.1 if config.n_layer <= 18 else 1e-5 if config.n_layer <= 24 else 1e-6
             self.residual_gain = nn.Parameter(torch.full((n_sub, d), gamma))
         if config.residual == "attnres":
-            # One pseudo-query per read, zero-initialised (SPEC), and per read one detail bias per
-            # WAV basis. Reads in forward order: layer{j}.attn, [layer{j}.attn.v,] layer{j}.mlp, readout.
-            self.read_names = [name for j in range(config.n_layer) for name in self._layer_reads(j)]
-            self.read_names.append("readout")
-            # The first sublayer reads e alone (weight 1 whatever its query), so it has no parameters;
-            # neither has rd=frozen_v's value route, whose query stays zero and detail bias at its init.
-            learned = [r for r in self.read_names if not r.startswith("layer0.attn")
-                       and not (config.rd == "frozen_v" and r.endswith(".v"))]
-            self.query = nn.ParameterDict({_key(r): nn.Parameter(torch.zeros(d)) for r in learned})
-            n_bases = len(config.detail_bases)
-            reads_details = [r for r in learned if r != "readout" or config.wav_readout_details]
-            self.detail_bias = nn.ParameterDict(
-                {_key(r): nn.Parameter(torch.full((n_bases,), config.wav_detail_bias)) for r in reads_details}
-                if n_bases else {})
-            self.register_buffer("frozen_query", torch.zeros(d), persistent=False)
-            self.register_buffer("frozen_detail_bias", torch.full((n_bases,), config.wav_detail_bias),
-                                 persistent=False)
+            self.init_routing(config)
 
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
@@ -444,10 +470,6 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             torch.nn.init.zeros_(module.bias)
-
-    def _layer_reads(self, j):
-        v_route = [f"layer{j}.attn.v"] if self.config.rd in ("decoupled", "average", "frozen_v") else []
-        return [f"layer{j}.attn", *v_route, f"layer{j}.mlp"]
 
     def get_num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -492,173 +514,6 @@ class GPT(nn.Module):
             u = self._sublayer(l, x, rope, cache)
             x = x + u if self.residual_gain is None else x + self.residual_gain[l] * u
         return x
-
-    def _attnres(self, e, rope, cache, routes):
-        """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}, P] (with WAV:
-        each block also brings its detail sources), runs on the read, and writes its update into
-        the partial block P. Reads of a block share one phase-1 pass over the completed sources."""
-        cfg, m, n_sub = self.config, self.config.routing_block, 2 * self.config.n_layer
-        # Generation (a KV cache, no graph) reads one token at a time: the batched two-phase path has
-        # nothing to batch there and costs more small ops than the direct reference read.
-        fast = cfg.fast_routing and (cache is None or torch.is_grad_enabled())
-        done = self._sources({"state": e}, "emb")  # completed sources
-        partial = Partial({}, {})  # the block being filled (SPEC: partial source P)
-        for l in range(n_sub):
-            if l % m == 0:  # a new block: phase 1 for all its reads over the completed sources
-                names = [r for k in range(l, min(l + m, n_sub)) for r in self._sublayer_reads(k)]
-                prefix = self._prefix(names, done) if fast else {}
-            pool = done + self._partial_sources(partial, fast)
-
-            def read(name):
-                return self._read(name, pool, prefix.get(name), routes, partial.pieces)
-
-            x_v = None
-            if l % 2 == 1:
-                x = read(f"layer{l // 2}.mlp")
-            elif cfg.rd in ("off", "tied"):  # tied: w^V ≡ w^QK, one read serves Q, K and V
-                x = read(f"layer{l // 2}.attn")
-                if cfg.rd == "tied" and routes is not None:  # list the (identical) value route too
-                    routes.append(dict(routes[-1], name=f"layer{l // 2}.attn.v"))
-            else:  # SPEC: RD-AttnRes, two routes over the same pool and key norm
-                x, x_v = read(f"layer{l // 2}.attn"), read(f"layer{l // 2}.attn.v")
-                if cfg.rd == "average":  # Q, K and V all read ½(h^QK + h^V)
-                    x, x_v = 0.5 * (x + x_v), None
-            u = self._sublayer(l, x, rope, cache, x_v)
-            partial = self._write(partial, u, l, fast)
-            if (l + 1) % m == 0:  # block complete: P becomes C_b (and its details)
-                sums = self._signed_sums(partial.pieces) if fast else partial.sums
-                done = done + self._sources(sums, f"C{l // m}")
-                partial = Partial({}, {})
-        # SPEC: final readout, one more read over the final pool (details only if asked for)
-        if not cfg.wav_readout_details:
-            done = [s for s in done if s.basis == 0]
-        prefix = self._prefix(["readout"], done)["readout"] if fast else None
-        pool = done + [s for s in self._partial_sources(partial, fast) if cfg.wav_readout_details or s.basis == 0]
-        return self._read("readout", pool, prefix, routes, partial.pieces)
-
-    def _sublayer_reads(self, l):
-        return self._layer_reads(l // 2)[:-1] if l % 2 == 0 else [f"layer{l // 2}.mlp"]
-
-    def _write(self, partial, u, l, fast):
-        """Add the update u of sublayer l to the running sums of its block. SPEC: WAV v1, the state
-        adds every update; the phase basis adds attention updates and subtracts MLP updates; the
-        split basis adds the first half of the full block and subtracts the second.
-        On the fast path the gradient goes through the block's pieces instead: its updates summed by
-        their signs in the detail bases (attention or MLP, first or second half: at most 4 pieces;
-        without WAV one, the state itself). Every running sum is a signed sum of the pieces
-        (_signed_sums) and a sublayer adds to one piece only, so it leaves one tensor for the
-        backward (see Phase2); the running sums are then kept without gradient, for the key norms."""
-        signs = self._signs(l)
-        u = u.float()  # sources accumulate in float32, like nanoGPT's residual stream
-        pieces = {}
-        if fast:
-            key = tuple(signs[b] for b in self.config.detail_bases)
-            pieces = {**partial.pieces, key: partial.pieces[key] + u if key in partial.pieces else u}
-            if not self.config.wav:
-                return Partial({"state": pieces[()]}, pieces)  # the one piece is the state
-        with torch.no_grad() if fast else contextlib.nullcontext():
-            if not partial.sums:  # a new block; details get tensors of their own (torch.compile rejects aliases)
-                sums = {b: u if b == "state" else u * signs[b] for b in ("state", *self.config.detail_bases)}
-            else:
-                sums = {b: torch.add(v, u, alpha=signs.get(b, 1)) for b, v in partial.sums.items()}
-        return Partial(sums, pieces)
-
-    def _signs(self, l):
-        m = self.config.routing_block
-        return {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
-
-    def _signed_sums(self, pieces):
-        """The running sums of the block, by basis: {"state": Σ_k piece_k, basis: Σ_k ±piece_k}."""
-        sums = {}
-        for j, basis in enumerate(("state", *self.config.detail_bases)):
-            for key, piece in pieces.items():
-                sign = key[j - 1] if j else 1
-                if basis not in sums:
-                    sums[basis] = piece if sign == 1 else -piece
-                else:
-                    sums[basis] = torch.add(sums[basis], piece, alpha=sign)
-        return sums
-
-    def _partial_sources(self, partial, fast):
-        """The partial block's sources P (and its details): folded on the fast path (see Source)."""
-        with torch.no_grad() if fast else contextlib.nullcontext():
-            return self._sources(partial.sums, "P", folded=fast)
-
-    def _sources(self, sums, name, folded=False):
-        """Pool entries of one block from its running sums: the state source, then each detail
-        basis, RMS-matched to the state with a detached scale capped at rho (SPEC: WAV stability 2).
-        A source's inverse RMS is computed once, for every later read: RMSNorm(v)·w =
-        (v·w)·rsqrt(mean(v²)+ε), and mean((s·D)²) = s²·mean(D²) for a detail; but with a graph, a
-        detail's is taken from the scaled source, which phase 1 keeps anyway, so that the backward
-        does not keep the unscaled sum D too.
-        folded=True (the partial block, fast path): no values; Phase2 applies scale and key norm."""
-        if not sums:
-            return []
-        state_ms = mean_square(sums["state"])
-        out = [Source(name, None if folded else sums["state"], torch.rsqrt(state_ms + EPS), 0)]
-        for k, basis in enumerate(self.config.detail_bases, start=1):
-            if basis not in sums:  # the embedding e is a state source only
-                continue
-            with torch.no_grad():  # s = min(rho, rms(C) / (rms(D) + ε)), no gradient through s
-                detail_ms = mean_square(sums[basis])
-                scale = (state_ms.sqrt() / (detail_ms.sqrt() + EPS)).clamp(max=self.config.wav_rho)
-            if folded:
-                out.append(Source(f"{name}.{basis}", None, torch.rsqrt(scale.square() * detail_ms + EPS), k, scale))
-                continue
-            value = sums[basis] * scale[..., None]
-            ms = mean_square(value) if value.requires_grad else scale.square() * detail_ms
-            out.append(Source(f"{name}.{basis}", value, torch.rsqrt(ms + EPS), k))
-        return out
-
-    def _route_params(self, name, pool):
-        """The read's pseudo-query (d,) and its per-source logit bias (S,): 0 for state sources,
-        the read's detail bias for detail sources (SPEC: WAV stability 1)."""
-        learned = _key(name) in self.query
-        query = self.query[_key(name)] if learned else self.frozen_query
-        if not self.config.wav or all(s.basis == 0 for s in pool):
-            return query, query.new_zeros(len(pool))
-        beta = self.detail_bias[_key(name)] if learned else self.frozen_detail_bias
-        # the pool is e, then one group (state, detail bases...) per block: [0, 0, β, 0, β, ...]
-        group = torch.cat([beta.new_zeros(1), beta])
-        return query, torch.cat([beta.new_zeros(1), group.repeat((len(pool) - 1) // len(group))])
-
-    def _prefix(self, names, done):
-        """Phase 1 for the reads `names` over the completed sources: {name: (mix, lse, p)}."""
-        params = [self._route_params(name, done) for name in names]
-        queries, biases = torch.stack([q for q, _ in params]), torch.stack([b for _, b in params])
-        values, rinv = [s.value for s in done], [s.rinv for s in done]
-        if torch.is_grad_enabled():
-            out = Phase1.apply(queries, biases, *values, *rinv)
-            mix, lse, p = out[:len(names)], out[len(names):-1], out[-1]
-        else:  # no graph to build (eval, generation): the same math without the autograd.Function
-            mix, lse, p, _, _ = phase1(queries, biases, values, rinv)
-            mix, lse = mix.unbind(2), lse.unbind(2)
-        return {name: (mix[r], lse[r], p[..., r]) for r, name in enumerate(names)}
-
-    def _read(self, name, pool, prefix, routes, pieces):
-        """SPEC: one depth read h = Σ_s α_s v_s. Fast: phase 1's summary of the completed sources
-        merged with the rest of the pool (phase 2); else the reference form over the whole pool."""
-        query, bias = self._route_params(name, pool)
-        if prefix is None:
-            h, weights = depth_read_reference(query, bias, [s.value for s in pool])
-        else:
-            mix, lse, p = prefix
-            rest = pool[p.size(2):]  # the partial block's sources
-            if rest:
-                rinv = torch.stack([s.rinv for s in rest])
-                scale = torch.stack([torch.ones_like(s.rinv) if s.scale is None else s.scale for s in rest])
-                sigma = None if not self.config.wav else torch.tensor(
-                    [[key[s.basis - 1] if s.basis else 1 for key in pieces] for s in rest],
-                    dtype=torch.float32, device=rinv.device)
-                args = (mix, lse, query, bias[p.size(2):], rinv, scale, sigma)
-                values = list(pieces.values())
-                h, a = Phase2.apply(*args, *values) if torch.is_grad_enabled() else phase2(*args, values)[:2]
-                weights = torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if routes is not None else None
-            else:  # a compact copy: a view would keep phase 1's output for the whole block alive
-                h, weights = mix.contiguous(), p.permute(2, 0, 1)
-        if routes is not None:
-            routes.append(dict(name=name, sources=[s.name for s in pool], weights=weights.detach()))
-        return h
 
     # ----- training helpers ----------------------------------------------------------
 
@@ -711,10 +566,6 @@ class GPT(nn.Module):
         return idx
 
 
-def _key(read_name):  # ParameterDict keys cannot contain "."
-    return read_name.replace(".", "_")
-
-
 # -----------------------------------------------------------------------------
 # Routing diagnostics
 
@@ -733,21 +584,193 @@ def js_divergence(p, q):
     return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).mean().item()
 
 
-def _pool_order(source):
-    """Sort key of a source name in pool order: emb, C0, C0.phase, C0.split, C1, ..., P, P.phase, P.split."""
-    block, _, basis = source.partition(".")
-    return -1 if block == "emb" else math.inf if block == "P" else int(block[1:]), ("", "phase", "split").index(basis)
+def _block_order(source):
+    """Sort key of a source name by block: emb, C0 (and its details), C1, ..., P (and its details)."""
+    block = source.partition(".")[0]
+    return -1 if block == "emb" else math.inf if block == "P" else int(block[1:])
 
 
 def routing_stats(routes):
     """Summary of model(..., return_routes=True)'s routes:
     {"reads": {name: {"sources": [...], "mean_weight": [...], "entropy": nats}},
      "sources": every source any read saw, in pool order (the columns of a reads × sources table),
-     "js": {"layer{j}": nats, ...} (RD: QK route vs V route), "js_mean": nats or None}."""
+     "js": {"layer{j}": nats, ...} (RD: QK route vs V route), "js_mean": nats or None}.
+    Layer 0 is left out of js and js_mean: both its routes read e alone, so its JS is 0 by construction."""
     reads = {r["name"]: dict(sources=r["sources"], mean_weight=r["weights"].mean((1, 2)).tolist(),
                              entropy=route_entropy(r["weights"])) for r in routes}
-    sources = sorted({s for r in routes for s in r["sources"]}, key=_pool_order)
+    seen = dict.fromkeys(s for r in routes for s in r["sources"])  # a block's sources in pool order
+    sources = sorted(seen, key=_block_order)  # stable: keeps each block's order
     by_name = {r["name"]: r["weights"] for r in routes}
     js = {name[:-len(".attn.v")]: js_divergence(by_name[name[:-len(".v")]], w)
-          for name, w in by_name.items() if name.endswith(".attn.v")}
+          for name, w in by_name.items() if name.endswith(".attn.v") and not name.startswith("layer0.")}
     return dict(reads=reads, sources=sources, js=js, js_mean=sum(js.values()) / len(js) if js else None)
+
+
+# =============================================================================
+# Below this banner: a fast kernel for depth reads, and nothing of the model. It takes sources,
+# pseudo-queries and logit biases and computes what depth_read computes, with hand-written backward
+# passes; it knows nothing of WAV, RD or routing blocks. Its own tests check it against depth_read.
+# =============================================================================
+
+
+class TwoPhaseReads:
+    """R reads over the same completed sources, each with its own partial sources (SPEC: Two-phase
+    computation). Phase 1 (here): the logits and softmax sums of all R reads over the completed
+    sources in one batched pass, one read of each source instead of R. Phase 2 (per call): a read
+    merges its phase-1 summary with its partial sources by an online softmax. route(name, sources)
+    gives a read's query (d,) and logit biases (S,). The partial sources of a call share their terms
+    (Source: value = scale · Σ_k coeffs[k]·terms[k]) and are never built: the merge reads the terms."""
+
+    def __init__(self, route, names, completed):
+        self.route, self.completed = route, completed
+        params = [route(name, completed) for name in names]
+        queries, biases = torch.stack([q for q, _ in params]), torch.stack([b for _, b in params])
+        values, inv_rms = [s.value for s in completed], [s.inv_rms for s in completed]
+        if torch.is_grad_enabled():
+            out = CompletedReads.apply(queries, biases, *values, *inv_rms)
+            mix, lse, p = out[:len(names)], out[len(names):-1], out[-1]
+        else:  # no graph to build (eval, generation): the same math without the autograd.Function
+            mix, lse, p, _, _ = completed_reads(queries, biases, values, inv_rms)
+            mix, lse = mix.unbind(2), lse.unbind(2)
+        self.phase1 = {name: (mix[r], lse[r], p[..., r]) for r, name in enumerate(names)}
+
+    def __call__(self, name, partial, keep_weights=False):
+        """h (B, T, d) of read `name` over the completed and partial sources; its weights (S, B, T)."""
+        mix, lse, p = self.phase1[name]
+        if not partial:  # a compact copy: a view would keep phase 1's output for the whole block alive
+            return mix.contiguous(), p.permute(2, 0, 1) if keep_weights else None
+        query, bias = self.route(name, partial)
+        terms = partial[0].terms
+        assert all(s.terms is terms for s in partial), "the partial sources of a read share their terms"
+        inv_rms = torch.stack([s.inv_rms for s in partial])
+        scale = torch.stack([torch.ones_like(s.inv_rms) if s.scale is None else s.scale for s in partial])
+        single = len(partial) == 1 and partial[0].coeffs == (1,)  # the partial source is its one term
+        coeffs = None if single else torch.tensor([s.coeffs for s in partial], dtype=torch.float32,
+                                                  device=inv_rms.device)
+        args = (mix, lse, query, bias, inv_rms.detach(), scale.detach(), coeffs)
+        h, a = PartialMerge.apply(*args, *terms) if torch.is_grad_enabled() else merge_partial(*args, terms)[:2]
+        return h, torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if keep_weights else None
+
+
+def completed_reads(queries, biases, values, inv_rms):
+    """The forward math of phase 1: queries (R, d), biases (R, S), S sources (B, T, d) and their
+    inv_rms (B, T). Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R), the stacked inv_rms
+    (B, T, S) and the dot products vᵀw (B, T, S, R)."""
+    with float32(values[0]):
+        V = torch.stack(values, dim=2).float()  # (B, T, S, d)
+        inv_rms = torch.stack(inv_rms, dim=2)  # (B, T, S)
+        dots = V @ queries.float().t()  # (B, T, S, R); choice: TF32 allowed on CUDA (SPEC: Choices)
+        logits = dots * inv_rms[..., None] + biases.float().t()
+        lse = logits.logsumexp(2)  # (B, T, R)
+        p = (logits - lse[:, :, None]).exp()
+        mix = p.transpose(2, 3) @ V  # (B, T, R, S) @ (B, T, S, d) -> (B, T, R, d)
+    return mix, lse, p, inv_rms, dots
+
+
+def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
+    """The forward math of phase 2: one read's phase-1 summary (mix, lse), its query (d,), and its P
+    partial sources, source_p = scale_p · Σ_k coeffs[p, k]·terms_k: biases (P,), inv_rms and detached
+    scales (P, B, T), coeffs (P, K) (None: P = K = 1, the source is its term), terms (B, T, d).
+    Returns h (B, T, d), the merge weights a (1+P, B, T) and the dot products sourceᵀw (P, B, T)."""
+    with float32(mix):
+        q = query.float()
+        # vecdot, not v @ q: a per-token dot product is one fused pass, matrix-vector is 2x slower on CPU
+        dots = _per_source(coeffs, torch.stack([torch.linalg.vecdot(t.float(), q) for t in terms])) * scale
+        a = torch.cat([lse[None], dots * inv_rms + bias.float()[:, None, None]]).softmax(0)
+        h = a[0][..., None] * mix
+        for t, w in zip(terms, _per_term(coeffs, a[1:] * scale)):  # each term's weight in h
+            h.addcmul_(w[..., None], t.float())
+    return h, a, dots
+
+
+def _per_source(coeffs, x):
+    """Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)."""
+    return x if coeffs is None else (coeffs @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
+
+
+def _per_term(coeffs, x):
+    """Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -> (K, ...)."""
+    return x if coeffs is None else (coeffs.t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
+
+
+class CompletedReads(torch.autograd.Function):
+    """Phase 1 with a batched backward: each source gets one gradient per call instead of one per
+    read. For read r it returns the mixture of the completed sources normalised over them, mix_r
+    (B, T, d), and its log-sum-exp lse_r (B, T), which phase 2 treats as one source with logit lse_r;
+    and the weights p (B, T, S, R). Saves the dot products vᵀw and recomputes p from them:
+        dlogit_rs = p_rs (⟨dmix_r, v_s⟩ − Σ_s' p_rs' ⟨dmix_r, v_s'⟩ + dlse_r)
+        dv_s = Σ_r p_rs dmix_r + dlogit_rs·inv_rms_s·w_r,  dw_r = Σ dlogit_rs·inv_rms_s·v_s,
+        dinv_rms_s = Σ_r dlogit_rs·(v_s·w_r),  dbias_rs = Σ dlogit_rs."""
+
+    @staticmethod
+    def forward(ctx, queries, biases, *values_and_inv_rms):
+        S = len(values_and_inv_rms) // 2
+        mix, lse, p, inv_rms, dots = completed_reads(queries, biases, values_and_inv_rms[:S], values_and_inv_rms[S:])
+        ctx.save_for_backward(queries, biases, inv_rms, dots, lse, *values_and_inv_rms[:S])
+        ctx.mark_non_differentiable(p)
+        return (*mix.unbind(2), *lse.unbind(2), p)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        queries, biases, inv_rms, dots, lse, *values = ctx.saved_tensors
+        with float32(queries):  # float32 also when backward() is called under autocast
+            R = queries.size(0)
+            Q = queries.float()
+            p = (dots * inv_rms[..., None] + biases.float().t() - lse[:, :, None]).exp()  # as in the forward
+            dmix = torch.stack(grads[:R], dim=2).float()  # (B, T, R, d)
+            dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R)
+            V = torch.stack(values, dim=2).float()  # (B, T, S, d)
+            g = (dmix @ V.transpose(2, 3)).transpose(2, 3)  # (B, T, S, R): ⟨dmix_r, v_s⟩
+            dlogits = p * (g - (p * g).sum(2, keepdim=True) + dlse[:, :, None])
+            c = dlogits * inv_rms[..., None]
+            dV = p @ dmix + c @ Q  # (B, T, S, d)
+            dQ = c.flatten(0, 2).t() @ V.flatten(0, 2)  # (R, d)
+            dinv_rms = (dlogits * dots).sum(-1)  # (B, T, S)
+            dbiases = dlogits.sum((0, 1)).t()  # (R, S)
+        return dQ.to(queries.dtype), dbiases, *(t.to(v.dtype) for t, v in zip(dV.unbind(2), values)), \
+            *dinv_rms.unbind(2)
+
+
+class PartialMerge(torch.autograd.Function):
+    """Phase 2 with a hand-written backward: a read merges its phase-1 summary (mix, lse) with its
+    partial sources by a softmax over [lse, their logits]. The sources come as fixed linear
+    combinations of the terms with detached scales and inverse RMS, so they are never built, the key
+    norm and the scale need no graph nodes, and the backward keeps only the terms (shared by the
+    block's reads), h and P×B×T numbers. With ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k and
+    inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
+        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dlse = −Σ_p dlogit_p (softmax gradients sum to zero,
+        so no copy of mix is needed),  dmix = a_0 dh,
+        dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p,
+        dterm_k = Σ_p c_pk dv_p."""
+
+    @staticmethod
+    def forward(ctx, mix, lse, query, bias, inv_rms, scale, coeffs, *terms):
+        h, a, dots = merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms)
+        ctx.save_for_backward(query, inv_rms, scale, coeffs, dots, a, h, *terms)
+        ctx.mark_non_differentiable(a)
+        return h, a
+
+    @staticmethod
+    def backward(ctx, dh, _):
+        query, inv_rms, scale, coeffs, dots, a, h, *stored = ctx.saved_tensors
+        with float32(h):  # float32 also when backward() is called under autocast
+            dh, q = dh.float(), query.float()
+            terms = [t.float() for t in stored]
+            g = _per_source(coeffs, torch.stack([torch.linalg.vecdot(dh, t) for t in terms]))
+            dlogit = a[1:] * (g * scale - torch.linalg.vecdot(dh, h))  # (P, B, T)
+            c = dlogit * inv_rms * scale  # through the dot product
+            norm_term = dlogit * dots * inv_rms.pow(3) * scale.square() / h.size(-1)  # through the key norm
+            c_k, a_k = _per_term(coeffs, c), _per_term(coeffs, a[1:] * scale)
+            # −Σ_p c_pk·norm_term_p·v_p = Σ_j M_kj·term_j, M_kj = −Σ_p c_pk·c_pj·norm_term_p
+            M = -norm_term[:, None] if coeffs is None else \
+                -_per_term(coeffs, coeffs[:, :, None, None] * norm_term[:, None])
+            dquery = sum(c_k[k].flatten() @ t.flatten(0, 1) for k, t in enumerate(terms))
+            dterms = []
+            for k in range(len(terms)):
+                dt = torch.addcmul(c_k[k][..., None] * q, a_k[k][..., None], dh)
+                for j, t in enumerate(terms):
+                    dt.addcmul_(M[k, j][..., None], t)
+                dterms.append(dt)
+            dmix, dlse, dbias = a[0][..., None] * dh, -dlogit.sum(0), dlogit.sum((1, 2))
+        return dmix, dlse, dquery.to(query.dtype), dbias, None, None, None, \
+            *(dt.to(t.dtype) for dt, t in zip(dterms, stored))

@@ -319,26 +319,29 @@ def test_wav_bases_are_explicit_signed_sums():
     cfg = GPTConfig(**TINY, residual="attnres", wav=True, attnres_block=6)
     model = GPT(cfg)
     us = [torch.randn(2, 5, 16) for _ in range(6)]
-    partial = nanoroute.Partial({}, {})
+
+    def signed_sums(block):  # from the pieces (with gradient) and the running sums (without)
+        sources = model.block_sources("P", block)
+        return [{s.basis or "state": s._replace(scale=None).value for s in sources}, block.sums]
+
+    block = nanoroute.PartialBlock({}, {})
     for l, u in enumerate(us):
-        partial = model._write(partial, u, l, fast=True)
-    assert len(partial.pieces) == 4  # attention / MLP × first / second half
-    for sums in (model._signed_sums(partial.pieces), partial.sums):  # with and without gradient
+        block = model.write(block, u, l)
+    assert len(block.pieces) == 4  # attention / MLP × first / second half
+    for sums in signed_sums(block):
         torch.testing.assert_close(sums["state"], us[0] + us[1] + us[2] + us[3] + us[4] + us[5])
         torch.testing.assert_close(sums["phase"], us[0] - us[1] + us[2] - us[3] + us[4] - us[5])  # attn +, MLP −
         torch.testing.assert_close(sums["split"], us[0] + us[1] + us[2] - us[3] - us[4] - us[5])  # halves
     # a partial block keeps the same signs: after 4 of 6 updates, split is u0+u1+u2−u3
-    for fast in (True, False):
-        partial = nanoroute.Partial({}, {})
-        for l, u in enumerate(us[:4]):
-            partial = model._write(partial, u, l, fast)
-        torch.testing.assert_close(partial.sums["split"], us[0] + us[1] + us[2] - us[3])
-        if fast:
-            torch.testing.assert_close(model._signed_sums(partial.pieces)["split"], us[0] + us[1] + us[2] - us[3])
+    block = nanoroute.PartialBlock({}, {})
+    for l, u in enumerate(us[:4]):
+        block = model.write(block, u, l)
+    for sums in signed_sums(block):
+        torch.testing.assert_close(sums["split"], us[0] + us[1] + us[2] - us[3])
     # and the sources the model builds from them are the explicit reference's
-    for src, (rname, rvalue, rbasis) in zip(
-            model._sources(partial.sums, "P"), ref_block_sources(us[:4], 0, "P", cfg.detail_bases, 6, cfg.wav_rho)):
-        assert (src.name, src.basis) == (rname, rbasis)
+    refs = ref_block_sources(us[:4], 0, "P", cfg.detail_bases, 6, cfg.wav_rho)
+    for src, (rname, rvalue, rbasis) in zip(model.block_sources("P", block), refs, strict=True):
+        assert (src.name, src.basis) == (rname, (None, *cfg.detail_bases)[rbasis])
         torch.testing.assert_close(src.value, rvalue)
 
 
@@ -347,7 +350,10 @@ def test_wav_rms_matching_caps_at_rho_and_passes_no_gradient_through_scale():
     state = torch.randn(2, 5, 16, requires_grad=True)
     small = (1e-3 * torch.randn(2, 5, 16)).requires_grad_()  # needs a scale-up far beyond rho
     large = (5.0 * torch.randn(2, 5, 16)).requires_grad_()  # needs a scale-down: no cap
-    sources = model._sources({"state": state, "phase": small, "split": large}, "C0")
+    # pieces (by phase and split sign) whose signed sums are C = state, D^phase = small, D^split = large
+    pieces = {(1, 1): (small + large) / 2, (1, -1): (state - large) / 2, (-1, 1): (state - small) / 2}
+    sums = {"state": state.detach(), "phase": small.detach(), "split": large.detach()}
+    sources = model.complete(nanoroute.PartialBlock(pieces, sums), "C0")
     rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
     torch.testing.assert_close(sources[1].value, 3.0 * small)  # capped at rho
     torch.testing.assert_close(rms(sources[2].value), rms(state), rtol=1e-4, atol=1e-6)  # matched
@@ -355,11 +361,12 @@ def test_wav_rms_matching_caps_at_rho_and_passes_no_gradient_through_scale():
     r = torch.randn(2, 5, 16)
     (sources[1].value * r).sum().backward(retain_graph=True)
     torch.testing.assert_close(small.grad, 3.0 * r)
-    assert state.grad is None
+    assert not state.grad.any() and not large.grad.any()
+    small.grad = state.grad = None
     (sources[2].value * r).sum().backward()
     scale = (rms(state) / (rms(large) + nanoroute.EPS)).detach()
     torch.testing.assert_close(large.grad, scale[..., None] * r)
-    assert state.grad is None
+    assert not state.grad.any() and not small.grad.any()
 
 
 def test_wav_detail_bias_to_minus_infinity_is_block_attnres():
@@ -395,7 +402,10 @@ def test_rd_decoupled_equals_off_at_init_and_differs_once_v_query_moves():
     logits, _, routes = dec(idx, return_routes=True)
     assert not torch.allclose(logits, off(idx)[0], atol=1e-4)
     stats = routing_stats(routes)
-    assert stats["js"]["layer1"] > 0 and stats["js"]["layer0"] == 0 and stats["js"]["layer2"] == 0
+    assert stats["js"]["layer1"] > 0 and stats["js"]["layer2"] == 0
+    # layer 0's two routes both read e alone (JS = 0 by construction): left out of js and js_mean
+    assert list(stats["js"]) == ["layer1", "layer2"]
+    assert stats["js_mean"] == pytest.approx(stats["js"]["layer1"] / 2)
 
 
 def test_rd_frozen_v_route_stays_uniform():
@@ -534,20 +544,244 @@ def test_optimizer_decays_only_matrices():
     assert not any(p is layerscale.residual_gain for g in opt.param_groups if g["weight_decay"] for p in g["params"])
 
 
-@pytest.mark.parametrize("mode", ["block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout",
-                                  "wav_wide", "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav"])
-def test_fast_path_equals_reference_path_forward_and_gradients(mode):
-    # wav_wide (m = 6) has reads over all four pieces of a partial block (see GPT._write)
+# The kernel and fast == reference checks run on NANOROUTE_TEST_DEVICE (default cpu; cuda on a GPU:
+# NANOROUTE_TEST_DEVICE=cuda python -m pytest -q -k "fast or reference or kernel"), in float32 and
+# under bf16 autocast. The routing math is float32 in both, so the kernel's tolerances are float32's;
+# a model under autocast rounds its sublayers to bf16, which amplifies float32-level differences.
+TEST_DEVICE = os.environ.get("NANOROUTE_TEST_DEVICE", "cpu")
+PRECISIONS = ["float32", "bf16_autocast"]
+
+
+@pytest.fixture
+def device():
+    if TEST_DEVICE == "cuda":
+        if not torch.cuda.is_available():
+            pytest.fail("NANOROUTE_TEST_DEVICE=cuda, but torch sees no CUDA device")
+        tf32 = torch.backends.cuda.matmul.allow_tf32  # true float32 matmuls (train.py turns TF32 on)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        yield torch.device("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    else:
+        yield torch.device(TEST_DEVICE)
+
+
+def precision_context(device, precision):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16_autocast" \
+        else contextlib.nullcontext()
+
+
+def model_tolerance(device, precision):
+    if precision == "bf16_autocast":
+        return dict(atol=3e-2, rtol=3e-2)
+    return dict(atol=1e-5, rtol=1e-4) if device.type == "cpu" else dict(atol=1e-4, rtol=1e-3)
+
+
+def fast_and_reference(mode, device, precision, model_class=GPT):
+    """Logits and parameter gradients of one randomised model, fast path and reference path."""
     results = []
     for fast in (True, False):
-        model = randomise_routing(make_model(**ATTNRES_MODES[mode], fast_routing=fast))
-        logits, loss = model(tokens(), tokens(seed=4))
+        torch.manual_seed(0)
+        cfg = GPTConfig(**{**TINY, **ATTNRES_MODES[mode]} if isinstance(mode, str) else {**TINY, **mode},
+                        fast_routing=fast)
+        model = randomise_routing(model_class(cfg)).to(device)
+        with precision_context(device, precision):
+            logits, loss = model(tokens().to(device), tokens(seed=4).to(device))
         loss.backward()
-        results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
-    (fast_logits, fast_grads), (ref_logits, ref_grads) = results
-    torch.testing.assert_close(fast_logits, ref_logits, atol=1e-5, rtol=1e-5)
+        results.append((logits.float(), {n: p.grad for n, p in model.named_parameters()}))
+    return results
+
+
+@pytest.mark.parametrize("mode", ["block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout",
+                                  "wav_wide", "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav"])
+def test_fast_path_equals_reference_path_forward_and_gradients(mode, device):
+    # wav_wide (m = 6) has reads over all four pieces of a partial block (see write)
+    (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(mode, device, "float32")
+    tol = model_tolerance(device, "float32")
+    torch.testing.assert_close(fast_logits, ref_logits, **tol)
     for name in ref_grads:
-        torch.testing.assert_close(fast_grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["block", "full", "wav", "rd_wav"])
+def test_fast_path_equals_reference_path_under_bf16_autocast(mode, device):
+    (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(mode, device, "bf16_autocast")
+    tol = model_tolerance(device, "bf16_autocast")
+    torch.testing.assert_close(fast_logits, ref_logits, **tol)
+    for name in ref_grads:
+        if name.startswith(("query.", "detail_bias.")):  # the routing's own parameters
+            torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
+
+
+# The kernel alone, against depth_read on random inputs: R reads over S completed sources and P
+# partial sources given as fixed combinations of K stored terms with detached per-token scales.
+def kernel_inputs(device, seed=0, B=2, T=5, d=16, S=3, K=3):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    completed = [rand(B, T, d).requires_grad_() for _ in range(S)]
+    terms = [rand(B, T, d).requires_grad_() for _ in range(K)]
+    coeffs = [(1, 1, 1), (1, -1, 1), (0.5, 1, -2)]  # any fixed numbers, not only signs
+    scales = [None, torch.rand(B, T, generator=g).to(device) + 0.5, torch.rand(B, T, generator=g).to(device) * 3]
+    queries = rand(2, d).requires_grad_()
+    biases = rand(2, S + len(coeffs)).requires_grad_()
+    return completed, terms, coeffs, scales, queries, biases
+
+
+def kernel_sources(completed, terms, coeffs, scales):
+    """Sources for the kernel, and route(read, sources) -> (query, biases of those sources)."""
+    stored = [nanoroute.stored_source(f"c{i}", v) for i, v in enumerate(completed)]
+    terms, partial = tuple(terms), []  # the kernel's contract: the partial sources share their terms
+    for i, (c, scale) in enumerate(zip(coeffs, scales)):
+        value = nanoroute.Source("", terms, c, scale, None).value.detach()
+        partial.append(nanoroute.Source(f"p{i}", terms, c, scale,
+                                        torch.rsqrt(nanoroute.mean_square(value) + nanoroute.EPS)))
+    return stored, partial
+
+
+def kernel_route(queries, biases, stored, partial):
+    column = {s.name: i for i, s in enumerate(stored + partial)}
+    return lambda r, sources: (queries[r], biases[r, [column[s.name] for s in sources]])
+
+
+def kernel_and_reference(inputs, precision, device, n_partial):
+    """(h, weights) of both reads and the gradients of a random loss, by the kernel and by depth_read."""
+    completed, terms, coeffs, scales, queries, biases = inputs
+    stored, partial = kernel_sources(completed, terms, coeffs, scales)
+    partial = partial[:n_partial]
+    route = kernel_route(queries, biases, stored, partial)
+    leaves = [queries, biases, *completed, *terms]
+    out = []
+    for kernel in (True, False):
+        with precision_context(device, precision):
+            reads = nanoroute.TwoPhaseReads(route, [0, 1], stored) if kernel else nanoroute.ReferenceReads(route, stored)
+            results = [reads(r, partial, keep_weights=True) for r in (0, 1)]
+        g = torch.Generator().manual_seed(5)
+        loss = sum((h * torch.randn(h.shape, generator=g).to(device)).sum() for h, _ in results)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        out.append(([h for h, _ in results], [w for _, w in results], grads))
+    return out
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("n_partial", [0, 1, 3])
+def test_kernel_equals_reference_read_forward_and_gradients(device, precision, n_partial):
+    inputs = kernel_inputs(device)
+    (h, w, grads), (ref_h, ref_w, ref_grads) = kernel_and_reference(inputs, precision, device, n_partial)
+    tol = dict(atol=1e-5, rtol=1e-4) if device.type == "cpu" else dict(atol=1e-4, rtol=1e-3)
+    for a, b in zip(h + w, ref_h + ref_w, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, **tol)
+    names = ["queries", "biases", "completed", "completed", "completed", "term", "term", "term"]
+    for name, a, b in zip(names, grads, ref_grads, strict=True):
+        if name == "term" and n_partial == 0:
+            assert a is None and b is None  # no partial source: the terms are not read
+            continue
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_kernel_backward_inside_autocast_equals_outside(device):
+    # a user may call backward() inside an autocast block: the kernel's backward stays float32
+    inputs = kernel_inputs(device)
+    completed, terms, coeffs, scales, queries, biases = inputs
+    grads = []
+    for inside in (False, True):
+        stored, partial = kernel_sources(completed, terms, coeffs, scales)
+        route = kernel_route(queries, biases, stored, partial)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            reads = nanoroute.TwoPhaseReads(route, [0, 1], stored)
+            loss = sum((reads(r, partial)[0] * (r + 1)).square().sum() for r in (0, 1))
+            if inside:
+                grads.append(torch.autograd.grad(loss, [queries, biases, *completed, *terms]))
+        if not inside:
+            grads.append(torch.autograd.grad(loss, [queries, biases, *completed, *terms]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# Extending the routing: a new detail basis is one small method override (docs/routing.md)
+class GPTWithCrossBasis(GPT):
+    """WAV with a third detail basis, cross = phase · split: + − − + over a block of 4."""
+
+    def detail_signs(self, l):
+        signs = super().detail_signs(l)
+        return {**signs, "cross": signs["phase"] * signs["split"]}
+
+
+def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(device):
+    cfg = dict(residual="attnres", wav=True, attnres_block=4)
+    model = GPTWithCrossBasis(GPTConfig(**TINY, **cfg))
+    assert all(b.shape == (3,) for b in model.detail_bias.values())  # a detail bias per read for it too
+    _, _, routes = model(tokens(), return_routes=True)
+    assert routing_stats(routes)["sources"] == ["emb", "C0", "C0.phase", "C0.split", "C0.cross",
+                                                "P", "P.phase", "P.split", "P.cross"]
+    us = [torch.randn(2, 5, 16) for _ in range(4)]
+    block = nanoroute.PartialBlock({}, {})
+    for l, u in enumerate(us):
+        block = model.write(block, u, l)
+    cross = {s.basis: s for s in model.block_sources("P", block)}["cross"]
+    torch.testing.assert_close(cross._replace(scale=None).value, us[0] - us[1] - us[2] + us[3])
+    # and the fast kernel reads it exactly like the reference read, forward and gradients
+    for precision in PRECISIONS:
+        (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(cfg, device, precision,
+                                                                                GPTWithCrossBasis)
+        tol = model_tolerance(device, precision)
+        torch.testing.assert_close(fast_logits, ref_logits, **tol)
+        for name in ref_grads:
+            if precision == "float32" or name.startswith(("query.", "detail_bias.")):
+                torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
+
+
+# Numerics: backward() called inside an autocast block gives the gradients it gives outside
+@pytest.mark.parametrize("fast", [True, False])
+def test_backward_inside_bf16_autocast_equals_outside(fast):
+    grads = []
+    for inside in (False, True):
+        model = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"], fast_routing=fast))
+        sources = []  # every update written into the pool, to compare the sources' gradients
+        write = model.write
+
+        def keep_and_write(block, u, l):
+            u.retain_grad()
+            sources.append(u)
+            return write(block, u, l)
+
+        model.write = keep_and_write
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(tokens(), tokens(seed=4))
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        routing = {n: p.grad for n, p in model.named_parameters() if n.startswith(("query.", "detail_bias."))}
+        grads.append((routing, [u.grad for u in sources]))
+    (routing, updates), (routing_inside, updates_inside) = grads
+    assert any(n.startswith("detail_bias.") for n in routing)
+    for name in routing:  # queries and detail biases
+        torch.testing.assert_close(routing_inside[name], routing[name], atol=1e-7, rtol=1e-5, msg=name)
+    for a, b in zip(updates_inside, updates, strict=True):  # the sources, through every update
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-7, rtol=1e-5)
+
+
+# RD with Linear biases: the value projection keeps its bias
+def test_rd_value_projection_keeps_its_bias():
+    def model(rd, v_query=None):
+        m = make_model(**{**ATTNRES_MODES["rd_decoupled"], "rd": rd}, bias=True)
+        with torch.no_grad():
+            for layer in m.layers:
+                layer.attn.c_attn.bias.normal_()  # non-zero biases for Q, K and V
+            if v_query is not None:
+                m.query["layer1_attn_v"].copy_(v_query)
+        return m
+
+    idx = tokens()
+    off = model("off")(idx)[0]
+    torch.testing.assert_close(model("decoupled")(idx)[0], off, atol=1e-6, rtol=1e-6)  # zero V query
+    torch.testing.assert_close(model("tied")(idx)[0], off, atol=1e-6, rtol=1e-6)
+    # the value bias reaches the output on the RD path: changing it changes the logits
+    dec = model("decoupled", v_query=torch.randn(16))
+    before = dec(idx)[0]
+    with torch.no_grad():
+        dec.layers[1].attn.c_attn.bias[32:].add_(1.0)  # the V part of layer 1's bias (n_embd = 16)
+    assert not torch.allclose(dec(idx)[0], before, atol=1e-4)
 
 
 def test_wav_keeps_no_more_per_sublayer_for_backward_than_block_attnres():
@@ -589,9 +823,9 @@ def test_routing_math_ignores_bf16_autocast():
     sigma, scale = torch.tensor([[1.0, 1.0], [1.0, -1.0]]), torch.rand(2, 2, 5, generator=g) + 0.5
 
     def run():
-        mix, lse, *_ = nanoroute.phase1(queries, biases, values, rinv)
-        return (nanoroute.mean_square(values[0]), *nanoroute.depth_read_reference(queries[0], biases[0], values),
-                mix, lse, *nanoroute.phase2(mix[:, :, 0], lse[..., 0], queries[1], biases[1, :2],
+        mix, lse, *_ = nanoroute.completed_reads(queries, biases, values, rinv)
+        return (nanoroute.mean_square(values[0]), *nanoroute.depth_read(queries[0], biases[0], values),
+                mix, lse, *nanoroute.merge_partial(mix[:, :, 0], lse[..., 0], queries[1], biases[1, :2],
                                             torch.stack(rinv[:2]), scale, sigma, values[:2]))
 
     plain = run()
@@ -1286,7 +1520,7 @@ def test_train_writes_checkpoints_metrics_and_summary(_train_runs):
         assert e["val_bpc"] == pytest.approx(e["val_loss"] / math.log(2))
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
     routes = evals[-1]["routes"]
-    assert set(routes) == {"entropy", "js", "js_mean"} and set(routes["js"]) == {"layer0", "layer1"}
+    assert set(routes) == {"entropy", "js", "js_mean"} and set(routes["js"]) == {"layer1"}  # not layer 0
     assert {"layer0.attn", "layer0.attn.v", "layer1.mlp", "readout"} <= set(routes["entropy"])
 
     summary = json.loads((routed / "summary.json").read_text())
@@ -1892,7 +2126,7 @@ def test_sample_routes_view(_train_runs, _train_one_thread, capsys):
     assert "█100" in rows["layer0.attn"]  # the first read sees only the embedding
     assert any(shade in rows["readout"] for shade in "░▒▓")
     js = lines[lines.index(next(line for line in lines if "JS divergence" in line)) + 1:]
-    assert [line.split()[0] for line in js] == ["layer0", "layer1", "mean"]
+    assert [line.split()[0] for line in js] == ["layer1", "mean"]  # layer 0's routes both read e alone
 
 
 # sample.py --routes: every column label stands apart, also the 5-character detail labels
@@ -2283,7 +2517,7 @@ def test_bench_subset_without_baselines_and_profile(tmp_path, capsys):
                for v in data["variants"].values())
     assert list(data["generation"]["variants"]) == ["rezero"]
     out = capsys.readouterr().out
-    assert "### Profile: wav, 3 training steps" in out and "Phase2Backward" in out
+    assert "### Profile: wav, 3 training steps" in out and "PartialMergeBackward" in out
     calls = re.search(r"KV-cache generation of 4 tokens: (\d+) aten calls per token", out)
     assert calls and int(calls.group(1)) > 0
 
