@@ -6,11 +6,10 @@ nanoroute: a minimal GPT whose residual stream is a choice of depth routing.
                         rd  = decoupled | tied | average | frozen_v   (RD-AttnRes)
 
 The mathematics is in SPEC.md; comments marked "# SPEC: <section>" point to it, and SPEC.md's
-"Choices the papers leave open" lists what this file decides (comments marked "# choice:").
-The file reads top-down: config, Transformer pieces, the routing (source pool, read, write, RD's
-routes, readout), the GPT, generation, diagnostics. Below the banner near the end is a generic fast
-kernel for the reads (two-phase, Kimi report Algorithm 1); the model above it is the whole model.
-docs/routing.md says how to change the routing.
+"Choices the papers leave open" lists what this file decides (comments marked "# choice:"). The file
+reads top-down: config, Transformer pieces, the routing (source pool, read, write, RD's routes,
+readout), the GPT, generation, diagnostics. Below the banner near the end is a generic fast kernel for
+the reads (two-phase, Kimi report Algorithm 1). docs/routing.md says how to change the routing.
 
 References:
 1) nanoGPT model.py, A. Karpathy: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -111,7 +110,6 @@ class GPTConfig:
 # -----------------------------------------------------------------------------
 # Transformer sublayers
 
-
 def norm(x):
     # choice: parameterless RMSNorm; a gain would only rescale what the next Linear learns anyway
     return F.rms_norm(x, (x.size(-1),), eps=EPS)
@@ -191,7 +189,6 @@ class MLP(nn.Module):
 # The source pool is a list of Source; a read is a softmax over the pool's key-normed sources; an
 # update is written into the partial block; a completed block joins the pool for good.
 
-
 def float32(x):
     """Context for routing math: autocast off, which would run vecdot and matmul in bf16 (entered
     only when autocast is on: the context manager costs more than a small op)."""
@@ -230,9 +227,8 @@ def stored_source(name, value, basis=None):
 
 
 def depth_read(query, bias, values):
-    """SPEC: one read, h = Σ_s α_s v_s, α = softmax_s(wᵀ RMSNorm(v_s) + bias_s): keys are the normed
-    sources, values the raw ones, no 1/sqrt(d) temperature. query (d,), bias (S,), S values (B, T, d).
-    Returns h (B, T, d) and α (S, B, T). The kernel below the banner computes the same, faster."""
+    """SPEC: one read, h = Σ_s α_s v_s, α = softmax_s(wᵀ RMSNorm(v_s) + bias_s), no 1/sqrt(d); query (d,),
+    bias (S,), S values (B, T, d) -> h (B, T, d), α (S, B, T). The kernel below the banner is faster."""
     with float32(values[0]):  # SPEC: Numerics, key RMS, logits and softmax in float32
         V = torch.stack([v.float() for v in values])  # (S, B, T, d)
         logits = norm(V) @ query.float() + bias.float()[:, None, None]  # (S, B, T)
@@ -256,14 +252,13 @@ class PartialBlock(NamedTuple):
 
 
 class DepthRouting:
-    """The routing of residual=attnres, inherited by GPT: parameters, pool, write, read, RD's routes
-    and the forward loop that joins them."""
+    """The routing of residual=attnres, inherited by GPT: parameters, pool, write, read, routes, forward."""
 
     def init_routing(self, config):
         # One pseudo-query per read (in forward order), zero-initialised (SPEC); choice: one detail bias
         # per read and basis. Both from constants, not the random stream (see GPT.__init__).
         d, n_bases = config.n_embd, len(self.detail_signs(0))
-        self.read_names = [name for j in range(config.n_layer) for name in self._layer_reads(j)] + ["readout"]
+        self.read_names = [r for l in range(2 * config.n_layer) for r in self._sublayer_reads(l)] + ["readout"]
         # choice: the first sublayer reads e alone (weight 1 whatever its query): no parameters; nor has
         # rd=frozen_v's value route, whose query stays zero and detail bias at its init.
         learned = [r for r in self.read_names if not r.startswith("layer0.attn")
@@ -276,26 +271,23 @@ class DepthRouting:
         self.register_buffer("frozen_query", torch.zeros(d), persistent=False)
         self.register_buffer("frozen_detail_bias", torch.full((n_bases,), config.wav_detail_bias), persistent=False)
 
-    def _layer_reads(self, j):
-        v_route = [f"layer{j}.attn.v"] if self.config.rd in ("decoupled", "average", "frozen_v") else []
-        return [f"layer{j}.attn", *v_route, f"layer{j}.mlp"]
-
-    def _sublayer_reads(self, l):
-        return self._layer_reads(l // 2)[:-1] if l % 2 == 0 else [f"layer{l // 2}.mlp"]
+    def _sublayer_reads(self, l):  # the reads of sublayer l, in forward order
+        if l % 2:
+            return [f"layer{l // 2}.mlp"]
+        v_route = [f"layer{l // 2}.attn.v"] if self.config.rd in ("decoupled", "average", "frozen_v") else []
+        return [f"layer{l // 2}.attn", *v_route]
 
     # ----- the pool ------------------------------------------------------------------
     def detail_signs(self, l):
-        """SPEC: WAV v1 bases. The sign of sublayer l's update in each detail basis of its block:
-        phase +1 for attention, −1 for MLP; split +1 in the first half of the full block (i < m/2,
-        also while the block is partial), −1 in the second. {} without WAV. Add a basis here."""
+        """SPEC: WAV v1 bases. The sign of sublayer l's update in each basis ({} without WAV): phase +1
+        attention, −1 MLP; split +1 in the full block's first half (i < m/2, also when partial). Add one here."""
         m = self.config.routing_block
         signs = {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
         return {basis: signs[basis] for basis in self.config.detail_bases}
 
     def block_sources(self, name, block):
-        """SPEC: the sources of one block, signed sums of its pieces (see write): the state C = Σ u_i
-        (P for the partial block), then each detail basis D = Σ sign_i·u_i RMS-matched to the state,
-        D̃ = s·D with s = min(ρ, rms(C) / (rms(D) + ε)) per token, detached (SPEC: WAV stability 2)."""
+        """SPEC: a block's sources, signed sums of its pieces (see write): the state C = Σ u_i (P when
+        partial), then per basis D = Σ sign_i·u_i RMS-matched to it (SPEC: WAV stability 2)."""
         if not block.pieces:
             return []
         keys, terms = list(block.pieces), tuple(block.pieces.values())
@@ -383,8 +375,7 @@ class DepthRouting:
         return read("readout")
 
     def attention_inputs(self, j, read, routes):
-        """SPEC: RD-AttnRes. The inputs of attention layer j: (h for Q, K and V, None) with rd=off, or
-        (h^QK, h^V), two routes over the same pool and key norm."""
+        """SPEC: RD-AttnRes. Attention layer j's inputs: (h, None) or (h^QK, h^V), two routes of one pool."""
         rd = self.config.rd
         if rd in ("off", "tied"):  # tied: w^V ≡ w^QK, one read serves Q, K and V
             x = read(f"layer{j}.attn")
@@ -401,7 +392,6 @@ def _key(read_name):  # ParameterDict keys cannot contain "."
 
 # -----------------------------------------------------------------------------
 # The model
-
 
 class GPT(DepthRouting, nn.Module):
     def __init__(self, config):
@@ -533,23 +523,20 @@ class GPT(DepthRouting, nn.Module):
 # -----------------------------------------------------------------------------
 # Routing diagnostics
 
-
 def route_entropy(weights):
     """Entropy in nats of a route's weights (S, B, T) over sources, averaged over tokens."""
     return max(0.0, -torch.xlogy(weights, weights).sum(0).mean().item())  # (no -0.0 for one source)
 
 
 def js_divergence(p, q):
-    """Jensen-Shannon divergence in nats (≤ ln 2) between two routes (S, B, T) over the same pool,
-    per token, averaged over tokens (SPEC: RD-AttnRes, Diagnostic)."""
+    """Jensen-Shannon divergence (nats, ≤ ln 2) of two routes (S, B, T), token mean (SPEC: RD-AttnRes)."""
     p, q = p.double(), q.double()
     mid = 0.5 * (p + q)
     kl = lambda a: (torch.xlogy(a, a) - torch.xlogy(a, mid)).sum(0)  # noqa: E731
     return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).mean().item()
 
 
-def _block_order(source):
-    """Sort key of a source name by block: emb, C0 (and its details), C1, ..., P (and its details)."""
+def _block_order(source):  # sort key of a source name by block: emb, C0 and its details, C1, ..., P
     block = source.partition(".")[0]
     return -1 if block == "emb" else math.inf if block == "P" else int(block[1:])
 
@@ -575,7 +562,6 @@ def routing_stats(routes):
 # pseudo-queries and logit biases and computes what depth_read computes, with hand-written backward
 # passes; it knows nothing of WAV, RD or routing blocks. Its own tests check it against depth_read.
 # =============================================================================
-
 
 class TwoPhaseReads:
     """R reads over the same completed sources, each with its own partial sources (SPEC: Two-phase
@@ -643,13 +629,11 @@ def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
     return h, a, dots
 
 
-def _per_source(coeffs, x):
-    """Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)."""
+def _per_source(coeffs, x):  # Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)
     return x if coeffs is None else (coeffs @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
 
 
-def _per_term(coeffs, x):
-    """Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -> (K, ...)."""
+def _per_term(coeffs, x):  # Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -> (K, ...)
     return x if coeffs is None else (coeffs.t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
 
 
@@ -695,10 +679,9 @@ class PartialMerge(torch.autograd.Function):
     sources are fixed combinations of the terms with detached scales and inv_rms: never built, no graph
     nodes, and the backward keeps only the terms (shared by the block's reads), h and P×B×T numbers.
     With ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k and inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
-        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dmix = a_0 dh,
+        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dmix = a_0 dh,  dterm_k = Σ_p c_pk dv_p,
         dlse = −Σ_p dlogit_p (softmax gradients sum to zero: no copy of mix is needed),
-        dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p,
-        dterm_k = Σ_p c_pk dv_p."""
+        dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p."""
 
     @staticmethod
     def forward(ctx, mix, lse, query, bias, inv_rms, scale, coeffs, *terms):
