@@ -6,11 +6,10 @@ nanoroute: a minimal GPT whose residual stream is a choice of depth routing.
                         rd  = decoupled | tied | average | frozen_v   (RD-AttnRes)
 
 The mathematics is in SPEC.md; comments marked "# SPEC: <section>" point to it, and SPEC.md's
-"Choices the papers leave open" lists what this file decides (comments marked "# choice:").
-The file reads top-down: config, Transformer pieces, the routing (source pool, read, write, RD's
-routes, readout), the GPT, generation, diagnostics. Below the banner near the end is a generic fast
-kernel for the reads (two-phase, Kimi report Algorithm 1); the model above it is the whole model.
-docs/routing.md says how to change the routing.
+"Choices the papers leave open" lists what this file decides (comments marked "# choice:"). The file
+reads top-down: config, Transformer pieces, the routing (source pool, read, write, RD's routes,
+readout), the GPT, generation, diagnostics. Below the banner near the end is a generic fast kernel for
+the reads (two-phase, Kimi report Algorithm 1). docs/routing.md says how to change the routing.
 
 References:
 1) nanoGPT model.py, A. Karpathy: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -62,7 +61,6 @@ class GPTConfig:
     def validate(self):
         def bad(field, fix):
             raise ValueError(f"{field}={getattr(self, field)!r}: {fix}")
-
         for f in ("vocab_size", "sequence_len", "n_layer", "n_head", "n_embd"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 bad(f, "must be a positive integer")
@@ -72,26 +70,19 @@ class GPTConfig:
             bad("n_head", f"head size n_embd/n_head={self.n_embd // self.n_head} must be even for rotary embeddings")
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "must be in [0, 1)")
-        if self.residual not in RESIDUALS:
-            bad("residual", f"must be one of {', '.join(RESIDUALS)}")
-        if self.rd not in RD_MODES:
-            bad("rd", f"must be one of {', '.join(RD_MODES)}")
-        if self.wav_bases not in WAV_BASES:
-            bad("wav_bases", f"must be one of {', '.join(WAV_BASES)}")
+        for f, allowed in (("residual", RESIDUALS), ("rd", RD_MODES), ("wav_bases", WAV_BASES)):
+            if getattr(self, f) not in allowed:
+                bad(f, f"must be one of {', '.join(allowed)}")
         if not isinstance(self.attnres_block, int) or not 0 <= self.attnres_block <= 2 * self.n_layer:
             bad("attnres_block", f"must be 0 (auto) or 1..2*n_layer={2 * self.n_layer} sublayers")
         if not self.wav_rho > 0:  # also catches NaN
             bad("wav_rho", "must be > 0")
         if not math.isfinite(self.wav_detail_bias):
             bad("wav_detail_bias", "must be a finite number (e.g. -2.0)")
-        if self.residual != "attnres":
-            fix = "applies only to residual=attnres: add --residual attnres"
-            if self.wav:
-                bad("wav", fix)
-            if self.rd != "off":
-                bad("rd", fix)
-            if self.attnres_block != 0:
-                bad("attnres_block", fix)
+        if self.residual != "attnres":  # routing knobs without AttnRes would be silently ignored
+            for f, default in (("wav", False), ("rd", "off"), ("attnres_block", 0)):
+                if getattr(self, f) != default:
+                    bad(f, "applies only to residual=attnres: add --residual attnres")
         if not self.wav:  # WAV knobs without WAV would be silently ignored
             for f, default in (("wav_bases", "both"), ("wav_rho", 4.0), ("wav_detail_bias", -2.0),
                                ("wav_readout_details", False)):
@@ -118,7 +109,6 @@ class GPTConfig:
 
 # -----------------------------------------------------------------------------
 # Transformer sublayers
-
 
 def norm(x):
     # choice: parameterless RMSNorm; a gain would only rescale what the next Linear learns anyway
@@ -156,7 +146,6 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
@@ -185,7 +174,6 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
@@ -196,25 +184,14 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
 
-class Layer(nn.Module):
-    """One Transformer layer: sublayer 2j (attention) and 2j+1 (MLP). How their inputs and outputs
-    join the residual stream is the routing, and lives in GPT."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.attn = CausalSelfAttention(config)
-        self.mlp = MLP(config)
-
-
 # -----------------------------------------------------------------------------
 # Depth routing (residual=attnres). SPEC: Attention Residuals, WAV v1, RD-AttnRes.
 # The source pool is a list of Source; a read is a softmax over the pool's key-normed sources; an
 # update is written into the partial block; a completed block joins the pool for good.
 
-
 def float32(x):
-    """Context for routing math: autocast off, since it would run vecdot and matmul in bf16
-    (entered only when autocast is on: the context manager costs more than a small op)."""
+    """Context for routing math: autocast off, which would run vecdot and matmul in bf16 (entered
+    only when autocast is on: the context manager costs more than a small op)."""
     device = x.device.type
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
@@ -226,10 +203,9 @@ def mean_square(v):
 
 
 class Source(NamedTuple):
-    """One source of the pool: value = scale · Σ_k coeffs[k]·terms[k], stored tensors (B, T, d) and a
-    detached per-token scale (B, T) (None: 1). A completed source is one stored tensor; a source of
-    the partial block is a signed sum of the block's pieces (see write). inv_rms (B, T) is
-    1/sqrt(mean(value²)+ε), computed once for every read (SPEC: RMSNorm(v)·w = (v·w)·rsqrt(...))."""
+    """One source of the pool: value = scale · Σ_k coeffs[k]·terms[k] (terms (B, T, d), detached scale
+    (B, T) or None), inv_rms = 1/sqrt(mean(value²)+ε) (B, T) computed once for every read (SPEC:
+    RMSNorm(v)·w = (v·w)·rsqrt(...)). A completed source is one tensor, a partial one signed pieces."""
     name: str  # emb, C0, C0.phase, C0.split, ..., P, P.phase, P.split
     terms: tuple
     coeffs: tuple
@@ -251,9 +227,8 @@ def stored_source(name, value, basis=None):
 
 
 def depth_read(query, bias, values):
-    """SPEC: one read, h = Σ_s α_s v_s, α = softmax_s(wᵀ RMSNorm(v_s) + bias_s): keys are the normed
-    sources, values the raw ones, no 1/sqrt(d) temperature. query (d,), bias (S,), S values (B, T, d).
-    Returns h (B, T, d) and α (S, B, T). The kernel below the banner computes the same, faster."""
+    """SPEC: one read, h = Σ_s α_s v_s, α = softmax_s(wᵀ RMSNorm(v_s) + bias_s), no 1/sqrt(d); query (d,),
+    bias (S,), S values (B, T, d) -> h (B, T, d), α (S, B, T). The kernel below the banner is faster."""
     with float32(values[0]):  # SPEC: Numerics, key RMS, logits and softmax in float32
         V = torch.stack([v.float() for v in values])  # (S, B, T, d)
         logits = norm(V) @ query.float() + bias.float()[:, None, None]  # (S, B, T)
@@ -261,15 +236,11 @@ def depth_read(query, bias, values):
         return (weights[..., None] * V).sum(0), weights
 
 
-class ReferenceReads:
+def reference_reads(route, completed):
     """The reads of one routing block, one by one with depth_read over the whole pool."""
-
-    def __init__(self, route, completed):
-        self.route, self.completed = route, completed
-
-    def __call__(self, name, partial, keep_weights=False):
-        pool = self.completed + partial
-        return depth_read(*self.route(name, pool), [s.value for s in pool])
+    def read(name, partial, keep_weights=False):
+        return depth_read(*route(name, completed + partial), [s.value for s in completed + partial])
+    return read
 
 
 class PartialBlock(NamedTuple):
@@ -281,14 +252,13 @@ class PartialBlock(NamedTuple):
 
 
 class DepthRouting:
-    """The routing of residual=attnres, inherited by GPT: its parameters, the pool, the write, the
-    read, RD's routes and the forward loop that joins them (with the readout)."""
+    """The routing of residual=attnres, inherited by GPT: parameters, pool, write, read, routes, forward."""
 
     def init_routing(self, config):
-        # One pseudo-query per read, zero-initialised (SPEC); choice: one detail bias per read and basis.
-        # From constants, not the random stream (SPEC: Paired experiments). Reads in forward order.
+        # One pseudo-query per read (in forward order), zero-initialised (SPEC); choice: one detail bias
+        # per read and basis. Both from constants, not the random stream (see GPT.__init__).
         d, n_bases = config.n_embd, len(self.detail_signs(0))
-        self.read_names = [name for j in range(config.n_layer) for name in self._layer_reads(j)] + ["readout"]
+        self.read_names = [r for l in range(2 * config.n_layer) for r in self._sublayer_reads(l)] + ["readout"]
         # choice: the first sublayer reads e alone (weight 1 whatever its query): no parameters; nor has
         # rd=frozen_v's value route, whose query stays zero and detail bias at its init.
         learned = [r for r in self.read_names if not r.startswith("layer0.attn")
@@ -301,27 +271,23 @@ class DepthRouting:
         self.register_buffer("frozen_query", torch.zeros(d), persistent=False)
         self.register_buffer("frozen_detail_bias", torch.full((n_bases,), config.wav_detail_bias), persistent=False)
 
-    def _layer_reads(self, j):
-        v_route = [f"layer{j}.attn.v"] if self.config.rd in ("decoupled", "average", "frozen_v") else []
-        return [f"layer{j}.attn", *v_route, f"layer{j}.mlp"]
-
-    def _sublayer_reads(self, l):
-        return self._layer_reads(l // 2)[:-1] if l % 2 == 0 else [f"layer{l // 2}.mlp"]
+    def _sublayer_reads(self, l):  # the reads of sublayer l, in forward order
+        if l % 2:
+            return [f"layer{l // 2}.mlp"]
+        v_route = [f"layer{l // 2}.attn.v"] if self.config.rd in ("decoupled", "average", "frozen_v") else []
+        return [f"layer{l // 2}.attn", *v_route]
 
     # ----- the pool ------------------------------------------------------------------
-
     def detail_signs(self, l):
-        """SPEC: WAV v1 bases. The sign of sublayer l's update in each detail basis of its block:
-        phase +1 for attention, −1 for MLP; split +1 in the first half of the full block (i < m/2,
-        also while the block is partial), −1 in the second. {} without WAV. Add a basis here."""
+        """SPEC: WAV v1 bases. The sign of sublayer l's update in each basis ({} without WAV): phase +1
+        attention, −1 MLP; split +1 in the full block's first half (i < m/2, also when partial). Add one here."""
         m = self.config.routing_block
         signs = {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
         return {basis: signs[basis] for basis in self.config.detail_bases}
 
     def block_sources(self, name, block):
-        """SPEC: the sources of one block, signed sums of its pieces (see write): the state C = Σ u_i
-        (P for the partial block), then each detail basis D = Σ sign_i·u_i RMS-matched to the state,
-        D̃ = s·D with s = min(ρ, rms(C) / (rms(D) + ε)) per token, detached (SPEC: WAV stability 2)."""
+        """SPEC: a block's sources, signed sums of its pieces (see write): the state C = Σ u_i (P when
+        partial), then per basis D = Σ sign_i·u_i RMS-matched to it (SPEC: WAV stability 2)."""
         if not block.pieces:
             return []
         keys, terms = list(block.pieces), tuple(block.pieces.values())
@@ -340,12 +306,10 @@ class DepthRouting:
         return [stored_source(s.name, s.value, s.basis) for s in self.block_sources(name, block)]
 
     # ----- the write -----------------------------------------------------------------
-
     def write(self, block, u, l):
         """SPEC: the update u of sublayer l joins the partial block: P += u, with WAV P^basis += sign·u.
-        The block keeps its updates summed by sign pattern (its pieces: one without WAV, at most 4
-        with both bases); each of its sources is a fixed signed sum of the pieces, and a sublayer adds
-        to one piece: it leaves one tensor for the backward however many bases there are."""
+        Updates are kept summed by sign pattern (pieces: 1 without WAV, at most 4 with both bases), each
+        source a fixed signed sum of pieces: a sublayer leaves one tensor for the backward."""
         signs = self.detail_signs(l)
         key = tuple(signs.values())
         u = u.float()  # choice: sources accumulate in float32, like nanoGPT's residual stream
@@ -358,7 +322,6 @@ class DepthRouting:
         return PartialBlock(pieces, sums)
 
     # ----- the read ------------------------------------------------------------------
-
     def route(self, name, sources):
         """A read's pseudo-query (d,) and its logit bias per source (S,): 0 for a state source, the
         read's detail bias for a detail source (SPEC: WAV stability 1)."""
@@ -373,15 +336,13 @@ class DepthRouting:
         return query, torch.cat([beta.new_zeros(1), beta])[index]
 
     def block_reads(self, names, completed, cache):
-        """The reads `names` of one block over the completed sources (plus each read's partial ones).
-        The one place that picks how reads are computed: the two-phase kernel below the banner, or
-        depth_read (fast_routing=False; choice: generation with a KV cache, one token at a time)."""
+        """The reads `names` of one block over `completed`: the one place that picks the kernel below
+        the banner or depth_read (fast_routing=False; choice: generation with a KV cache, token by token)."""
         if self.config.fast_routing and (cache is None or torch.is_grad_enabled()):
             return TwoPhaseReads(self.route, names, completed)
-        return ReferenceReads(self.route, completed)
+        return reference_reads(self.route, completed)
 
     # ----- the forward loop ----------------------------------------------------------
-
     def _attnres(self, e, rope, cache, routes):
         """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}, P] (with WAV
         each block also brings its detail sources), runs on the read, and writes its update into P."""
@@ -390,7 +351,7 @@ class DepthRouting:
         def read(name):
             h, weights = reads(name, partial, routes is not None)
             if routes is not None:
-                routes.append(dict(name=name, sources=[s.name for s in reads.completed + partial],
+                routes.append(dict(name=name, sources=[s.name for s in completed + partial],
                                    weights=weights.detach()))
             return h
 
@@ -409,12 +370,12 @@ class DepthRouting:
                 block = PartialBlock({}, {})
         # SPEC: final readout, one more read over the final pool; details only if asked for (choice)
         keep = lambda sources: [s for s in sources if cfg.wav_readout_details or s.basis is None]  # noqa: E731
-        reads, partial = self.block_reads(["readout"], keep(completed), cache), keep(self.block_sources("P", block))
+        completed, partial = keep(completed), keep(self.block_sources("P", block))
+        reads = self.block_reads(["readout"], completed, cache)
         return read("readout")
 
     def attention_inputs(self, j, read, routes):
-        """SPEC: RD-AttnRes. The inputs of attention layer j: (h for Q, K and V, None) with rd=off, or
-        (h^QK, h^V), two routes over the same pool and key norm."""
+        """SPEC: RD-AttnRes. Attention layer j's inputs: (h, None) or (h^QK, h^V), two routes of one pool."""
         rd = self.config.rd
         if rd in ("off", "tied"):  # tied: w^V ≡ w^QK, one read serves Q, K and V
             x = read(f"layer{j}.attn")
@@ -432,9 +393,7 @@ def _key(read_name):  # ParameterDict keys cannot contain "."
 # -----------------------------------------------------------------------------
 # The model
 
-
 class GPT(DepthRouting, nn.Module):
-
     def __init__(self, config):
         super().__init__()
         config.validate()
@@ -442,13 +401,14 @@ class GPT(DepthRouting, nn.Module):
         d, n_sub = config.n_embd, 2 * config.n_layer
         self.wte = nn.Embedding(config.vocab_size, d)
         self.drop = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList([Layer(config) for _ in range(config.n_layer)])
+        # layer j holds sublayers 2j (attention) and 2j+1 (MLP); how they join the stream is the routing
+        self.layers = nn.ModuleList([nn.ModuleDict(dict(attn=CausalSelfAttention(config), mlp=MLP(config)))
+                                     for _ in range(config.n_layer)])
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
         self.wte.weight = self.lm_head.weight  # tied: https://paperswithcode.com/method/weight-tying
         cos, sin = rotary_tables(config.sequence_len, d // config.n_head)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-
         # Routing parameters are created from constants, never from the random stream, so that two
         # configs with the same seed start with identical shared weights (SPEC: Paired experiments).
         self.residual_gain = None
@@ -459,7 +419,6 @@ class GPT(DepthRouting, nn.Module):
             self.residual_gain = nn.Parameter(torch.full((n_sub, d), gamma))
         if config.residual == "attnres":
             self.init_routing(config)
-
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth
@@ -475,7 +434,6 @@ class GPT(DepthRouting, nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # ----- forward -----------------------------------------------------------------
-
     def forward(self, idx, targets=None, return_routes=False):
         routes = [] if return_routes else None
         logits = self.lm_head(self._hidden(idx, routes=routes))
@@ -492,10 +450,8 @@ class GPT(DepthRouting, nn.Module):
             raise ValueError(f"sequence of {start + T} tokens exceeds sequence_len={self.config.sequence_len}")
         rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
         e = self.drop(self.wte(idx))
-        if self.config.residual == "attnres":
-            x = self._attnres(e, rope, cache, routes)
-        else:
-            x = self._residual(e, rope, cache)
+        routed = self.config.residual == "attnres"
+        x = self._attnres(e, rope, cache, routes) if routed else self._residual(e, rope, cache)
         if cache is not None:
             cache.pos += T
         return norm(x)
@@ -516,7 +472,6 @@ class GPT(DepthRouting, nn.Module):
         return x
 
     # ----- training helpers ----------------------------------------------------------
-
     def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), device_type="cpu"):
         """AdamW with weight decay on the matrices of Linear and Embedding layers only: pseudo-queries,
         detail biases, ReZero/LayerScale gains and biases get none (SPEC: Numerics)."""
@@ -534,7 +489,6 @@ class GPT(DepthRouting, nn.Module):
         return flops_per_token * tokens_per_iter / dt / peak_flops
 
     # ----- generation ------------------------------------------------------------------
-
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """Sample max_new_tokens tokens after idx (B, T) with a KV cache. Past sequence_len tokens the
@@ -569,23 +523,20 @@ class GPT(DepthRouting, nn.Module):
 # -----------------------------------------------------------------------------
 # Routing diagnostics
 
-
 def route_entropy(weights):
     """Entropy in nats of a route's weights (S, B, T) over sources, averaged over tokens."""
     return max(0.0, -torch.xlogy(weights, weights).sum(0).mean().item())  # (no -0.0 for one source)
 
 
 def js_divergence(p, q):
-    """Jensen-Shannon divergence in nats (≤ ln 2) between two routes (S, B, T) over the same pool,
-    per token, averaged over tokens (SPEC: RD-AttnRes, Diagnostic)."""
+    """Jensen-Shannon divergence (nats, ≤ ln 2) of two routes (S, B, T), token mean (SPEC: RD-AttnRes)."""
     p, q = p.double(), q.double()
     mid = 0.5 * (p + q)
     kl = lambda a: (torch.xlogy(a, a) - torch.xlogy(a, mid)).sum(0)  # noqa: E731
     return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).mean().item()
 
 
-def _block_order(source):
-    """Sort key of a source name by block: emb, C0 (and its details), C1, ..., P (and its details)."""
+def _block_order(source):  # sort key of a source name by block: emb, C0 and its details, C1, ..., P
     block = source.partition(".")[0]
     return -1 if block == "emb" else math.inf if block == "P" else int(block[1:])
 
@@ -612,17 +563,14 @@ def routing_stats(routes):
 # passes; it knows nothing of WAV, RD or routing blocks. Its own tests check it against depth_read.
 # =============================================================================
 
-
 class TwoPhaseReads:
     """R reads over the same completed sources, each with its own partial sources (SPEC: Two-phase
-    computation). Phase 1 (here): the logits and softmax sums of all R reads over the completed
-    sources in one batched pass, one read of each source instead of R. Phase 2 (per call): a read
-    merges its phase-1 summary with its partial sources by an online softmax. route(name, sources)
-    gives a read's query (d,) and logit biases (S,). The partial sources of a call share their terms
-    (Source: value = scale · Σ_k coeffs[k]·terms[k]) and are never built: the merge reads the terms."""
+    computation). Phase 1 (here): all R reads over the completed sources in one batched pass, one read
+    of each source instead of R. Phase 2 (per call): an online softmax merges a read's phase-1 summary
+    with its partial sources, which share their terms and are never built. route: as GPT.route."""
 
     def __init__(self, route, names, completed):
-        self.route, self.completed = route, completed
+        self.route = route
         params = [route(name, completed) for name in names]
         queries, biases = torch.stack([q for q, _ in params]), torch.stack([b for _, b in params])
         values, inv_rms = [s.value for s in completed], [s.inv_rms for s in completed]
@@ -653,9 +601,8 @@ class TwoPhaseReads:
 
 
 def completed_reads(queries, biases, values, inv_rms):
-    """The forward math of phase 1: queries (R, d), biases (R, S), S sources (B, T, d) and their
-    inv_rms (B, T). Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R), the stacked inv_rms
-    (B, T, S) and the dot products vᵀw (B, T, S, R)."""
+    """Phase 1's forward: queries (R, d), biases (R, S), S sources (B, T, d), their inv_rms (B, T).
+    Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R), inv_rms (B, T, S), dots vᵀw (B, T, S, R)."""
     with float32(values[0]):
         V = torch.stack(values, dim=2).float()  # (B, T, S, d)
         inv_rms = torch.stack(inv_rms, dim=2)  # (B, T, S)
@@ -668,10 +615,9 @@ def completed_reads(queries, biases, values, inv_rms):
 
 
 def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
-    """The forward math of phase 2: one read's phase-1 summary (mix, lse), its query (d,), and its P
-    partial sources, source_p = scale_p · Σ_k coeffs[p, k]·terms_k: biases (P,), inv_rms and detached
-    scales (P, B, T), coeffs (P, K) (None: P = K = 1, the source is its term), terms (B, T, d).
-    Returns h (B, T, d), the merge weights a (1+P, B, T) and the dot products sourceᵀw (P, B, T)."""
+    """Phase 2's forward: a read's summary (mix, lse), query (d,) and P partial sources scale_p ·
+    Σ_k coeffs[p, k]·terms_k: bias (P,), inv_rms and detached scale (P, B, T), coeffs (P, K) (None: the
+    source is its one term), terms (B, T, d). Returns h (B, T, d), a (1+P, B, T), dots (P, B, T)."""
     with float32(mix):
         q = query.float()
         # vecdot, not v @ q: a per-token dot product is one fused pass, matrix-vector is 2x slower on CPU
@@ -683,21 +629,18 @@ def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
     return h, a, dots
 
 
-def _per_source(coeffs, x):
-    """Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)."""
+def _per_source(coeffs, x):  # Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)
     return x if coeffs is None else (coeffs @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
 
 
-def _per_term(coeffs, x):
-    """Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -> (K, ...)."""
+def _per_term(coeffs, x):  # Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -> (K, ...)
     return x if coeffs is None else (coeffs.t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
 
 
 class CompletedReads(torch.autograd.Function):
-    """Phase 1 with a batched backward: each source gets one gradient per call instead of one per
-    read. For read r it returns the mixture of the completed sources normalised over them, mix_r
-    (B, T, d), and its log-sum-exp lse_r (B, T), which phase 2 treats as one source with logit lse_r;
-    and the weights p (B, T, S, R). Saves the dot products vᵀw and recomputes p from them:
+    """Phase 1 with a batched backward (one gradient per source, not one per read). Read r returns
+    mix_r (B, T, d), normalised over the completed sources, and lse_r (B, T), which phase 2 treats as
+    one source with logit lse_r; and p (B, T, S, R), recomputed in the backward from the saved vᵀw:
         dlogit_rs = p_rs (⟨dmix_r, v_s⟩ − Σ_s' p_rs' ⟨dmix_r, v_s'⟩ + dlse_r)
         dv_s = Σ_r p_rs dmix_r + dlogit_rs·inv_rms_s·w_r,  dw_r = Σ dlogit_rs·inv_rms_s·v_s,
         dinv_rms_s = Σ_r dlogit_rs·(v_s·w_r),  dbias_rs = Σ dlogit_rs."""
@@ -732,16 +675,13 @@ class CompletedReads(torch.autograd.Function):
 
 
 class PartialMerge(torch.autograd.Function):
-    """Phase 2 with a hand-written backward: a read merges its phase-1 summary (mix, lse) with its
-    partial sources by a softmax over [lse, their logits]. The sources come as fixed linear
-    combinations of the terms with detached scales and inverse RMS, so they are never built, the key
-    norm and the scale need no graph nodes, and the backward keeps only the terms (shared by the
-    block's reads), h and P×B×T numbers. With ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k and
-    inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
-        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dlse = −Σ_p dlogit_p (softmax gradients sum to zero,
-        so no copy of mix is needed),  dmix = a_0 dh,
-        dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p,
-        dterm_k = Σ_p c_pk dv_p."""
+    """Phase 2 with a hand-written backward: a softmax over [lse, the partial sources' logits]. The
+    sources are fixed combinations of the terms with detached scales and inv_rms: never built, no graph
+    nodes, and the backward keeps only the terms (shared by the block's reads), h and P×B×T numbers.
+    With ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k and inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
+        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dmix = a_0 dh,  dterm_k = Σ_p c_pk dv_p,
+        dlse = −Σ_p dlogit_p (softmax gradients sum to zero: no copy of mix is needed),
+        dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p."""
 
     @staticmethod
     def forward(ctx, mix, lse, query, bias, inv_rms, scale, coeffs, *terms):

@@ -652,7 +652,8 @@ def kernel_and_reference(inputs, precision, device, n_partial):
     out = []
     for kernel in (True, False):
         with precision_context(device, precision):
-            reads = nanoroute.TwoPhaseReads(route, [0, 1], stored) if kernel else nanoroute.ReferenceReads(route, stored)
+            reads = (nanoroute.TwoPhaseReads(route, [0, 1], stored) if kernel
+                     else nanoroute.reference_reads(route, stored))
             results = [reads(r, partial, keep_weights=True) for r in (0, 1)]
         g = torch.Generator().manual_seed(5)
         loss = sum((h * torch.randn(h.shape, generator=g).to(device)).sum() for h, _ in results)
