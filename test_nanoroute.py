@@ -7,6 +7,7 @@ loops over sources (no batching, no online softmax, no custom autograd), from SP
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import http.server
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import zipfile
 from pathlib import Path
 
@@ -1886,6 +1888,19 @@ def test_default_run_is_routed_and_ends_with_routing_summary(_train_data, _train
     routed, baseline = (json.loads((Path(d) / "summary.json").read_text()) for d in (out, f"{out}_prenorm"))
     assert baseline["config"] == dict(routed["config"], residual="prenorm")
     assert baseline["train"] == dict(routed["train"], out_dir=f"{out}_prenorm")
+
+
+def test_next_commands_baseline_repeats_only_the_settings_a_plain_run_would_not_get():
+    a = types.SimpleNamespace(**{**train.TRAIN_DEFAULTS, **{f.name: f.default for f in dataclasses.fields(
+        nanoroute.GPTConfig)}, **train.MODEL_DEFAULTS, "vocab_size": 53})
+    cpu = torch.device("cpu")
+    a.eval_tokens = train.default_eval_tokens(a.vocab_size, cpu)  # what train() fills in when not given
+    baseline = train.next_commands(a, True, cpu).splitlines()[-1].split("#")[0].split()
+    assert baseline == ["python", "train.py", "--residual", "prenorm", "--out_dir", "out_prenorm"]
+    a.eval_tokens, a.seed = 1024, 7  # given by the user: the baseline repeats them
+    baseline = train.next_commands(a, True, cpu).splitlines()[-1].split("#")[0].split()
+    assert baseline == ["python", "train.py", "--residual", "prenorm", "--eval_tokens", "1024", "--seed", "7",
+                        "--out_dir", "out_prenorm"]
 
 
 def test_prenorm_run_has_no_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):

@@ -370,13 +370,14 @@ ROUTING_FIELDS = ("residual", "attnres_block", "wav", "wav_bases", "wav_rho", "w
                   "rd", "fast_routing")
 
 
-def next_commands(a, routed):
+def next_commands(a, routed, device):
     """What to try after a run, as commands for its --out_dir; the baseline repeats every setting
     that is not a default (a preset's too) except the routing, so that it is paired with this run."""
     at = "" if Path(a.out_dir) == Path(TRAIN_DEFAULTS["out_dir"]) else f" --out_dir {a.out_dir}"
     commands = [(f"python sample.py{at}", "text from best.pt")]
     if routed:
-        defaults = {**TRAIN_DEFAULTS, **{f.name: f.default for f in dataclasses.fields(GPTConfig)}, **MODEL_DEFAULTS}
+        defaults = {**TRAIN_DEFAULTS, **{f.name: f.default for f in dataclasses.fields(GPTConfig)}, **MODEL_DEFAULTS,
+                    "eval_tokens": default_eval_tokens(a.vocab_size, device)}  # what the baseline gets when not given
         same = "".join(f" --{k} {getattr(a, k)}" for k in defaults if k not in ROUTING_FIELDS + RUNTIME_ARGS
                        and k != "vocab_size" and getattr(a, k) != defaults[k]
                        and not (k == "max_iters" and a.max_tokens))  # max_iters was computed from max_tokens
@@ -853,7 +854,7 @@ def train(argv, cleanup):
         wandb_run.finish()
     if master:
         stats = batch_routing_stats(raw_model, val_data, val_batches[0], T, device, ctx)
-        log("\n" + (routing_summary(stats) + "\n\n" if stats else "") + next_commands(a, stats is not None))
+        log("\n" + (routing_summary(stats) + "\n\n" if stats else "") + next_commands(a, stats is not None, device))
 
 
 if __name__ == "__main__":
