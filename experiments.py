@@ -241,7 +241,7 @@ def run_sweep(runs, launcher, dry_run=False, slots=({},)):
                 rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}).returncode
             ok = rc == 0 and (d / "summary.json").exists()
             if ok:
-                final = json.loads((d / "summary.json").read_text())["final"]
+                final = read_summary(d / "summary.json")["final"]
                 result = f"done in {time.time() - t:.0f} s, val loss {final['val_loss']:.4f}"
             else:
                 lines = (d / "train.log").read_text(errors="replace").strip().splitlines() or ["(no output)"]
