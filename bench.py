@@ -18,6 +18,11 @@ Memory (a separate, untimed step per variant, after warm-up):
   with torch.autograd.graph.saved_tensors_hooks, parameter storages excluded. That is the training-step
   footprint at its usual peak, the end of the forward; temporaries are not counted.
 
+Before and after a change to the model: --against PATH (another nanoroute.py, or a folder holding one)
+builds every variant from that file too, as VARIANT@against, and times both versions in the same rounds;
+the report adds the per-round ratio of this code to that code, variant by variant, and the ratios to
+Block AttnRes within each version.
+
 Variants: prenorm, rezero, layerscale; block (Block AttnRes, auto routing block), full (Full AttnRes,
 one sublayer per block), wav (WAV v1, both bases), rd (RD-AttnRes, decoupled), naive (block with
 fast_routing=False: the readable reference read, to show what the fast path saves).
@@ -28,12 +33,15 @@ Usage:
     python bench.py --shape demo --variants prenorm --gen_variants prenorm,block,wav,rd
     python bench.py --shape gpu12 --device cuda --compile  # bf16 autocast, reports MFU
     python bench.py --shape s12 --variants block --gen_tokens 0 --profile block
+    git show main:nanoroute.py > /tmp/main_nanoroute.py   # the model before your change
+    python bench.py --shape s12 --variants block,rd --gen_tokens 0 --against /tmp/main_nanoroute.py
     python bench.py --n_layer 6 --n_embd 192 --n_head 6 --sequence_len 128 --batch_size 4
 """
 
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import os
 import platform
 import statistics
@@ -106,6 +114,23 @@ def parse_list(text, flag):
     if bad:
         raise UsageError(f"{flag}={text!r}: unknown variant(s) {', '.join(bad)}; choose from {','.join(VARIANTS)}")
     return names
+
+
+def load_against(path):
+    """The nanoroute module in `path` (a .py file, or a folder holding nanoroute.py), for --against."""
+    file = os.path.join(path, "nanoroute.py") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise UsageError(f"--against={path!r}: no such file; give another version's nanoroute.py "
+                         f"(e.g. git show main:nanoroute.py > /tmp/main_nanoroute.py)")
+    spec = importlib.util.spec_from_file_location("nanoroute_against", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's other version: say which file failed, and how
+        raise UsageError(f"--against={path!r}: importing {file} failed: {type(e).__name__}: {e}")
+    if not (hasattr(module, "GPT") and hasattr(module, "GPTConfig")):
+        raise UsageError(f"--against={path!r}: {file} has no GPT and GPTConfig; is it a nanoroute.py?")
+    return module
 
 
 def sync(device_type):
@@ -224,9 +249,13 @@ def run_bench(argv=None):
     p.add_argument("--profile", default=None, choices=VARIANTS,
                    help="variant to run under torch.profiler: 3 training steps, and a cached generation "
                         "unless --gen_tokens 0")
+    p.add_argument("--against", default=None, metavar="PATH",
+                   help="another nanoroute.py (or a folder holding one): time every variant from it too, in the"
+                        " same rounds, and report this code / that code")
     p.add_argument("--json", default=None, help="write every number to this path")
     args = p.parse_args(argv)
     variants = parse_list(args.variants, "--variants")
+    against = load_against(args.against) if args.against else None
     gen_variants = parse_list(args.gen_variants, "--gen_variants")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -250,8 +279,15 @@ def run_bench(argv=None):
     print(f"shape {args.shape}: " + ", ".join(f"{k}={v}" for k, v in shape.items()))
 
     def build(name):
+        module, variant = (against, name[:-len("@against")]) if name.endswith("@against") else (nanoroute, name)
         torch.manual_seed(0)  # paired: every variant starts from the same shared weights
-        model = nanoroute.GPT(nanoroute.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS}, **VARIANTS[name]))
+        if module is nanoroute:
+            model = module.GPT(module.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS}, **VARIANTS[variant]))
+        else:
+            try:  # the other version may not have this variant's flags
+                model = module.GPT(module.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS}, **VARIANTS[variant]))
+            except Exception as e:
+                raise UsageError(f"{name}: the --against version cannot build it: {type(e).__name__}: {e}")
         model.to(device)
         opt = model.configure_optimizers(0.1, 1e-3, device_type=device_type)
         return model, (torch.compile(model) if args.compile else model), opt
@@ -261,8 +297,9 @@ def run_bench(argv=None):
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()  # the same fixed batch for every variant and step
 
     # ----- training step, interleaved ---------------------------------------------------
-    models = {name: build(name) for name in variants}
-    times = {name: [] for name in variants}
+    timed_names = [n for name in variants for n in (name, f"{name}@against")[:2 if against else 1]]
+    models = {name: build(name) for name in timed_names}
+    times = {name: [] for name in timed_names}
     for r in range(args.warmup + iters):
         for name, (_, step_model, opt) in models.items():
             dt, _ = timed(lambda: train_step(step_model, opt, x, y, amp), device_type)
@@ -280,12 +317,23 @@ def run_bench(argv=None):
         results[name] = res
     medians = {k: v["ms_median"] for k, v in results.items()}
     mems = {k: v["memory_bytes"] for k, v in results.items()}
-    to_prenorm, to_block, mem_to_prenorm = ratios(medians, "prenorm"), ratios(medians, "block"), ratios(mems, "prenorm")
-    paired = {base: paired_ratios(times, base) for base in ("prenorm", "block")}
+    to_prenorm, to_block, mem_to_prenorm, paired = {}, {}, {}, {"prenorm": {}, "block": {}}
+    for suffix in ("", "@against"):  # ratios within each version of the code
+        version = lambda d: {k[:len(k) - len(suffix)]: v for k, v in d.items()  # noqa: E731
+                             if k.endswith("@against") == bool(suffix)}
+        back = lambda d: {k + suffix: v for k, v in d.items()}  # noqa: E731
+        to_prenorm.update(back(ratios(version(medians), "prenorm")))
+        to_block.update(back(ratios(version(medians), "block")))
+        mem_to_prenorm.update(back(ratios(version(mems), "prenorm")))
+        for base in paired:
+            paired[base].update(back(paired_ratios(version(times), base)))
     for name, res in results.items():
         res.update(ratio_prenorm=to_prenorm.get(name), ratio_block=to_block.get(name),
                    memory_ratio_prenorm=mem_to_prenorm.get(name),
                    **{f"paired_ratio_{base}": paired[base].get(name) for base in paired})
+        if against and not name.endswith("@against"):  # this code against that code, round by round
+            res["paired_ratio_against"] = paired_ratios({"this": times[name], "that": times[name + "@against"]},
+                                                        "that")["this"]
 
     mem_kind = "peak MB" if device_type == "cuda" else "counted MB"
     header = ["variant", "params", "median ms/step", "min ms", "tokens/s", "/ prenorm", "/ block",
@@ -305,6 +353,13 @@ def run_bench(argv=None):
         print(md_table(["variant"] + [f"/ {base}" for base in paired if paired[base]],
                        [[name] + [f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, lo, hi in
                                   (paired[base][name] for base in paired if paired[base])] for name in results]))
+    if against:
+        print(f"\nthis code against --against {args.against}, per-round ratios (round i against round i): "
+              f"median [quartiles]; below 1 means this code is faster")
+        print(md_table(["variant", "this / against", "memory this / against"],
+                       [[name, "{:.3f} [{:.3f}, {:.3f}]".format(*r["paired_ratio_against"]),
+                         f"{r['memory_bytes'] / results[name + '@against']['memory_bytes']:.3f}"]
+                        for name, r in results.items() if not name.endswith("@against")]))
 
     # ----- generation: KV cache against full recompute ------------------------------------
     n_new = min(256, T) if args.gen_tokens is None else args.gen_tokens

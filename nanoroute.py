@@ -5,11 +5,10 @@ nanoroute: a minimal GPT whose residual stream is a choice of depth routing.
     on top of attnres:  wav = True   (WAV v1 multi-resolution block sources)
                         rd  = decoupled | tied | average | frozen_v   (RD-AttnRes)
 
-The mathematics is in SPEC.md; comments marked "# SPEC: <section>" point to it, and SPEC.md's
-"Choices the papers leave open" lists what this file decides (comments marked "# choice:"). The file
-reads top-down: config, Transformer pieces, the routing (source pool, read, write, RD's routes,
-readout), the GPT, generation, diagnostics. Below the banner near the end is a generic fast kernel for
-the reads (two-phase, Kimi report Algorithm 1). docs/routing.md says how to change the routing.
+Read top-down: config, Transformer pieces, the routing (pool, read, write, RD's routes, readout), the
+GPT, generation, diagnostics; below the banner, a generic fast kernel for the reads. "# SPEC: <section>"
+points to SPEC.md, "# choice:" to its list of choices the papers leave open; docs/routing.md says how
+to change the routing.
 
 References:
 1) nanoGPT model.py, A. Karpathy: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -131,8 +130,8 @@ class KVCache:
     """Keys and values of every layer for generation. Only attention needs a cache: depth routing
     mixes sources of the same token, so it is recomputed per new token at no extra cost."""
 
-    def __init__(self, n_layer, batch, n_head, max_len, head_dim, device, dtype):
-        shape = (n_layer, batch, n_head, max_len, head_dim)
+    def __init__(self, config, batch, device, dtype):
+        shape = (config.n_layer, batch, config.n_head, config.sequence_len, config.n_embd // config.n_head)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0  # tokens already in the cache
@@ -148,7 +147,7 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+        self.n_head, self.dropout = config.n_head, config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -185,27 +184,23 @@ class MLP(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Depth routing (residual=attnres). SPEC: Attention Residuals, WAV v1, RD-AttnRes.
-# The source pool is a list of Source; a read is a softmax over the pool's key-normed sources; an
-# update is written into the partial block; a completed block joins the pool for good.
+# Depth routing (residual=attnres). SPEC: Attention Residuals, WAV v1, RD-AttnRes. The pool is a list
+# of Source; a read is a softmax over its key-normed sources; an update joins the partial block.
 
 def float32(x):
-    """Context for routing math: autocast off, which would run vecdot and matmul in bf16 (entered
-    only when autocast is on: the context manager costs more than a small op)."""
+    """Context for routing math: autocast off, which would run it in bf16 (entered only when on)."""
     device = x.device.type
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
-def mean_square(v):
-    # per-token mean(v²) in float32 (B, T): one fused reduction
+def mean_square(v):  # per-token mean(v²) in float32 (B, T): one fused reduction
     with float32(v):
         return torch.linalg.vector_norm(v.float(), dim=-1).square() / v.size(-1)
 
 
 class Source(NamedTuple):
     """One source of the pool: value = scale · Σ_k coeffs[k]·terms[k] (terms (B, T, d), detached scale
-    (B, T) or None), inv_rms = 1/sqrt(mean(value²)+ε) (B, T) computed once for every read (SPEC:
-    RMSNorm(v)·w = (v·w)·rsqrt(...)). A completed source is one tensor, a partial one signed pieces."""
+    (B, T) or None); inv_rms = rsqrt(mean(value²)+ε) (B, T), once for every read: RMSNorm(v)·w = (v·w)·inv_rms."""
     name: str  # emb, C0, C0.phase, C0.split, ..., P, P.phase, P.split
     terms: tuple
     coeffs: tuple
@@ -244,9 +239,8 @@ def reference_reads(route, completed):
 
 
 class PartialBlock(NamedTuple):
-    """The routing block being filled (SPEC: partial source P). pieces: its updates summed by sign
-    pattern, {signs: Σ u_i} (with gradient); sums: its running sums by basis, {"state": P, basis:
-    P^basis} (without gradient, for the key norms and the RMS matching)."""
+    """The routing block being filled (SPEC: partial source P), see write: pieces {signs: Σ u_i} (with
+    gradient); sums {"state": P, basis: P^basis} (without, for the key norms and RMS matching)."""
     pieces: dict
     sums: dict
 
@@ -255,12 +249,10 @@ class DepthRouting:
     """The routing of residual=attnres, inherited by GPT: parameters, pool, write, read, routes, forward."""
 
     def init_routing(self, config):
-        # One pseudo-query per read (in forward order), zero-initialised (SPEC); choice: one detail bias
-        # per read and basis. Both from constants, not the random stream (see GPT.__init__).
+        # a zero pseudo-query per read (SPEC); choice: one detail bias per read and basis (see GPT.__init__)
         d, n_bases = config.n_embd, len(self.detail_signs(0))
         self.read_names = [r for l in range(2 * config.n_layer) for r in self._sublayer_reads(l)] + ["readout"]
-        # choice: the first sublayer reads e alone (weight 1 whatever its query): no parameters; nor has
-        # rd=frozen_v's value route, whose query stays zero and detail bias at its init.
+        # choice: no parameters for the first sublayer (it reads e alone) nor rd=frozen_v's value route
         learned = [r for r in self.read_names if not r.startswith("layer0.attn")
                    and not (config.rd == "frozen_v" and r.endswith(".v"))]
         self.query = nn.ParameterDict({_key(r): nn.Parameter(torch.zeros(d)) for r in learned})
@@ -279,8 +271,8 @@ class DepthRouting:
 
     # ----- the pool ------------------------------------------------------------------
     def detail_signs(self, l):
-        """SPEC: WAV v1 bases. The sign of sublayer l's update in each basis ({} without WAV): phase +1
-        attention, −1 MLP; split +1 in the full block's first half (i < m/2, also when partial). Add one here."""
+        """SPEC: WAV v1 bases. Sublayer l's sign in each basis ({} without WAV): phase +1 attention, −1 MLP;
+        split +1 in the first half of a full block (i < m/2, also when partial). Add a basis here."""
         m = self.config.routing_block
         signs = {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
         return {basis: signs[basis] for basis in self.config.detail_bases}
@@ -307,9 +299,9 @@ class DepthRouting:
 
     # ----- the write -----------------------------------------------------------------
     def write(self, block, u, l):
-        """SPEC: the update u of sublayer l joins the partial block: P += u, with WAV P^basis += sign·u.
-        Updates are kept summed by sign pattern (pieces: 1 without WAV, at most 4 with both bases), each
-        source a fixed signed sum of pieces: a sublayer leaves one tensor for the backward."""
+        """SPEC: sublayer l's update u joins the partial block: P += u, with WAV P^basis += sign·u. The
+        gradient goes through pieces, the updates summed by sign pattern (1 without WAV, ≤ 4 with both
+        bases), of which every source is a fixed sum: a sublayer leaves one tensor for the backward."""
         signs = self.detail_signs(l)
         key = tuple(signs.values())
         u = u.float()  # choice: sources accumulate in float32, like nanoGPT's residual stream
@@ -501,10 +493,9 @@ class GPT(DepthRouting, nn.Module):
         for _ in range(max_new_tokens):
             if cache is None or cache.pos >= cfg.sequence_len:  # (re)fill the cache with the context
                 context = idx[:, -cfg.sequence_len:]
-                dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) \
-                    else self.lm_head.weight.dtype
-                cache = KVCache(cfg.n_layer, idx.size(0), cfg.n_head, cfg.sequence_len,
-                                cfg.n_embd // cfg.n_head, idx.device, dtype)
+                amp = torch.is_autocast_enabled(idx.device.type)
+                dtype = torch.get_autocast_dtype(idx.device.type) if amp else self.lm_head.weight.dtype
+                cache = KVCache(cfg, idx.size(0), idx.device, dtype)
             else:
                 context = idx[:, -1:]
             logits = self.lm_head(self._hidden(context, cache)[:, -1]).float()
@@ -523,9 +514,9 @@ class GPT(DepthRouting, nn.Module):
 # -----------------------------------------------------------------------------
 # Routing diagnostics
 
-def route_entropy(weights):
-    """Entropy in nats of a route's weights (S, B, T) over sources, averaged over tokens."""
-    return max(0.0, -torch.xlogy(weights, weights).sum(0).mean().item())  # (no -0.0 for one source)
+def _block_order(source):  # emb, C0 and its details, C1, ..., P
+    block = source.partition(".")[0]
+    return -1 if block == "emb" else math.inf if block == "P" else int(block[1:])
 
 
 def js_divergence(p, q):
@@ -536,21 +527,16 @@ def js_divergence(p, q):
     return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).mean().item()
 
 
-def _block_order(source):  # sort key of a source name by block: emb, C0 and its details, C1, ..., P
-    block = source.partition(".")[0]
-    return -1 if block == "emb" else math.inf if block == "P" else int(block[1:])
-
-
 def routing_stats(routes):
-    """Summary of model(..., return_routes=True)'s routes:
-    {"reads": {name: {"sources": [...], "mean_weight": [...], "entropy": nats}},
-     "sources": every source any read saw, in pool order (the columns of a reads × sources table),
-     "js": {"layer{j}": nats, ...} (RD: QK route vs V route), "js_mean": nats or None}.
-    Layer 0 is left out of js and js_mean: both its routes read e alone, so its JS is 0 by construction."""
+    """Summary of model(..., return_routes=True)'s routes: {"reads": {name: {"sources", "mean_weight",
+    "entropy" (nats, token mean)}}, "sources": every source seen, in pool order (a table's columns),
+    "js": {"layer{j}": nats} (RD: QK route vs V route), "js_mean": nats or None}. Layer 0 is left out
+    of js and js_mean: both its routes read e alone, so its JS is 0 by construction."""
     reads = {r["name"]: dict(sources=r["sources"], mean_weight=r["weights"].mean((1, 2)).tolist(),
-                             entropy=route_entropy(r["weights"])) for r in routes}
-    seen = dict.fromkeys(s for r in routes for s in r["sources"])  # a block's sources in pool order
-    sources = sorted(seen, key=_block_order)  # stable: keeps each block's order
+                             entropy=max(0.0, -torch.xlogy(r["weights"], r["weights"]).sum(0).mean().item()))
+             for r in routes}  # (max: no -0.0 for a single source)
+    # sorted by block (stable: a block keeps its own order, C0, C0.phase, C0.split)
+    sources = sorted(dict.fromkeys(s for r in routes for s in r["sources"]), key=_block_order)
     by_name = {r["name"]: r["weights"] for r in routes}
     js = {name[:-len(".attn.v")]: js_divergence(by_name[name[:-len(".v")]], w)
           for name, w in by_name.items() if name.endswith(".attn.v") and not name.startswith("layer0.")}
@@ -577,7 +563,7 @@ class TwoPhaseReads:
         if torch.is_grad_enabled():
             out = CompletedReads.apply(queries, biases, *values, *inv_rms)
             mix, lse, p = out[:len(names)], out[len(names):-1], out[-1]
-        else:  # no graph to build (eval, generation): the same math without the autograd.Function
+        else:  # eval: the same math without the autograd.Function (which torch.compile rejects there)
             mix, lse, p, _, _ = completed_reads(queries, biases, values, inv_rms)
             mix, lse = mix.unbind(2), lse.unbind(2)
         self.phase1 = {name: (mix[r], lse[r], p[..., r]) for r, name in enumerate(names)}

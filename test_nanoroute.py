@@ -491,7 +491,7 @@ def test_kv_cache_generate_equals_full_recompute(mode):
             idx = torch.cat([idx, model(idx[:, -8:])[0][:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, idx)
     # the cached pass gives the same logits as the full pass at every position, not only the argmax
-    cache = nanoroute.KVCache(3, 2, 2, 8, 8, "cpu", torch.float32)
+    cache = nanoroute.KVCache(model.config, 2, "cpu", torch.float32)
     with torch.no_grad():
         steps = [model._hidden(idx[:, :3], cache)] + [model._hidden(idx[:, t:t + 1], cache) for t in range(3, 8)]
         torch.testing.assert_close(torch.cat(steps, 1), model._hidden(idx[:, :8]), atol=1e-5, rtol=1e-5)
@@ -2536,6 +2536,55 @@ def test_bench_subset_without_baselines_and_profile(tmp_path, capsys):
     assert "### Profile: wav, 3 training steps" in out and "PartialMergeBackward" in out
     calls = re.search(r"KV-cache generation of 4 tokens: (\d+) aten calls per token", out)
     assert calls and int(calls.group(1)) > 0
+
+
+def test_bench_against_times_another_version_in_the_same_rounds(tmp_path, capsys):
+    # another version of the model: this file with a 30 ms sleep in every forward, so it is the slower one
+    src = Path(nanoroute.__file__).read_text()
+    slow = src.replace("    def forward(self, idx, targets=None, return_routes=False):\n",
+                       "    def forward(self, idx, targets=None, return_routes=False):\n        import time; time.sleep(0.03)\n")
+    assert slow != src
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "nanoroute.py").write_text(slow)
+    data = _bench_run(tmp_path, "--variants", "prenorm,block,rd", "--gen_tokens", "0",
+                      "--against", str(tmp_path / "other"))  # a folder holding nanoroute.py
+    v = data["variants"]
+    assert list(v) == ["prenorm", "prenorm@against", "block", "block@against", "rd", "rd@against"]
+    for name in ("prenorm", "block", "rd"):
+        this, that = v[name], v[name + "@against"]
+        assert that["ms_median"] > 30 > this["ms_median"]  # each version ran its own code
+        rounds = [a / b for a, b in zip(this["ms_all"], that["ms_all"])]
+        assert this["paired_ratio_against"][0] == pytest.approx(statistics.median(rounds))
+        assert this["paired_ratio_against"][0] < 1
+        assert "paired_ratio_against" not in that
+        # ratios to Block AttnRes stay within one version
+        assert this["ratio_block"] == pytest.approx(this["ms_median"] / v["block"]["ms_median"])
+        assert that["ratio_block"] == pytest.approx(that["ms_median"] / v["block@against"]["ms_median"])
+        assert that["memory_bytes"] == this["memory_bytes"]  # the sleep saves no tensor
+    assert v["block@against"]["ratio_block"] == 1.0 and v["prenorm@against"]["ratio_prenorm"] == 1.0
+    out = capsys.readouterr().out
+    assert re.search(r"\| rd \| 0\.\d{3} \[0\.\d{3}, 0\.\d{3}\] \| 1\.000 \|", out), out
+
+
+def test_bench_against_bad_versions_are_one_error_line(tmp_path, capsys):
+    (tmp_path / "no_gpt.py").write_text("x = 1\n")
+    (tmp_path / "broken.py").write_text("import torch\nraise RuntimeError('half-edited file')\n")
+    (tmp_path / "no_rd.py").write_text(  # a version from before RD-AttnRes, whose config has no rd
+        "from nanoroute import GPT, GPTConfig as Config\n"
+        "def GPTConfig(**kw):\n"
+        "    if 'rd' in kw:\n"
+        "        raise TypeError(\"GPTConfig() got an unexpected keyword argument 'rd'\")\n"
+        "    return Config(**kw)\n")
+    cases = {"missing.py": "no such file", "no_gpt.py": "has no GPT and GPTConfig",
+             "broken.py": "importing .* failed: RuntimeError: half-edited file",
+             "no_rd.py": "^error: rd@against: the --against version cannot build it: TypeError: .*'rd'"}
+    for file, message in cases.items():
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--shape", "tiny", "--device", "cpu", "--iters", "1", "--warmup", "0", "--gen_tokens", "0",
+                        "--variants", "block,rd", "--against", str(tmp_path / file)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (file, err)
+        assert re.search(message, err), (file, err)
 
 
 # -----------------------------------------------------------------------------
