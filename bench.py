@@ -40,7 +40,6 @@ Usage:
 
 import argparse
 import contextlib
-import datetime
 import importlib.util
 import os
 import platform
@@ -271,10 +270,9 @@ def run_bench(argv=None):
                    else cpu_name(),
                    cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
                    dtype="bf16 autocast" if device_type == "cuda" else "fp32", compiled=args.compile,
-                   date=datetime.datetime.now().isoformat(timespec="seconds"),
                    command="python bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"bench: {machine['device_name']} ({machine['cpu_count']} CPUs, {machine['threads']} threads), "
-          f"torch {machine['torch']}, {machine['dtype']}{', compiled' if args.compile else ''}, {machine['date']} | "
+          f"torch {machine['torch']}, {machine['dtype']}{', compiled' if args.compile else ''} | "
           f"{machine['command']}")
     print(f"shape {args.shape}: " + ", ".join(f"{k}={v}" for k, v in shape.items()))
 

@@ -172,6 +172,18 @@ FAULTS = [
      "idx = torch.cat((idx, logits[:, -1].argmin(-1, keepdim=True)), dim=1)",
      "the recompute baseline is not greedy decoding"),
     ("bench.py", "bad = [v for v in names if v not in VARIANTS]", "bad = []", "an unknown variant name is not refused"),
+    ("bench.py", '(against, name[:-len("@against")]) if name.endswith("@against")',
+     '(nanoroute, name[:-len("@against")]) if name.endswith("@against")',
+     "--against builds its variants from this code, not from the other version"),
+    ("bench.py", 'paired_ratios({"this": times[name], "that": times[name + "@against"]},\n'
+                 '                                                        "that")["this"]',
+     'paired_ratios({"this": times[name], "that": times[name + "@against"]},\n'
+     '                                                        "this")["that"]',
+     "--against reports that code / this code"),
+    ("bench.py", "if k.endswith(\"@against\") == bool(suffix)}", "}",
+     "ratios to Block AttnRes mix the two versions"),
+    ("bench.py", "if not (hasattr(module, \"GPT\") and hasattr(module, \"GPTConfig\")):", "if False:",
+     "--against a file that is not a nanoroute.py fails with a traceback"),
 
     # --- faults in the guards, the out_dir lock, signals, sweeps and first-run output
     ("train.py", "if not 0 <= getattr(a, name) < 1:", "if not -1 <= getattr(a, name) < 3:",
