@@ -180,8 +180,8 @@ FAULTS = [
      'paired_ratios({"this": times[name], "that": times[name + "@against"]},\n'
      '                                                        "this")["that"]',
      "--against reports that code / this code"),
-    ("bench.py", "if k.endswith(\"@against\") == bool(suffix)}", "}",
-     "ratios to Block AttnRes mix the two versions"),
+    ("bench.py", "if k.endswith(\"@against\") == bool(suffix)}", "if k.endswith(\"@against\") != bool(suffix)}",
+     "ratios within each version are taken from the other version's times"),
     ("bench.py", "if not (hasattr(module, \"GPT\") and hasattr(module, \"GPTConfig\")):", "if False:",
      "--against a file that is not a nanoroute.py fails with a traceback"),
 
