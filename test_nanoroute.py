@@ -1802,8 +1802,8 @@ def test_ctrl_c_stops_after_the_step_saves_and_resumes(_train_data, _train_one_t
     monkeypatch.setattr(train, "batch_offsets", ctrl_c_in_step_3)
     # train.py's clock stands still: the two signals are one Ctrl-C however busy the machine is (a second
     # signal a second or more after the first would interrupt at once)
-    clock = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(**{**vars(clock), "monotonic": lambda: 0.0}))
+    clock = {n: getattr(time, n) for n in dir(time) if not n.startswith("_")}
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(**{**clock, "monotonic": lambda: 0.0}))
     code, _, err = _train_main(train, _train_tiny_run(demo, out, "--max_iters", 100, "--eval_interval", 100), capsys)
     monkeypatch.setattr(train, "batch_offsets", real)
     assert code == 130 and torch.load(out / "last.pt", weights_only=True)["step"] == 3, err

@@ -175,13 +175,11 @@ FAULTS = [
     ("bench.py", '(against, name[:-len("@against")]) if name.endswith("@against")',
      '(nanoroute, name[:-len("@against")]) if name.endswith("@against")',
      "--against builds its variants from this code, not from the other version"),
-    ("bench.py", 'paired_ratios({"this": times[name], "that": times[name + "@against"]},\n'
-                 '                                                        "that")["this"]',
-     'paired_ratios({"this": times[name], "that": times[name + "@against"]},\n'
-     '                                                        "this")["that"]',
+    ("bench.py", '{"this": times[name], "that": times[name + "@against"]}, "that")["this"]',
+     '{"this": times[name], "that": times[name + "@against"]}, "this")["that"]',
      "--against reports that code / this code"),
-    ("bench.py", "if k.endswith(\"@against\") == bool(suffix)}", "if k.endswith(\"@against\") != bool(suffix)}",
-     "ratios within each version are taken from the other version's times"),
+    ("bench.py", "{name: d[name + suffix] for name in variants}", "{name: d[name] for name in variants}",
+     "ratios within the other version are taken from this version's times"),
     ("bench.py", "if not (hasattr(module, \"GPT\") and hasattr(module, \"GPTConfig\")):", "if False:",
      "--against a file that is not a nanoroute.py fails with a traceback"),
 
