@@ -1756,6 +1756,53 @@ def test_out_dir_lock_is_held_during_the_run_and_a_stale_one_is_taken_over(_trai
     assert not list(out.glob("train.lock*"))  # and released at the end
 
 
+_LOCK_RACER = """
+import sys, time
+from contextlib import ExitStack
+from pathlib import Path
+import train
+out, go = Path(sys.argv[1]), Path(sys.argv[2])
+alive, read_pid = train.process_alive, train.lock_pid
+def slow_alive(pid):  # both runs find the dead lock before either takes it over
+    time.sleep(1.0)
+    return alive(pid)
+def slow_read(path):  # and a lock read just before another run replaces it would be stale
+    pid = read_pid(path)
+    time.sleep(0.5)
+    return pid
+train.process_alive, train.lock_pid = slow_alive, slow_read
+print("ready", flush=True)
+while not go.exists():
+    time.sleep(0.001)
+with ExitStack() as cleanup:
+    try:
+        train.lock_out_dir(out, cleanup)
+    except train.UsageError as e:
+        print("in use", e)
+        sys.exit(0)
+    print("locked", flush=True)
+    time.sleep(2.5)  # held while the other run tries
+"""
+
+
+def test_two_runs_taking_over_the_same_stale_lock_one_wins(tmp_path):
+    # both find the lock of a dead process; the slower one must not remove the lock the faster just made
+    out, go = tmp_path / "run", tmp_path / "go"
+    out.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / "train.lock").write_text(gone.stdout)
+    racers = [subprocess.Popen([sys.executable, "-c", _LOCK_RACER, out, go], cwd=Path(__file__).parent,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    assert [r.stdout.readline() for r in racers] == ["ready\n"] * 2  # both have imported train.py
+    go.touch()
+    results = [r.communicate(timeout=60) for r in racers]
+    assert all(r.returncode == 0 for r in racers), results
+    assert all("note: taking over" in stdout for stdout, _ in results), results  # both found the dead lock
+    said = sorted(stdout.splitlines()[-1].split()[0] for stdout, _ in results)
+    assert said == ["in", "locked"], results
+    assert not list(out.glob("train.lock*"))  # the winner released it; no takeover claim left behind
+
+
 def _train_check_stopped(out, err, signum, capsys):
     """After a signal: one line naming the step saved in last.pt, and --resume continues from it."""
     step = torch.load(out / "last.pt", weights_only=True)["step"]

@@ -497,16 +497,13 @@ def lock_out_dir(out_dir, cleanup):
                 os.link(mine, path)  # atomic: the lock appears with the pid already in it
                 break
             except FileExistsError:
-                try:
-                    pid = int(path.read_text().strip())
-                except (OSError, ValueError):
-                    pid = None
+                pid = lock_pid(path)
                 if attempt or pid is None or process_alive(pid):
                     raise UsageError(f"--out_dir {out_dir} is in use by another train.py (pid {pid}, see {path}): "
                                      "wait for it to finish or choose another --out_dir; if that process no "
                                      f"longer runs, delete {path}") from None
                 print(f"note: taking over {path} from process {pid}, which no longer runs")
-                path.unlink(missing_ok=True)
+                remove_dead_lock(path, pid)
     finally:
         mine.unlink()
 
@@ -517,6 +514,30 @@ def lock_out_dir(out_dir, cleanup):
         except OSError:
             pass
     cleanup.callback(release)
+
+
+def lock_pid(path):
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def remove_dead_lock(path, pid):
+    """Remove the lock of dead process pid. Two runs may find it at once, and the first may already have
+    made its own lock there: only the run that creates PATH.takeover (atomic) may remove the lock, and only
+    while it still names pid. The other run's next link then fails as "in use"."""
+    claim = path.with_name(path.name + ".takeover")
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return  # another run is taking it over
+    try:
+        if lock_pid(path) == pid:
+            path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+        claim.unlink()
 
 
 def process_alive(pid):
