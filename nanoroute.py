@@ -293,9 +293,9 @@ class DepthRouting:
                 out.append(Source(f"{name}.{basis}", terms, tuple(key[k] for key in keys), scale, inv_rms, basis))
         return out
 
-    def complete(self, block, name):
-        """SPEC: a completed block's sources C_b (and its details) join the pool, each stored once."""
-        return [stored_source(s.name, s.value, s.basis) for s in self.block_sources(name, block)]
+    def complete(self, block, name, pool):
+        """SPEC: pool + block C_b's sources (and details), each stored once; add other sources here."""
+        return pool + [stored_source(s.name, s.value, s.basis) for s in self.block_sources(name, block)]
 
     # ----- the write -----------------------------------------------------------------
     def write(self, block, u, l):
@@ -358,7 +358,7 @@ class DepthRouting:
             u = self._sublayer(l, x, rope, cache, x_v)
             block = self.write(block, u, l)
             if (l + 1) % m == 0:  # block complete: P becomes C_b (a short last block stays P)
-                completed = completed + self.complete(block, f"C{l // m}")
+                completed = self.complete(block, f"C{l // m}", completed)
                 block = PartialBlock({}, {})
         # SPEC: final readout, one more read over the final pool; details only if asked for (choice)
         keep = lambda sources: [s for s in sources if cfg.wav_readout_details or s.basis is None]  # noqa: E731

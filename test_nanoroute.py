@@ -355,7 +355,7 @@ def test_wav_rms_matching_caps_at_rho_and_passes_no_gradient_through_scale():
     # pieces (by phase and split sign) whose signed sums are C = state, D^phase = small, D^split = large
     pieces = {(1, 1): (small + large) / 2, (1, -1): (state - large) / 2, (-1, 1): (state - small) / 2}
     sums = {"state": state.detach(), "phase": small.detach(), "split": large.detach()}
-    sources = model.complete(nanoroute.PartialBlock(pieces, sums), "C0")
+    sources = model.complete(nanoroute.PartialBlock(pieces, sums), "C0", [])
     rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
     torch.testing.assert_close(sources[1].value, 3.0 * small)  # capped at rho
     torch.testing.assert_close(rms(sources[2].value), rms(state), rtol=1e-4, atol=1e-6)  # matched
@@ -722,15 +722,48 @@ def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(devic
         block = model.write(block, u, l)
     cross = {s.basis: s for s in model.block_sources("P", block)}["cross"]
     torch.testing.assert_close(cross._replace(scale=None).value, us[0] - us[1] - us[2] + us[3])
-    # and the fast kernel reads it exactly like the reference read, forward and gradients
+    assert_extension_fast_equals_reference(cfg, device, GPTWithCrossBasis)
+
+
+def assert_extension_fast_equals_reference(cfg, device, model_class):
+    """The fast kernel reads an extended pool exactly like the reference read, forward and gradients (all
+    of them in float32; the routing parameters' under bf16 autocast, whose sublayers round to bf16)."""
     for precision in PRECISIONS:
-        (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(cfg, device, precision,
-                                                                                GPTWithCrossBasis)
+        (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(cfg, device, precision, model_class)
         tol = model_tolerance(device, precision)
         torch.testing.assert_close(fast_logits, ref_logits, **tol)
         for name in ref_grads:
             if precision == "float32" or name.startswith(("query.", "detail_bias.")):
                 torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
+
+
+# Extending the routing: a source that is not a signed sum of a block's updates (docs/routing.md)
+class GPTWithBlockDifference(GPT):
+    """Block AttnRes whose pool also holds C<b>.diff = C_b − C_{b−1}, from the second completed block on."""
+
+    def complete(self, block, name, pool):
+        pool = super().complete(block, name, pool)
+        states = [s for s in pool if s.name.startswith("C") and "." not in s.name]
+        if len(states) < 2:
+            return pool
+        return pool + [nanoroute.stored_source(f"{name}.diff", states[-1].value - states[-2].value)]
+
+
+def test_extension_block_difference_source_fast_equals_reference(device):
+    cfg = dict(residual="attnres", attnres_block=2)  # 3 layers: C0, C1, C2, then the readout
+    model = randomise_routing(GPTWithBlockDifference(GPTConfig(**TINY, **cfg)))
+    pools = []
+    complete = model.complete
+    model.complete = lambda block, name, pool: pools.append(complete(block, name, pool)) or pools[-1]
+    _, _, routes = model(tokens(), return_routes=True)
+    model.complete = complete
+    assert routing_stats(routes)["sources"] == ["emb", "C0", "C1", "C1.diff", "C2", "C2.diff", "P"]
+    value = {s.name: s.value for s in pools[-1]}
+    torch.testing.assert_close(value["C2.diff"], value["C2"] - value["C1"])
+    torch.testing.assert_close(value["C1.diff"], value["C1"] - value["C0"])
+    readout = next(r for r in routes if r["name"] == "readout")
+    assert readout["sources"] == ["emb", "C0", "C1", "C1.diff", "C2", "C2.diff"]
+    assert_extension_fast_equals_reference(cfg, device, GPTWithBlockDifference)
 
 
 # Numerics: backward() called inside an autocast block gives the gradients it gives outside
