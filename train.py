@@ -508,11 +508,8 @@ def lock_out_dir(out_dir, cleanup):
         mine.unlink()
 
     def release():
-        try:
-            if path.read_text().strip() == str(os.getpid()):
-                path.unlink()
-        except OSError:
-            pass
+        if lock_pid(path) == os.getpid():
+            path.unlink(missing_ok=True)
     cleanup.callback(release)
 
 
@@ -529,14 +526,13 @@ def remove_dead_lock(path, pid):
     while it still names pid. The other run's next link then fails as "in use"."""
     claim = path.with_name(path.name + ".takeover")
     try:
-        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        claim.touch(exist_ok=False)  # O_CREAT | O_EXCL
     except FileExistsError:
         return  # another run is taking it over
     try:
         if lock_pid(path) == pid:
             path.unlink(missing_ok=True)
     finally:
-        os.close(fd)
         claim.unlink()
 
 

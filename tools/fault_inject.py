@@ -190,7 +190,7 @@ FAULTS = [
      "a live run's lock on --out_dir is taken over"),
     ("train.py", "if lock_pid(path) == pid:", "if True:",
      "of two runs taking over a dead lock, the second removes the lock the first has just made"),
-    ("train.py", "os.O_CREAT | os.O_EXCL | os.O_WRONLY", "os.O_CREAT | os.O_WRONLY",
+    ("train.py", "claim.touch(exist_ok=False)", "claim.touch()",
      "two runs taking over a dead lock may both remove it, the second removing the first's new lock"),
     ("train.py", "sys.exit(128 + e.signum)", "sys.exit(1)", "Ctrl-C and SIGTERM exit 1, not 130 / 143"),
     ("train.py", "best_val = min(best_val", "best_val = max(best_val",
