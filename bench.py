@@ -51,6 +51,7 @@ import weakref
 import torch
 
 import nanoroute
+import prepare_data
 from prepare_data import UsageError, write_json
 from train import pick_device
 
@@ -61,16 +62,13 @@ SHAPES = {  # batch_size is B; sequence_len is both the context and the T of the
     "s48": dict(n_layer=48, n_embd=128, n_head=4, sequence_len=128, batch_size=8, vocab_size=256),
     "gpu12": dict(n_layer=12, n_embd=768, n_head=12, sequence_len=1024, batch_size=16, vocab_size=50304),
 }
-VARIANTS = {
-    "prenorm": dict(residual="prenorm"),
-    "rezero": dict(residual="rezero"),
-    "layerscale": dict(residual="layerscale"),
-    "block": dict(residual="attnres"),
-    "full": dict(residual="attnres", attnres_block=1),
-    "wav": dict(residual="attnres", wav=True, wav_bases="both"),
-    "rd": dict(residual="attnres", rd="decoupled"),
-    "naive": dict(residual="attnres", fast_routing=False),
-}
+# the compared variants (nanoroute.VARIANTS), plus Full AttnRes and the readable reference read; only
+# the values that differ from GPTConfig's defaults, so that an --against version without a field builds them
+_DEFAULTS = nanoroute.GPTConfig()
+VARIANTS = {name: {k: v for k, v in values.items() if getattr(_DEFAULTS, k) != v} for name, values in dict(
+    **{k: nanoroute.VARIANTS[k] for k in ("prenorm", "rezero", "layerscale", "block")},
+    full=dict(nanoroute.VARIANTS["block"], attnres_block=1), wav=nanoroute.VARIANTS["wav"],
+    rd=nanoroute.VARIANTS["rd"], naive=dict(nanoroute.VARIANTS["block"], fast_routing=False)).items()}
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "sequence_len", "vocab_size")
 
 # -----------------------------------------------------------------------------
@@ -230,7 +228,7 @@ def main(argv=None):
 
 
 def run_bench(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = prepare_data.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", default="s12", choices=SHAPES)
     for f in (*MODEL_FIELDS, "batch_size"):
         p.add_argument(f"--{f}", type=int, default=None, help="overrides the shape's value")

@@ -22,7 +22,6 @@ variant (same dataset, depth and seed) with its std and wins, the same at each m
 (AttnRes) and QK/V JS divergence (RD). --plots adds PNGs (matplotlib, optional).
 """
 
-import argparse
 import concurrent.futures
 import json
 import math
@@ -39,8 +38,8 @@ from pathlib import Path
 
 import prepare_data
 from prepare_data import UsageError
-from nanoroute import GPTConfig
-from train import MODEL_DEFAULTS, VARIANTS  # VARIANTS: the variant names and their GPTConfig values
+from nanoroute import VARIANTS, GPTConfig  # VARIANTS: the variant names and their GPTConfig values
+from train import MODEL_DEFAULTS
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
 CUSTOM_SEEDS = [0, 1, 2]  # sweep custom without --seeds: three seeds, the fewest that give a std of the pairs
@@ -123,7 +122,7 @@ def plan(name, out, seeds=None, depths=None, variants=None, extra=(), data_root=
 
 
 GRID_FLAGS = {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths", "--seed": "--seeds",
-              "--residual": "--variants", "--wav": "--variants", "--rd": "--variants", "--out_dir": "--out"}
+              "--out_dir": "--out", **{f"--{k}": "--variants" for k in VARIANTS["block"]}}
 
 
 def custom_sweep(data, variants):
@@ -645,7 +644,7 @@ def _variants(text):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p = prepare_data.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sweep", help="run a named sweep, or sweep custom: your grid on a prepared folder "
                        "(train.py per grid point); flags after -- go to every run",

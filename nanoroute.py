@@ -22,7 +22,7 @@ References:
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
@@ -35,31 +35,38 @@ WAV_BASES = {"phase": ("phase",), "split": ("split",), "both": ("phase", "split"
 EPS = 1e-6  # RMSNorm epsilon, for sublayer inputs and routing keys alike
 
 
+def setting(default, help, needs=None):
+    """A config field with its help text (train.py's --help). needs="attnres" or "wav" marks a field of
+    the depth routing: it is an error unless residual=attnres (and wav=True), and routing_fields lists it."""
+    return field(default=default, metadata=dict(help=help, needs=needs))
+
+
 @dataclass
 class GPTConfig:
-    vocab_size: int = 256
-    sequence_len: int = 256  # context length in tokens ("block" means a routing block here)
-    n_layer: int = 6  # Transformer layers; each has two sublayers (attention, MLP)
-    n_head: int = 6
-    n_embd: int = 384
-    dropout: float = 0.0
-    bias: bool = False  # biases in Linear layers
-    residual: str = "prenorm"  # prenorm | rezero | layerscale | attnres
-    attnres_block: int = 0  # sublayers per routing block; 1 = Full AttnRes; 0 = auto (routing_block)
-    wav: bool = False  # WAV v1 detail sources (needs residual=attnres)
-    wav_bases: str = "both"  # phase | split | both
-    wav_rho: float = 4.0  # cap on the detached RMS-matching scale of detail sources
-    wav_detail_bias: float = -2.0  # initial logit offset of every detail source
-    wav_readout_details: bool = False  # let the final readout read detail sources too
-    rd: str = "off"  # off | decoupled | tied | average | frozen_v (needs residual=attnres)
-    fast_routing: bool = True  # False: the readable reference read (slow; for checking)
+    vocab_size: int = setting(256, "vocabulary size")
+    sequence_len: int = setting(256, "context length in tokens (\"block\" means a routing block here)")
+    n_layer: int = setting(6, "Transformer layers; each has two sublayers (attention, MLP)")
+    n_head: int = setting(6, "attention heads (head size n_embd/n_head, even)")
+    n_embd: int = setting(384, "width of the residual stream")
+    dropout: float = setting(0.0, "dropout probability")
+    bias: bool = setting(False, "biases in Linear layers")
+    residual: str = setting("prenorm", "prenorm | rezero | layerscale | attnres")
+    attnres_block: int = setting(0, "sublayers per routing block; 1 = Full AttnRes; 0 = auto: whole layers, at "
+                                    "most 8 blocks (at least 4 sublayers with WAV)", needs="attnres")
+    wav: bool = setting(False, "WAV v1 detail sources (needs residual=attnres)", needs="attnres")
+    wav_bases: str = setting("both", "phase | split | both", needs="wav")
+    wav_rho: float = setting(4.0, "cap on the detached RMS-matching scale of detail sources", needs="wav")
+    wav_detail_bias: float = setting(-2.0, "initial logit offset of every detail source", needs="wav")
+    wav_readout_details: bool = setting(False, "let the final readout read detail sources too", needs="wav")
+    rd: str = setting("off", "off | decoupled | tied | average | frozen_v (needs residual=attnres)", needs="attnres")
+    fast_routing: bool = setting(True, "False: the readable reference read (slow; for checking)", needs="attnres")
 
     def __post_init__(self):
         self.validate()
 
     def validate(self):
-        def bad(field, fix):
-            raise ValueError(f"{field}={getattr(self, field)!r}: {fix}")
+        def bad(name, fix):
+            raise ValueError(f"{name}={getattr(self, name)!r}: {fix}")
         for f in ("vocab_size", "sequence_len", "n_layer", "n_head", "n_embd"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 bad(f, "must be a positive integer")
@@ -72,25 +79,23 @@ class GPTConfig:
         for f, allowed in (("residual", RESIDUALS), ("rd", RD_MODES), ("wav_bases", WAV_BASES)):
             if getattr(self, f) not in allowed:
                 bad(f, f"must be one of {', '.join(allowed)}")
+        # a routing knob where it has no effect is an error, not silently ignored (needs=, see setting)
+        for f in fields(self):
+            needs, changed = f.metadata.get("needs"), getattr(self, f.name) != f.default
+            if changed and needs and self.residual != "attnres":
+                bad(f.name, "applies only to residual=attnres: add --residual attnres")
+            if changed and needs == "wav" and not self.wav:
+                bad(f.name, "applies only with wav=True: add --wav True")
         if not isinstance(self.attnres_block, int) or not 0 <= self.attnres_block <= 2 * self.n_layer:
             bad("attnres_block", f"must be 0 (auto) or 1..2*n_layer={2 * self.n_layer} sublayers")
         if not self.wav_rho > 0:  # also catches NaN
             bad("wav_rho", "must be > 0")
         if not math.isfinite(self.wav_detail_bias):
             bad("wav_detail_bias", "must be a finite number (e.g. -2.0)")
-        if self.residual != "attnres":  # routing knobs without AttnRes would be silently ignored
-            for f, default in (("wav", False), ("rd", "off"), ("attnres_block", 0)):
-                if getattr(self, f) != default:
-                    bad(f, "applies only to residual=attnres: add --residual attnres")
-        if not self.wav:  # WAV knobs without WAV would be silently ignored
-            for f, default in (("wav_bases", "both"), ("wav_rho", 4.0), ("wav_detail_bias", -2.0),
-                               ("wav_readout_details", False)):
-                if getattr(self, f) != default:
-                    bad(f, "applies only with wav=True: add --wav True")
-        elif self.attnres_block and (self.attnres_block % 2 or self.attnres_block < 4):
+        if self.wav and self.attnres_block and (self.attnres_block % 2 or self.attnres_block < 4):
             # SPEC: WAV needs an even block (zero-sum bases) of at least 4 (m = 2 makes phase == split)
             bad("attnres_block", "WAV needs an even routing block of at least 4 sublayers, e.g. 4")
-        elif self.n_layer < 2:
+        if self.wav and self.n_layer < 2:
             bad("n_layer", "WAV needs at least 2 layers (one routing block of 4 sublayers)")
 
     @property
@@ -104,6 +109,28 @@ class GPTConfig:
     @property
     def detail_bases(self):
         return WAV_BASES[self.wav_bases] if self.wav else ()
+
+
+def routing_fields(config_class=GPTConfig):
+    """The fields of the depth routing: residual and every field with needs= (a subclass's too). A
+    paired baseline without routing (--residual prenorm) drops them all."""
+    return ("residual",) + tuple(f.name for f in fields(config_class) if f.metadata.get("needs"))
+
+
+# The routing variants this codebase compares, as GPTConfig values (train.py's presets, experiments.py's
+# sweeps and bench.py use this table). All three fields are always given, so one variant's values never
+# leak into another (a preset with wav=True, then --residual attnres --wav False --rd off, is Block AttnRes).
+VARIANTS = {
+    "prenorm": dict(residual="prenorm", wav=False, rd="off"),
+    "rezero": dict(residual="rezero", wav=False, rd="off"),
+    "layerscale": dict(residual="layerscale", wav=False, rd="off"),
+    "block": dict(residual="attnres", wav=False, rd="off"),  # Block AttnRes: the parent of WAV and RD
+    "wav": dict(residual="attnres", wav=True, rd="off"),
+    "rd": dict(residual="attnres", wav=False, rd="decoupled"),
+    "rd_tied": dict(residual="attnres", wav=False, rd="tied"),
+    "rd_average": dict(residual="attnres", wav=False, rd="average"),
+    "rd_frozen_v": dict(residual="attnres", wav=False, rd="frozen_v"),
+}
 
 
 # -----------------------------------------------------------------------------

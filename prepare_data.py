@@ -90,6 +90,44 @@ class UsageError(Exception):
     code 2. Defined here, in the module every other script imports, so there is one such type."""
 
 
+# Names a user may bring from nanoGPT or habit, and this project's flag for each ("did you mean").
+FLAG_SYNONYMS = {"learning_rate": "lr", "block_size": "sequence_len", "context_len": "sequence_len",
+                 "n_layers": "n_layer", "n_heads": "n_head", "d_model": "n_embd", "gradient_accumulation_steps":
+                 "grad_accum", "max_steps": "max_iters", "iters": "max_iters", "out": "out_dir", "init_from": "resume",
+                 "eval_iters": "eval_tokens", "decay_lr": "min_lr", "lr_decay_iters": "max_iters"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse as every script here uses it: no abbreviations (--max_iter is refused, not taken as
+    --max_iters), and a bad flag is one `error: ...` line with exit code 2 (no usage block), naming the
+    nearest flag when there is one; --help stays full."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        print(f"error: {message}{self.suggestion(message)}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+    def suggestion(self, message):
+        import difflib  # noqa: PLC0415 (only for a bad flag)
+        match = re.search(r"unrecognized arguments: (--?[\w-]+)", message)
+        if not match:
+            return ""
+        flags = {o.lstrip("-") for a in self._all_actions() for o in a.option_strings if o.startswith("--")}
+        wrong = match[1].lstrip("-").replace("-", "_")
+        known = {name: name for name in flags} | {k: v for k, v in FLAG_SYNONYMS.items() if v in flags}
+        close = difflib.get_close_matches(wrong, known, n=1, cutoff=0.7)
+        return f" (did you mean --{known[close[0]]}?)" if close else ""
+
+    def _all_actions(self):  # this parser's actions and its subcommands'
+        for action in self._actions:
+            yield action
+            for sub in getattr(action, "choices", None) or {}:
+                if isinstance(action.choices, dict) and isinstance(action.choices[sub], argparse.ArgumentParser):
+                    yield from action.choices[sub]._actions
+
+
 class _Transient(Exception):
     """A download failure worth retrying: network hiccup, cut connection, HTTP 5xx."""
 
@@ -807,7 +845,7 @@ def encoder(meta, data_dir):
 
 def _parser():
     listing = "\n".join(f"  {n:<12} {d[0]}" for n, d in DATASETS.items())
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Prepare a dataset folder (train.bin, val.bin, test.bin, meta.json) for train.py.",
         epilog=f"datasets:\n{listing}\n\nmirror: --base_url URL or NANOROUTE_BASE_URL=URL fetches every "
                "file as URL/<filename>.", formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -10,7 +10,6 @@ Text is encoded and decoded through the dataset's meta.json (the --data folder t
 trained on), so char-level and GPT-2-token checkpoints both work. Generation uses the model's KV cache.
 """
 
-import argparse
 import math
 import sys
 import time
@@ -28,7 +27,7 @@ SHADES = " ░▒▓█"  # weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; 
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p = prepare_data.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--out_dir", default="out", help="train.py's output folder (default: out)")
     p.add_argument("--ckpt", default="best", choices=("best", "last"), help="best.pt or last.pt (default: best)")
     p.add_argument("--data", help="dataset folder for meta.json (default: the one the checkpoint was trained on)")

@@ -16,7 +16,6 @@ train.lock while a run writes there). Ctrl-C or SIGTERM stops at the end of the 
 
 import argparse
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -35,7 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
-from nanoroute import GPT, GPTConfig, routing_stats
+from nanoroute import GPT, VARIANTS, GPTConfig, routing_fields, routing_stats
 from prepare_data import UsageError
 
 # -----------------------------------------------------------------------------
@@ -60,21 +59,6 @@ MODEL_DEFAULTS = dict(sequence_len=256, n_layer=4, n_head=4, n_embd=128, residua
 # flags that say how this invocation runs, not what the run is: never taken from a checkpoint
 RUNTIME_ARGS = ("out_dir", "preset", "device", "dtype", "compile", "resume", "stop_after", "wandb_project",
                 "wandb_run")
-
-# The routing variants compared in this codebase, as GPTConfig values (experiments.py's sweeps and the
-# presets below use this table). All three fields are always given, so one variant's values never leak
-# into another (a preset with wav=True, then --residual attnres --wav False --rd off, is Block AttnRes).
-VARIANTS = {
-    "prenorm": dict(residual="prenorm", wav=False, rd="off"),
-    "rezero": dict(residual="rezero", wav=False, rd="off"),
-    "layerscale": dict(residual="layerscale", wav=False, rd="off"),
-    "block": dict(residual="attnres", wav=False, rd="off"),  # Block AttnRes: the parent of WAV and RD
-    "wav": dict(residual="attnres", wav=True, rd="off"),
-    "rd": dict(residual="attnres", wav=False, rd="decoupled"),
-    "rd_tied": dict(residual="attnres", wav=False, rd="tied"),
-    "rd_average": dict(residual="attnres", wav=False, rd="average"),
-    "rd_frozen_v": dict(residual="attnres", wav=False, rd="frozen_v"),
-}
 
 # The papers' set-ups (SPEC.md). Explicit flags override them. WAV v1 (char level, 12/24/48 layers):
 # SPEC.md does not give the paper's width or schedule, so these are our choices (head size 64).
@@ -141,21 +125,11 @@ def _milestones(text):
     return text
 
 
-def _field_help():
-    """GPTConfig's field comments, read from its source, as --help text (one place to maintain),
-    plus a few words for the fields without a comment."""
-    comments = dict(re.findall(r"^\s+(\w+): \w+ = [^#\n]*#\s*(.*)$", inspect.getsource(GPTConfig), re.M))
-    return {"vocab_size": "vocabulary size", "n_head": "attention heads (head size n_embd/n_head, even)",
-            "n_embd": "width of the residual stream", "dropout": "dropout probability", **comments,
-            "attnres_block": "sublayers per routing block; 1 = Full AttnRes; 0 = auto: whole layers, at most "
-                             "8 blocks (at least 4 sublayers with WAV)"}
-
-
 METAVARS = {int: "N", float: "X", str: "S", count: "N", _milestones: "LIST"}
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+    p = prepare_data.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 epilog="Bool flags take True/False/1/0; alone they mean True.")
     # default=None everywhere: then we know what was given, for presets and for --resume
     g = p.add_argument_group("training")
@@ -170,7 +144,6 @@ def build_parser():
         shown = "" if default is None else f" (default: {default})"
         g.add_argument(f"--{name}", type=kind, help=TRAIN_HELP[name] + shown, **extra)
     g = p.add_argument_group("model (GPTConfig fields)")
-    comments = _field_help()
     for f in dataclasses.fields(GPTConfig):
         if f.name == "vocab_size":
             default = "the dataset's"
@@ -180,7 +153,7 @@ def build_parser():
             default = f.default
         extra = dict(type=_bool, nargs="?", const=True, metavar="BOOL") if f.type is bool else \
             dict(type=f.type, metavar=METAVARS[f.type])
-        g.add_argument(f"--{f.name}", help=f"{comments.get(f.name, '')} (default: {default})", **extra)
+        g.add_argument(f"--{f.name}", help=f"{f.metadata['help']} (default: {default})", **extra)
     return p
 
 
@@ -366,10 +339,6 @@ def routing_summary(stats, top=3):
     return "\n".join(lines)
 
 
-ROUTING_FIELDS = ("residual", "attnres_block", "wav", "wav_bases", "wav_rho", "wav_detail_bias", "wav_readout_details",
-                  "rd", "fast_routing")
-
-
 def next_commands(a, routed, device):
     """What to try after a run, as commands for its --out_dir; the baseline repeats every setting
     that is not a default (a preset's too) except the routing, so that it is paired with this run."""
@@ -378,7 +347,7 @@ def next_commands(a, routed, device):
     if routed:
         defaults = {**TRAIN_DEFAULTS, **{f.name: f.default for f in dataclasses.fields(GPTConfig)}, **MODEL_DEFAULTS,
                     "eval_tokens": default_eval_tokens(a.vocab_size, device)}  # what the baseline gets when not given
-        same = "".join(f" --{k} {getattr(a, k)}" for k in defaults if k not in ROUTING_FIELDS + RUNTIME_ARGS
+        same = "".join(f" --{k} {getattr(a, k)}" for k in defaults if k not in routing_fields() + RUNTIME_ARGS
                        and k != "vocab_size" and getattr(a, k) != defaults[k]
                        and not (k == "max_iters" and a.max_tokens))  # max_iters was computed from max_tokens
         commands += [(f"python sample.py{at} --routes", "how each read routes over a val crop"),
