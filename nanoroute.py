@@ -556,12 +556,16 @@ def js_divergence(p, q):
 
 def routing_stats(routes):
     """Summary of model(..., return_routes=True)'s routes: {"reads": {name: {"sources", "mean_weight",
-    "entropy" (nats, token mean)}}, "sources": every source seen, in pool order (a table's columns),
-    "js": {"layer{j}": nats} (RD: QK route vs V route), "js_mean": nats or None}. Layer 0 is left out
-    of js and js_mean: both its routes read e alone, so its JS is 0 by construction."""
-    reads = {r["name"]: dict(sources=r["sources"], mean_weight=r["weights"].mean((1, 2)).tolist(),
-                             entropy=max(0.0, -torch.xlogy(r["weights"], r["weights"]).sum(0).mean().item()))
-             for r in routes}  # (max: no -0.0 for a single source)
+    "entropy" (nats, token mean), "entropy_norm" (entropy / ln(number of sources): 1 = uniform, so reads
+    over pools of different sizes compare; None for one source)}}, "sources": every source seen, in pool
+    order (a table's columns), "js": {"layer{j}": nats} (RD: QK route vs V route), "js_mean": nats or
+    None}. Layer 0 is left out of js and js_mean: both its routes read e alone, so its JS is 0 by construction."""
+    reads = {}
+    for r in routes:
+        entropy = max(0.0, -torch.xlogy(r["weights"], r["weights"]).sum(0).mean().item())  # max: no -0.0
+        n = len(r["sources"])
+        reads[r["name"]] = dict(sources=r["sources"], mean_weight=r["weights"].mean((1, 2)).tolist(), entropy=entropy,
+                                entropy_norm=entropy / math.log(n) if n > 1 else None)
     # sorted by block (stable: a block keeps its own order, C0, C0.phase, C0.split)
     sources = sorted(dict.fromkeys(s for r in routes for s in r["sources"]), key=_block_order)
     by_name = {r["name"]: r["weights"] for r in routes}

@@ -463,6 +463,8 @@ def test_routing_stats_entropy_and_means():
         assert s["sources"] == r["sources"] and sum(s["mean_weight"]) == pytest.approx(1.0)
         w = r["weights"]
         assert s["entropy"] == pytest.approx(-(w * w.log()).sum(0).mean().item(), rel=1e-5)
+        S = len(r["sources"])  # normalised by the log of the pool size: 1 for the uniform weights at init
+        assert s["entropy_norm"] == (None if S == 1 else pytest.approx(s["entropy"] / math.log(S)))
     assert stats["js"] == {} and stats["js_mean"] is None
     assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]  # pool order
 
@@ -1556,8 +1558,10 @@ def test_train_writes_checkpoints_metrics_and_summary(_train_runs):
         assert e["val_bpc"] == pytest.approx(e["val_loss"] / math.log(2))
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
     routes = evals[-1]["routes"]
-    assert set(routes) == {"entropy", "js", "js_mean"} and set(routes["js"]) == {"layer1"}  # not layer 0
+    assert set(routes) == {"entropy", "entropy_norm", "js", "js_mean"} and set(routes["js"]) == {"layer1"}  # not layer 0
     assert {"layer0.attn", "layer0.attn.v", "layer1.mlp", "readout"} <= set(routes["entropy"])
+    assert routes["entropy_norm"]["layer0.attn"] is None  # one source: nothing to normalise by
+    assert 0 < routes["entropy_norm"]["readout"] <= 1
 
     summary = json.loads((routed / "summary.json").read_text())
     assert set(summary) == {"config", "train", "final", "best_val_loss", "step", "tokens_seen", "wall_time_s",

@@ -318,11 +318,13 @@ def batch_routing_stats(model, data, offsets, T, device, ctx):
 
 
 def routes_block(model, data, offsets, T, device, ctx):
-    """Routing diagnostics of one eval batch for metrics.jsonl: entropy per read, RD's JS divergence."""
+    """Routing diagnostics of one eval batch for metrics.jsonl: entropy per read (nats, and normalised by
+    the log of the number of sources), RD's JS divergence."""
     stats = batch_routing_stats(model, data, offsets, T, device, ctx)
     if stats is None:
         return None
-    return dict(entropy={name: r["entropy"] + 0.0 for name, r in stats["reads"].items()}, js=stats["js"],
+    return dict(entropy={name: r["entropy"] + 0.0 for name, r in stats["reads"].items()},
+                entropy_norm={name: r["entropy_norm"] for name, r in stats["reads"].items()}, js=stats["js"],
                 js_mean=stats["js_mean"])
 
 
