@@ -2051,6 +2051,8 @@ def test_wandb_logs_the_numbers_of_metrics_jsonl(_train_data, _train_one_thread,
         expected = {f"{kind}/{k}": v for k, v in line.items() if isinstance(v, (int, float)) and k != "step"}
         if kind == "eval":
             expected.update({f"eval/routes/entropy/{read}": v for read, v in line["routes"]["entropy"].items()})
+            expected.update({f"eval/routes/entropy_norm/{read}": v for read, v in line["routes"]["entropy_norm"].items()
+                             if v is not None})  # a read of one source has none
             expected.update({f"eval/routes/js/{layer}": v for layer, v in line["routes"]["js"].items()},
                             **{"eval/routes/js_mean": line["routes"]["js_mean"]})
         assert numbers == expected
