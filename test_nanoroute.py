@@ -2827,8 +2827,9 @@ def test_exp_sweep_skips_finished_runs_resumes_interrupted_and_reports_failures(
 
 
 # a sweep stops when a run it started ends by SIGINT or SIGTERM (sent to that run alone, as `kill PID`
-# or a Ctrl-C that reaches only the child would): the run is "stopped", not FAILED, no run starts after
-# it, "interrupted" is said once, and the sweep exits 128 + signum. The child is a real process.
+# or a Ctrl-C that reaches only the child would): the run is "stopped", not FAILED, the other run under
+# way gets the same signal, no run starts after them, "interrupted" is said once, and the sweep exits
+# 128 + signum. The children are real processes.
 _EXP_SIGNALLED_TRAIN = """
 import os, signal, sys, time
 from pathlib import Path
@@ -2841,7 +2842,7 @@ if os.environ["EXP_CATCH"] == "1":  # as train.py does: stop after the step, sav
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
 (out / "ready.tmp").write_text(str(os.getpid()))
 (out / "ready.tmp").rename(out / "ready")
-time.sleep(300)  # until a signal ends it
+time.sleep(120)  # until a signal ends it
 """
 
 
@@ -2861,22 +2862,27 @@ def test_exp_sweep_stops_when_a_run_ends_by_a_signal(_train_data, tmp_path, monk
     monkeypatch.setattr(experiments, "TRAIN", str(fake))
     monkeypatch.setenv("EXP_CALLS", str(calls))
     monkeypatch.setenv("EXP_CATCH", catch)  # "0": the signal kills the child (exit -signum)
-    sender = threading.Thread(target=lambda: os.kill(_exp_wait_for(out / "prenorm_L2_s0" / "ready"), sig))
+    def send():  # once both runs are under way, to one of them
+        _exp_wait_for(out / "block_L2_s0" / "ready")
+        os.kill(_exp_wait_for(out / "prenorm_L2_s0" / "ready"), sig)
+
+    sender = threading.Thread(target=send)
     sender.start()
     argv = ["sweep", "custom", "--data", str(_train_data[0]), "--variants", "prenorm,block", "--depths", "2",
-            "--seeds", "0-1", "--out", str(out)]
+            "--seeds", "0-1", "--jobs", "2", "--out", str(out)]
     assert experiments.main(argv) == 128 + sig
     sender.join()
     captured = capsys.readouterr()
     rc = 128 + sig if catch == "1" else -sig
     name = signal.Signals(sig).name
-    assert f"prenorm_L2_s0: stopped by {name} (exit {rc}); the same command starts it again\n" in captured.out
+    for run in ("prenorm_L2_s0", "block_L2_s0"):
+        assert f"{run}: stopped by {name} (exit {rc}); the same command starts it again\n" in captured.out
     assert "FAILED" not in captured.out + captured.err and "failed" not in captured.err
-    assert "0 done, 0 failed, 1 stopped" in captured.out
+    assert "0 done, 0 failed, 2 stopped" in captured.out
     assert captured.err.splitlines() == ["interrupted: run the same command again to resume (finished runs are "
                                          "skipped, the others continue from their last.pt)"]
     assert (captured.out + captured.err).count("interrupted") == 1
-    assert calls.read_text().split() == ["prenorm_L2_s0"]  # the next runs never started
+    assert sorted(calls.read_text().split()) == ["block_L2_s0", "prenorm_L2_s0"]  # seed 1 never started
 
 
 # a Ctrl-C at the terminal reaches the sweep (its process group); the sweep passes it on to each run under
@@ -3149,9 +3155,14 @@ def test_exp_report_pairs_by_seed_value_with_missing_seeds_and_seed_10(tmp_path)
     d = _exp_run(tmp_path, "mine", "prenorm", None, 2.2)  # no seed anywhere: counted, never paired
     summary = json.loads((d / "summary.json").read_text())
     (d / "summary.json").write_text(json.dumps(dict(summary, train={})))
+    for variant in ("block", "rd"):  # at 8 layers, neither has a seed: nothing pairs
+        d = _exp_run(tmp_path, f"L8/{variant}", variant, None, 2.0, depth=8)
+        (d / "summary.json").write_text(json.dumps(dict(json.loads((d / "summary.json").read_text()), train={})))
     runs = experiments.load_runs(tmp_path)
-    assert [r["name"] for r in runs][:3] == ["block_L4_s10", "block_L4_s2", "block_L4_s3"]  # folders: text order
-    (group,) = experiments.summarize(runs, "block")
+    assert [r["name"] for r in runs][2:5] == ["block_L4_s10", "block_L4_s2", "block_L4_s3"]  # folders: text order
+    group, seedless = experiments.summarize(runs, "block")
+    assert [(row["variant"], row["seeds"]) for row in seedless["rows"]] == [("block", [None]), ("rd", [None])]
+    assert seedless["rows"][1]["delta"]["n"] == 0
     assert group["milestones"] == ["2K", "10K"]  # token order, not text order
     rows = {row["variant"]: row for row in group["rows"]}
     assert [row["variant"] for row in group["rows"]] == ["prenorm", "block", "wav", "rd"]  # VARIANTS order
@@ -3346,6 +3357,7 @@ def test_exp_val_loss_plot_ticks_are_plain_numbers_and_rows_sit_close(tmp_path, 
         assert re.fullmatch(r"0|[+−]\d+(\.\d+)?", label), ticks
         assert float(label.replace("−", "-")) == pytest.approx(value, abs=1e-12)
     assert min(v for v, _ in ticks) < 0 < max(v for v, _ in ticks) and len(ticks) >= 4
+    assert max(v for v, _ in ticks) >= max(offsets.values()) / 2  # ticks out to the furthest variant
     assert bottom.yaxis.get_offset_text().get_text() == ""
     assert any(list(line.get_ydata()) == [0, 0] for line in bottom.get_lines())  # the zero line
     ymin, ymax = bottom.get_ylim()
