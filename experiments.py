@@ -711,11 +711,11 @@ PLOT_DPI = 110
 
 
 def val_loss_figure(runs, baseline):
-    """One column per (dataset, depth): on top each variant's val loss over tokens (mean over seeds,
-    min–max band), below its paired difference to the baseline (same seed; diff_axis). A variant's
-    curve is that of its finished runs, as in the table (of its unfinished ones while none has
-    finished), in the same colour in every column and figure. Returns a matplotlib Figure, None
-    without evaluations."""
+    """One panel pair per (dataset, depth), at most PANELS_PER_ROW side by side: on top each
+    variant's val loss over tokens (mean over seeds, min–max band), below its paired difference to
+    the baseline (same seed; diff_axis). A variant's curve is that of its finished runs, as in the
+    table (of its unfinished ones while none has finished), in the same colour in every panel and
+    figure. Returns a matplotlib Figure, None without evaluations."""
     from matplotlib.figure import Figure
     groups = {}
     for r in runs:
@@ -723,38 +723,47 @@ def val_loss_figure(runs, baseline):
             groups.setdefault((str(r["dataset"]), r["depth"] or 0), {}).setdefault(r["variant"], []).append(r)
     if not groups:
         return None
-    for by_variant in groups.values():
-        for variant, rs in by_variant.items():
-            by_variant[variant] = [r for r in rs if r["summary"]] or rs
-    fig = Figure(figsize=(8.0 * len(groups), 6.0), layout="constrained")
-    axes = fig.subplots(2, len(groups), squeeze=False, sharex="col",
-                        gridspec_kw=dict(height_ratios=[3, 2]))
-    for (ax, dax), ((dataset, depth), by_variant) in zip(axes.T, sorted(groups.items())):
-        curves = {v: {r["seed"]: {e["tokens"]: e["val_loss"] for e in r["evals"] if e["tokens"] > 0} for r in rs}
-                  for v, rs in by_variant.items()}
-        base, late, spans = curves.get(baseline, {}), [], {}
-        for variant in sorted(curves, key=_variant_rank):
-            color, seeds = _variant_color(variant), len(curves[variant])
-            finished = by_variant[variant][0]["summary"] is not None
-            label = f"{variant} ({seeds} seed{'s' * (seeds > 1)}{'' if finished else ', unfinished'})"
-            late += _band(ax, list(curves[variant].values()), color, label)
-            diffs = [{t: y - base[s][t] for t, y in c.items() if t in base[s]} for s, c in curves[variant].items()
-                     if s in base]
-            if variant != baseline and diffs:
-                _band(dax, diffs, color)
-                spans[variant] = [d for c in diffs for d in c.values()]
-        lo = min(y for v in curves.values() for c in v.values() for y in c.values())
-        if late and max(late) > lo:  # zoom on the last 80% of training, where the variants differ
-            ax.set_ylim(lo - 0.05 * (max(late) - lo), max(late) + 0.05 * (max(late) - lo))
-        ax.set(title=f"{dataset}, {depth} layers", ylabel="val loss (nats/token)")
-        ax.legend(title="mean over seeds, band: min–max", fontsize=8, title_fontsize=8,
-                  loc="upper left", bbox_to_anchor=(1.01, 1))
-        diff_axis(dax, spans, _variant_color(baseline) if baseline in curves else "black")
-        dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline}\n(same seed)")
-        dax.xaxis.set_major_formatter(_formatter(_tokens))
-        for a in (ax, dax):
-            a.grid(alpha=0.3)
+    cols = min(PANELS_PER_ROW, len(groups))
+    rows = -(-len(groups) // cols)
+    fig = Figure(figsize=(8.0 * cols, 6.0 * rows), layout="constrained")
+    for cell, ((dataset, depth), by_variant) in zip(fig.subfigures(rows, cols, squeeze=False).ravel(),
+                                                    sorted(groups.items())):
+        ax, dax = cell.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=[3, 2]))
+        finished = {v: [r for r in rs if r["summary"]] or rs for v, rs in by_variant.items()}
+        _draw_group(ax, dax, finished, baseline)
+        ax.set_title(f"{dataset}, {depth} layers")
     return fig
+
+
+PANELS_PER_ROW = 3  # (dataset, depth) groups side by side in val_loss.png; more go to the next row
+
+
+def _draw_group(ax, dax, by_variant, baseline):
+    """val_loss_figure's two panels of one (dataset, depth) group, {variant: its runs}."""
+    curves = {v: {r["seed"]: {e["tokens"]: e["val_loss"] for e in r["evals"] if e["tokens"] > 0} for r in rs}
+              for v, rs in by_variant.items()}
+    base, late, spans = curves.get(baseline, {}), [], {}
+    for variant in sorted(curves, key=_variant_rank):
+        color, seeds = _variant_color(variant), len(curves[variant])
+        finished = by_variant[variant][0]["summary"] is not None
+        label = f"{variant} ({seeds} seed{'s' * (seeds > 1)}{'' if finished else ', unfinished'})"
+        late += _band(ax, list(curves[variant].values()), color, label)
+        diffs = [{t: y - base[s][t] for t, y in c.items() if t in base[s]} for s, c in curves[variant].items()
+                 if s in base]
+        if variant != baseline and diffs:
+            _band(dax, diffs, color)
+            spans[variant] = [d for c in diffs for d in c.values()]
+    lo = min(y for v in curves.values() for c in v.values() for y in c.values())
+    if late and max(late) > lo:  # zoom on the last 80% of training, where the variants differ
+        ax.set_ylim(lo - 0.05 * (max(late) - lo), max(late) + 0.05 * (max(late) - lo))
+    ax.set(ylabel="val loss (nats/token)")
+    ax.legend(title="mean over seeds, band: min–max", fontsize=8, title_fontsize=8,
+              loc="upper left", bbox_to_anchor=(1.01, 1))
+    scale = diff_axis(dax, spans, _variant_color(baseline) if baseline in curves else "black")
+    dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline}\n(same seed{scale})")
+    dax.xaxis.set_major_formatter(_formatter(_tokens))
+    for a in (ax, dax):
+        a.grid(alpha=0.3)
 
 
 def _band(ax, curves, color, label=None):
@@ -776,7 +785,8 @@ def diff_axis(ax, spans, zero_color):
     −0.1, never 4.4×10⁻²). Linear around 0; but when the variant furthest off lies more than 10x
     further than the typical one (ReZero after 300 steps), small gaps would vanish on a linear axis:
     then linear within ±L, a round number that holds the typical variant, and logarithmic beyond,
-    with ticks on both sides of 0. spans: {variant: its differences}."""
+    with ticks on both sides of 0. spans: {variant: its differences}. Returns what the axis label
+    adds ("; log beyond ±0.1", or nothing when linear)."""
     from matplotlib.ticker import FixedLocator, MaxNLocator, NullLocator
     values = [d for ds in spans.values() for d in ds] or [0.0]
     lo, hi = min(0.0, *values), max(0.0, *values)
@@ -787,13 +797,16 @@ def diff_axis(ax, spans, zero_color):
         pad = 0.08 * ((hi - lo) or 0.01)
         ax.set_ylim(lo - pad, hi + pad)
         ax.yaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
+        note = ""
     else:
         linear = _round_up(typical)
         ax.set_yscale("symlog", linthresh=linear, linscale=1.0)
         ax.set_ylim(1.3 * min(lo, -linear), 1.3 * max(hi, linear))
         ax.yaxis.set_major_locator(FixedLocator(_symlog_ticks(lo, hi, linear)))
         ax.yaxis.set_minor_locator(NullLocator())
+        note = f"; log beyond ±{_plain(linear)[1:]}"
     ax.yaxis.set_major_formatter(_formatter(_plain))
+    return note
 
 
 def _round_up(x):
@@ -804,10 +817,11 @@ def _round_up(x):
 
 def _symlog_ticks(lo, hi, linear):
     """Ticks of a symlog axis, linear within ±linear: 0, ±linear/2, ±linear, then 1, 2, 5 x 10^k out
-    to the data (only powers of 10 past 20x linear, where 1-2-5 would crowd)."""
+    to the data, fewer where the data reaches further (1, 5 x 10^k past 4x linear, powers of 10 past
+    40x), so that labels never crowd."""
     ticks = [-linear, -linear / 2, 0.0, linear / 2, linear]
     for sign, end in ((1, hi), (-1, -lo)):
-        steps = (1, 2, 5) if end <= 20 * linear else (1,)
+        steps = (1, 2, 5) if end <= 4 * linear else (1, 5) if end <= 40 * linear else (1,)
         k = math.floor(math.log10(linear))
         while 10.0 ** k <= end:
             ticks += [sign * m * 10.0 ** k for m in steps

@@ -3352,6 +3352,7 @@ def test_exp_val_loss_plot_ticks_are_plain_numbers_and_rows_sit_close(tmp_path, 
     fig.draw_without_rendering()  # runs the layout
     (top, bottom) = fig.axes[:2]
     assert bottom.get_yscale() == scale
+    assert bottom.get_ylabel().endswith("(same seed; log beyond ±0.05)" if scale == "symlog" else "(same seed)")
     ticks = [(t.get_position()[1], t.get_text()) for t in bottom.get_yticklabels() if t.get_text()]
     for value, label in ticks:  # +0.05, −0.1, 0: no ×10⁻², no 1e-2, no offset text
         assert re.fullmatch(r"0|[+−]\d+(\.\d+)?", label), ticks
@@ -3382,3 +3383,17 @@ def test_exp_routes_heatmap_is_wide_with_titles_at_body_size():
     cells = [t.get_text() for t in ax.texts]
     assert cells == ["1.00", "0.40", "0.60", "0.30", "0.70", "0.20", "0.30", "0.50", "0.50", "0.50"]
     assert all(t.get_fontsize() >= 0.9 * body for t in ax.texts)
+
+
+# val_loss.png of a sweep with many (dataset, depth) groups (wav_paper: 6) wraps into rows of 3 panel pairs
+@pytest.mark.skipif(not _EXP_HAS_MPL, reason="needs matplotlib (optional: pip install matplotlib)")
+def test_exp_val_loss_plot_of_many_groups_wraps_into_rows(tmp_path):
+    for dataset in ("tinystories", "text8"):
+        for depth in (12, 24, 48):
+            for variant in ("block", "wav"):
+                _exp_run(tmp_path, f"{dataset}/{variant}_L{depth}_s0", variant, 0, 2.0, depth=depth, dataset=dataset,
+                         evals=((100, 3.0), (200, 2.5), (300, 2.0 - 0.01 * (variant == "wav"))))
+    fig = experiments.val_loss_figure(experiments.load_runs(tmp_path), "block")
+    assert tuple(fig.get_size_inches()) == (24.0, 12.0) and len(fig.axes) == 12
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles == [f"{d}, {n} layers" for d in ("text8", "tinystories") for n in (12, 24, 48)]

@@ -272,8 +272,10 @@ FAULTS = [
      "the difference panel is linear even when one variant lies far off (small gaps vanish)"),
     ("experiments.py", "    for sign, end in ((1, hi), (-1, -lo)):", "    for sign, end in ((-1, -lo),):",
      "the symlog difference panel has no ticks past the linear band on the positive side"),
-    ("experiments.py", 'fig = Figure(figsize=(8.0 * len(groups), 6.0), layout="constrained")',
-     'fig = Figure(figsize=(8.0 * len(groups), 8.0))', "val_loss.png: a tall figure with a gap between its rows"),
+    ("experiments.py", 'fig = Figure(figsize=(8.0 * cols, 6.0 * rows), layout="constrained")',
+     "fig = Figure(figsize=(8.0 * cols, 8.0 * rows))", "val_loss.png: a tall figure with a gap between its rows"),
+    ("experiments.py", "    cols = min(PANELS_PER_ROW, len(groups))", "    cols = len(groups)",
+     "val_loss.png of a sweep over many (dataset, depth) groups is one very wide row"),
     ("experiments.py", "figsize=(max(6.4, 2.6 + 0.8 * len(sources)),", "figsize=(1.0 + 0.55 * len(sources),",
      "routing heatmaps too narrow to read"),
     # --- nanoroute.py: generation, optimizer groups, diagnostics, config, routing and the fast kernel
