@@ -372,30 +372,6 @@ def read_summary(path):
     return summary
 
 
-def summary_problem(s):
-    """Why s (a summary.json's content) is not what train.py writes, in the parts the report reads;
-    None if it is."""
-    if not isinstance(s, dict):
-        return "not a JSON object"
-    if not _is_number((s.get("final") if isinstance(s.get("final"), dict) else {}).get("val_loss")):
-        return "no final val_loss"
-    shape = dict(config=dict, train=dict, milestones=dict, routes=dict, wall_time_s=float, dataset=str,
-                 level=str)
-    why = (_wrong_fields(s, shape) or _wrong_fields(s.get("train") or {}, dict(seed=int), "train.")
-           or _wrong_fields(s.get("config") or {}, dict(n_layer=int, residual=str), "config."))
-    if why:
-        return why
-    for label, m in (s.get("milestones") or {}).items():
-        if not (isinstance(m, dict) and _is_number(m.get("tokens")) and _is_number(m.get("val_loss"))):
-            return f"milestone {label} has no tokens and val_loss"
-    routes = s.get("routes") or {}
-    for key in ("entropy", "entropy_norm"):
-        values = routes.get(key) or {}
-        if not (isinstance(values, dict) and all(v is None or _is_number(v) for v in values.values())):
-            return f"routes.{key} is not an object of numbers"
-    return _wrong_fields(routes, dict(js_mean=float), "routes.")
-
-
 def read_evals(path, notes):
     """The eval lines of a run's metrics.jsonl. A damaged line is left out with a note; a cut last
     line (no newline: an interrupted run's, repaired when it resumes) is left out without one."""
@@ -418,48 +394,6 @@ def read_evals(path, notes):
     if damaged:
         notes.append(f"{path}: {damaged} damaged line(s) left out")
     return evals
-
-
-def _json_object(line):
-    """A JSON line as a dict, else None (not JSON, or JSON that is not an object)."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _wrong_fields(obj, types, prefix=""):
-    """Why obj is not a dict whose fields in `types` are None or of their type (float: any number);
-    None if it is."""
-    if not isinstance(obj, dict):
-        return f"{prefix.rstrip('.') or 'it'} is not a JSON object"
-    for key, kind in types.items():
-        value = obj.get(key)
-        if value is None:
-            continue
-        ok = {int: _is_int, float: _is_number}.get(kind, lambda v: isinstance(v, kind))(value)
-        if not ok or (kind is list and not all(isinstance(v, str) for v in value)):
-            return f"{prefix}{key} is not {_KINDS[kind]}"
-    return None
-
-
-_KINDS = {int: "an integer", float: "a number", str: "a string", list: "a list of strings",
-          dict: "an object"}
-
-
-def _unreadable(e):
-    if isinstance(e, OSError):
-        return f"cannot be read: {e.strerror or e}"
-    return "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"not valid JSON: {e}"
 
 
 def variant_of(config):
@@ -911,10 +845,14 @@ def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
     print(text)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    prepare_data.write_atomic(Path(runs_dir) / "report.md", lambda f: f.write(text.encode() + b"\n"))
-    print(f"wrote {Path(runs_dir) / 'report.md'}")
-    for path in plots(runs_dir, runs, heatmaps, baseline) if make_plots else []:
-        print(f"wrote {path}")
+    try:  # report.md and the plots go next to the runs
+        prepare_data.write_atomic(Path(runs_dir) / "report.md", lambda f: f.write(text.encode() + b"\n"))
+        print(f"wrote {Path(runs_dir) / 'report.md'}")
+        for path in plots(runs_dir, runs, heatmaps, baseline) if make_plots else []:
+            print(f"wrote {path}")
+    except OSError as e:
+        raise UsageError(f"cannot write the report into {runs_dir} ({e.strerror or e}): make that folder "
+                         "writable, or report a writable copy of it") from None
 
 
 def _ints(text, flag, low):
@@ -984,8 +922,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a read-only folder: what was written so far is whole
-        flag = "--out" if args.command == "sweep" else "a writable copy of the runs folder"
-        print(f"error: {prepare_data.os_error_line(e, flag)}", file=sys.stderr)
+        print(f"error: {prepare_data.os_error_line(e, '--out')}", file=sys.stderr)
         return 2
 
 
@@ -1021,8 +958,8 @@ def sweep(args, extra):
 
 
 # -----------------------------------------------------------------------------
-# Below this banner: running the runs safely (processes, signals, files) and showing their progress;
-# nothing of the experiment's design.
+# Below this banner: running the runs safely (processes, signals, files), showing their progress, and
+# checking the files they leave; nothing of the experiment's design.
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 POLL_S = 1.0  # how often the running runs' metrics.jsonl are read for the progress lines
@@ -1318,6 +1255,75 @@ class RunTail:
             self.total = int(found[1].replace(",", ""))
         elif re.search(r"^(eval )?step \d", text, re.MULTILINE):  # training began without it
             self.total = 0
+
+
+# checking the files runs leave: a damaged one is a note or one error line, never a traceback
+
+
+def summary_problem(s):
+    """Why s (a summary.json's content) is not what train.py writes, in the parts the report reads;
+    None if it is."""
+    if not isinstance(s, dict):
+        return "not a JSON object"
+    if not _is_number((s.get("final") if isinstance(s.get("final"), dict) else {}).get("val_loss")):
+        return "no final val_loss"
+    shape = dict(config=dict, train=dict, milestones=dict, routes=dict, wall_time_s=float, dataset=str,
+                 level=str)
+    why = (_wrong_fields(s, shape) or _wrong_fields(s.get("train") or {}, dict(seed=int), "train.")
+           or _wrong_fields(s.get("config") or {}, dict(n_layer=int, residual=str), "config."))
+    if why:
+        return why
+    for label, m in (s.get("milestones") or {}).items():
+        if not (isinstance(m, dict) and _is_number(m.get("tokens")) and _is_number(m.get("val_loss"))):
+            return f"milestone {label} has no tokens and val_loss"
+    routes = s.get("routes") or {}
+    for key in ("entropy", "entropy_norm"):
+        values = routes.get(key) or {}
+        if not (isinstance(values, dict) and all(v is None or _is_number(v) for v in values.values())):
+            return f"routes.{key} is not an object of numbers"
+    return _wrong_fields(routes, dict(js_mean=float), "routes.")
+
+
+def _json_object(line):
+    """A JSON line as a dict, else None (not JSON, or JSON that is not an object)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _wrong_fields(obj, types, prefix=""):
+    """Why obj is not a dict whose fields in `types` are None or of their type (float: any number);
+    None if it is."""
+    if not isinstance(obj, dict):
+        return f"{prefix.rstrip('.') or 'it'} is not a JSON object"
+    for key, kind in types.items():
+        value = obj.get(key)
+        if value is None:
+            continue
+        ok = {int: _is_int, float: _is_number}.get(kind, lambda v: isinstance(v, kind))(value)
+        if not ok or (kind is list and not all(isinstance(v, str) for v in value)):
+            return f"{prefix}{key} is not {_KINDS[kind]}"
+    return None
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", list: "a list of strings",
+          dict: "an object"}
+
+
+def _unreadable(e):
+    if isinstance(e, OSError):
+        return f"cannot be read: {e.strerror or e}"
+    return "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"not valid JSON: {e}"
 
 
 if __name__ == "__main__":
