@@ -851,8 +851,8 @@ def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
         for path in plots(runs_dir, runs, heatmaps, baseline) if make_plots else []:
             print(f"wrote {path}")
     except OSError as e:
-        raise UsageError(f"cannot write the report into {runs_dir} ({e.strerror or e}): make that folder "
-                         "writable, or report a writable copy of it") from None
+        raise UsageError(f"cannot write the report into {runs_dir} ({e.strerror or e}): make that "
+                         "folder writable, or report a writable copy of it") from None
 
 
 def _ints(text, flag, low):
