@@ -11,24 +11,34 @@ Paired sweeps over nanoroute's variants, and the report that compares them (SPEC
 
 A sweep runs train.py once per grid point, --jobs N of them at once (each with its share of the CPU
 cores, or on CUDA its own GPU), in OUT/[DATASET/]VARIANT_L{depth}_s{seed}/ (run.json: what the run is and
-its command; train.log: its output). Finished runs (summary.json) are skipped and interrupted ones
-continue from last.pt: the same command resumes a sweep. The variants of a seed are paired: train.py makes
-the data order and the shared initial weights depend only on --seed. Like for like: every AttnRes variant
-of a sweep gets the same routing block at a depth (the largest automatic one among them; WAV needs 4).
+its command; train.log: its output), and shows each running run's latest step. Finished runs
+(summary.json) are skipped and interrupted ones continue from last.pt: the same command resumes a sweep.
+Ctrl-C or SIGTERM, to the sweep or to one of its runs, stops the sweep and the runs under way (each
+saves last.pt). Before the first run, the flags after -- are checked by train.py's parser and every data
+folder must be prepared (--dry_run says what is missing). The variants of a seed are paired: train.py
+makes the data order and the shared initial weights depend only on --seed. Like for like: every AttnRes
+variant of a sweep gets the same routing block at a depth (the largest automatic one among them; WAV
+needs 4).
 
 The report groups finished runs by (dataset, depth, variant) over seeds and writes RUNS/report.md:
 mean ± std of the final val loss and bits per char (or perplexity), the paired difference to a baseline
-variant (same dataset, depth and seed) with its std and wins, the same at each milestone, route entropy
-(AttnRes) and QK/V JS divergence (RD). --plots adds PNGs (matplotlib, optional).
+variant (same dataset, depth and seed) with its std and wins, the same at each milestone, the normalised
+route entropy (AttnRes) and QK/V JS divergence (RD). --plots adds PNGs (matplotlib, optional).
 """
 
 import concurrent.futures
+import contextlib
+import errno
+import importlib
+import io
 import json
 import math
 import os
 import queue
 import re
 import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,6 +47,7 @@ import time
 from pathlib import Path
 
 import prepare_data
+import train
 from prepare_data import UsageError
 from nanoroute import VARIANTS, GPTConfig  # VARIANTS: the variant names and their GPTConfig values
 from train import MODEL_DEFAULTS
@@ -80,14 +91,11 @@ NO_MATPLOTLIB = ("matplotlib is not installed: pip install matplotlib to get plo
 
 def plan(name, out, seeds=None, depths=None, variants=None, extra=(), data_root="data", data=None):
     """The runs of sweep `name` ("custom": variants x depths x seeds on the prepared folder `data`):
-    [{name, dir, variant, dataset, depth, seed, sweep, attnres_block, args, env}], seed-major (all
+    [{name, dir, variant, dataset, depth, seed, sweep, attnres_block, args, env, data}], seed-major (all
     variants of a seed before the next seed: an interrupted sweep leaves whole pairs). seeds and depths
     are text as on the command line ("0-2", "8,12")."""
     seeds, depths = _ints(seeds, "--seeds", 0), _ints(depths, "--depths", 1)
     variants = _variants(variants)
-    for flag, grid in GRID_FLAGS.items():  # after --, they would silently override the grid
-        if _flag_value(extra, flag) is not None:
-            raise UsageError(f"{flag} after --: the sweep sets it for each run; use {grid} (before --)")
     if name == "custom":
         sweep = custom_sweep(data, variants)
     elif data is not None:
@@ -95,6 +103,7 @@ def plan(name, out, seeds=None, depths=None, variants=None, extra=(), data_root=
                          f"({', '.join(SWEEPS[name]['datasets'])}) from --data_root")
     else:
         sweep = SWEEPS[name]
+    check_train_flags(extra, name, sweep.get("presets"))
     runs = []
     for dataset in sweep["datasets"]:
         for depth in depths or sweep["depths"]:
@@ -117,12 +126,41 @@ def plan(name, out, seeds=None, depths=None, variants=None, extra=(), data_root=
                         "--seed", str(seed), *flags, *shlex.split(sweep["flags"]), *extra]
                     runs.append(dict(name=run, dir=Path(out) / run, variant=variant, dataset=dataset, depth=depth,
                                      seed=seed, sweep=name, attnres_block=block if routed else None, args=args,
-                                     env=sweep.get("env", {})))
+                                     env=sweep.get("env", {}), data=args[args.index("--data") + 1]))
     return runs
 
 
 GRID_FLAGS = {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths", "--seed": "--seeds",
               "--out_dir": "--out", **{f"--{k}": "--variants" for k in VARIANTS["block"]}}
+
+
+def check_train_flags(extra, name, presets):
+    """The flags after -- (for every train.py run), checked before any run starts: the grid's own flags
+    by their full names, and everything else by train.py's parser (an unknown, abbreviated or misspelt
+    flag, a bad value), each one UsageError line now rather than a failed or mislabelled run later."""
+    for flag, grid in GRID_FLAGS.items():  # after --, they would silently override the grid
+        if _flag_value(extra, flag) is not None:
+            raise UsageError(f"{flag} after --: the sweep sets it for each run; use {grid} (before --)")
+    if _flag_value(extra, "--resume") is not None:
+        raise UsageError("--resume after --: the sweep resumes each interrupted run itself (run the "
+                         "same command again)")
+    if presets and _flag_value(extra, "--preset") is not None:
+        raise UsageError(f"--preset after --: sweep {name} sets the preset of each depth "
+                         f"({', '.join(presets.values())}); use sweep custom for another preset")
+    if "-h" in extra or "--help" in extra:
+        raise UsageError("--help after --: the flags after -- are train.py's: python train.py --help")
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+            train.build_parser().parse_args(list(extra))
+    except SystemExit:  # the parser's one `error: ...` line, taken into ours
+        why = (said.getvalue().strip().splitlines() or ["not accepted"])[-1]
+        why = why.removeprefix("error: ").removesuffix("; see --help")
+        meant = re.search(r"did you mean (--\w+)\?", why)
+        if meant and meant[1] in GRID_FLAGS:
+            why += f"; the sweep sets {meant[1]} itself: use {GRID_FLAGS[meant[1]]}"
+        why += " (the flags after -- go to every run: python train.py --help)"
+        raise UsageError(f"after --: {why}") from None
 
 
 def custom_sweep(data, variants):
@@ -200,12 +238,13 @@ def job_slots(jobs, per_run=1, extra=()):
 
 def run_sweep(runs, launcher, dry_run=False, slots=({},)):
     """Run each run's command (launcher + args + --out_dir), len(slots) at a time, each run in the
-    environment of the slot it takes (job_slots); returns the names of failed runs."""
+    environment of the slot it takes (job_slots), with each running run's progress on the way;
+    returns the names of failed runs. A run that a signal stopped stops the sweep (Stopped)."""
     todo, skipped, t0 = [], 0, time.time()
     for i, run in enumerate(runs, 1):
         d = run["dir"]
         if (d / "summary.json").exists():
-            before = (_read_json(d / "run.json") or {}).get("args", run["args"])
+            before = read_run_json(d / "run.json").get("args", run["args"])
             print(f"skip {d} (summary.json exists)" + ("" if before == run["args"] else
                   "; WARNING: it ran with other flags than this sweep's, use another --out to rerun it"))
             skipped += 1
@@ -218,53 +257,63 @@ def run_sweep(runs, launcher, dry_run=False, slots=({},)):
         todo.append((f"[{i}/{len(runs)}] {d}", run, cmd, resume))
     if dry_run:
         return []
-
-    free, lock, stop, failed = queue.SimpleQueue(), threading.Lock(), threading.Event(), []
-    for slot in slots:
-        free.put(slot)
-
-    def launch(label, run, cmd, resume):
-        slot = free.get()  # a free slot exists: the pool runs at most len(slots) of these at once
-        try:
-            if stop.is_set():
-                return
-            d, env = run["dir"], _run_env(run, slot)
-            d.mkdir(parents=True, exist_ok=True)
-            info = {k: run[k] for k in ("variant", "dataset", "depth", "seed", "sweep", "attnres_block", "args")}
-            prepare_data.write_json(d / "run.json", dict(info, command=_shell(cmd, env)))
-            with lock:
-                print(f"{label}{' (resuming from last.pt)' if resume else ''}: started"
-                      + "".join(f" {k}={v}" for k, v in slot.items()), flush=True)
-            t = time.time()
-            with open(d / "train.log", "a") as log:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}).returncode
-            ok = rc == 0 and (d / "summary.json").exists()
-            if ok:
-                final = read_summary(d / "summary.json")["final"]
-                result = f"done in {time.time() - t:.0f} s, val loss {final['val_loss']:.4f}"
-            else:
-                lines = (d / "train.log").read_text(errors="replace").strip().splitlines() or ["(no output)"]
-                result = f"FAILED (exit {rc}): {next((s for s in reversed(lines) if 'error' in s.lower()), lines[-1])}"
-            with lock:
-                print(f"{label}: {result}", flush=True)
-                if not ok:
-                    failed.append(run["name"])
-        finally:
-            free.put(slot)
-
-    pool = concurrent.futures.ThreadPoolExecutor(len(slots))
+    sweep = Sweep(slots, Progress(sys.stdout))
     try:
-        for future in [pool.submit(launch, *job) for job in todo]:
-            future.result()
-    except BaseException:  # Ctrl-C: the runs under way get it too; start no more
-        stop.set()
-        raise
+        sweep.run(todo)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    failed.sort(key=[r["name"] for r in runs].index)
-    print(f"sweep: {len(runs)} runs: {skipped} skipped (finished before), {len(runs) - skipped - len(failed)} "
-          f"done, {len(failed)} failed; {time.time() - t0:.0f} s" + f"; {len(slots)} at a time" * (len(slots) > 1))
+        failed = sorted(sweep.failed, key=[r["name"] for r in runs].index)
+        stopped = f", {len(sweep.stopped)} stopped" if sweep.signum else ""
+        print(f"sweep: {len(runs)} runs: {skipped} skipped (finished before), {sweep.done} done, "
+              f"{len(failed)} failed{stopped}; {time.time() - t0:.0f} s"
+              + f"; {len(slots)} at a time" * (len(slots) > 1))
     return failed
+
+
+def check_out(out, make):
+    """The folder of the run folders: made (make), or checked that it can be; else UsageError."""
+    try:
+        if make:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            return
+        where = next(p for p in [Path(out).absolute(), *Path(out).absolute().parents] if p.exists())
+        if not where.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way", str(where))
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable", str(where))
+    except OSError as e:
+        where = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+        message = f"--out {out}: cannot make that folder ({where}); choose another --out"
+        raise UsageError(message) from None
+
+
+def check_data(runs):
+    """The data folders the runs need: (problems, demo folders to prepare). A problem is a folder that
+    is not a prepared dataset, in load_meta's words (which name the command that prepares it). A demo
+    folder that does not exist yet is no problem: the sweep prepares it before the first run (once,
+    also under --jobs)."""
+    problems, demo = [], []
+    for folder in dict.fromkeys(run["data"] for run in runs):
+        if Path(folder).name == "demo" and not os.path.lexists(folder):
+            demo.append(folder)
+            continue
+        try:
+            prepare_data.load_meta(folder)
+        except UsageError as e:
+            problems.append(str(e))
+    return problems, demo
+
+
+def get_ready(runs, out):
+    """Before the first run: the folder of the run folders and every data folder, or one UsageError."""
+    check_out(out, make=False)
+    problems, demo = check_data(runs)
+    if problems:
+        more = len(problems) - 1
+        raise UsageError(problems[0] + (f" (and {more} more: see --dry_run)" if more else ""))
+    check_out(out, make=True)
+    for folder in demo:
+        print(f"preparing the demo dataset in {folder}")
+        prepare_data.prepare("demo", folder)
 
 
 def _run_env(run, slot):
@@ -275,35 +324,76 @@ def _run_env(run, slot):
 
 
 def _shell(cmd, env):
-    return " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd)])
 
 
 # -----------------------------------------------------------------------------
 # Report: reading run folders, statistics, Markdown
 
+# run.json's fields as the sweep writes them (None allowed: a hand-made run.json may leave any out)
+RUN_FIELDS = dict(variant=str, dataset=str, depth=int, seed=int, sweep=str, attnres_block=int,
+                  args=list, command=str)
 
-def _read_json(path):
+
+def read_run_json(path, notes=None):
+    """A run folder's run.json as a dict; {} if there is none, or if it is damaged (not JSON, not an
+    object, a field of the wrong type), with a note in notes: the run is then read from its
+    summary.json alone, as a plain train.py run would be."""
+    path = Path(path)
+    if not path.exists():
+        return {}
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
+        info = json.loads(path.read_text(encoding="utf-8"))
+        why = _wrong_fields(info, RUN_FIELDS)
+    except (OSError, ValueError) as e:
+        why = _unreadable(e)
+    if why and notes is not None:
+        notes.append(f"{path} is damaged ({why}): left out; the run is read from its summary.json")
+    return {} if why else info
 
 
 def read_summary(path):
     """A run's summary.json, or None while the run is unfinished (no file). A file that is there but is
     not a summary train.py wrote is an error: shown as unfinished, the run would silently drop out."""
-    if not Path(path).exists():
+    path = Path(path)
+    if not path.exists():
         return None
     try:
-        summary = json.loads(Path(path).read_text(encoding="utf-8"))
-        why = None if isinstance(summary, dict) and isinstance((summary.get("final") or {}).get("val_loss"),
-                                                                 (int, float)) else "no final val_loss"
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        why = f"not valid JSON: {type(e).__name__}"
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        why = summary_problem(summary)
+    except OSError as e:
+        raise UsageError(f"cannot read {path} ({e.strerror or e}): make it readable, or move that run "
+                         "folder out of the report's folder") from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        why = _unreadable(e)
     if why:
         raise UsageError(f"{path} is damaged ({why}): delete it and run the sweep command again, which "
                          "finishes that run from its last.pt")
     return summary
+
+
+def read_evals(path, notes):
+    """The eval lines of a run's metrics.jsonl. A damaged line is left out with a note; a cut last
+    line (no newline: an interrupted run's, repaired when it resumes) is left out without one."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+    except OSError as e:
+        notes.append(f"{path} cannot be read ({e.strerror or e}): the run's curve is left out")
+        return []
+    lines = text.split("\n")  # the last piece is "" or a cut line
+    evals, damaged = [], 0
+    for i, line in enumerate(lines):
+        record = _json_object(line) if line.strip() else {}
+        usable = record is not None and (record.get("type") != "eval" or (
+            _is_int(record.get("step")) and _is_number(record.get("tokens"))
+            and _is_number(record.get("val_loss"))))
+        if not usable:
+            damaged += i < len(lines) - 1
+        elif record.get("type") == "eval":
+            evals.append(record)
+    if damaged:
+        notes.append(f"{path}: {damaged} damaged line(s) left out")
+    return evals
 
 
 def variant_of(config):
@@ -311,30 +401,25 @@ def variant_of(config):
     return next((k for k, v in VARIANTS.items() if all(config.get(f) == x for f, x in v.items())), "custom")
 
 
-def load_runs(runs_dir):
+def load_runs(runs_dir, notes=None):
     """Every folder under runs_dir with a run.json or summary.json: {name, dir, variant, dataset, depth,
-    seed, summary (None while unfinished), evals (metrics.jsonl's eval lines)}."""
+    seed, block, summary (None while unfinished), evals (metrics.jsonl's eval lines)}. What is left
+    out of a damaged run.json or metrics.jsonl is said in notes (a list)."""
+    notes = [] if notes is None else notes
     root = Path(runs_dir)
     dirs = sorted({p.parent for f in ("run.json", "summary.json") for p in root.rglob(f)})
     runs = []
     for d in dirs:
-        info, summary = _read_json(d / "run.json") or {}, read_summary(d / "summary.json")
-        evals = []
-        metrics = d / "metrics.jsonl"
-        for line in metrics.read_text(errors="replace").splitlines() if metrics.exists() else []:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut by an interruption, or damaged bytes
-            if record.get("type") == "eval":
-                evals.append(record)
+        info, summary = read_run_json(d / "run.json", notes), read_summary(d / "summary.json")
         s = summary or {}
-        runs.append(dict(name=d.relative_to(root).as_posix(), dir=d, summary=summary, evals=evals,
-                         block=info["attnres_block"] if "attnres_block" in info else routing_block(s.get("config")),
-                         variant=info.get("variant") or variant_of(s.get("config", {})),
+        config, trained = s.get("config") or {}, s.get("train") or {}
+        runs.append(dict(name=d.relative_to(root).as_posix(), dir=d, summary=summary,
+                         evals=read_evals(d / "metrics.jsonl", notes),
+                         block=info["attnres_block"] if "attnres_block" in info else routing_block(config),
+                         variant=info.get("variant") or variant_of(config),
                          dataset=info.get("dataset") or s.get("dataset"),
-                         depth=info.get("depth") or s.get("config", {}).get("n_layer"),
-                         seed=info.get("seed", s.get("train", {}).get("seed"))))
+                         depth=info.get("depth") or config.get("n_layer"),
+                         seed=info["seed"] if info.get("seed") is not None else trained.get("seed")))
     return runs
 
 
@@ -357,9 +442,10 @@ def mean_std(values):
 
 
 def paired(runs, baseline_runs, value):
-    """Paired difference value(run) - value(baseline run of the same seed), over the seeds both have:
-    {mean, std, wins (seeds where the variant is lower, i.e. better), ties, n}."""
-    base = {r["seed"]: value(r) for r in baseline_runs}
+    """Paired difference value(run) - value(baseline run of the same seed), over the seeds both have
+    (by seed value, whatever the order or gaps; a run without a seed pairs with none): {mean, std,
+    wins (seeds where the variant is lower, i.e. better), ties, n}."""
+    base = {r["seed"]: value(r) for r in baseline_runs if r["seed"] is not None}
     diffs = [value(r) - base[r["seed"]] for r in runs if value(r) is not None and base.get(r["seed"]) is not None]
     mean, std = mean_std(diffs)
     return dict(mean=mean, std=std, wins=sum(d < 0 for d in diffs), ties=sum(d == 0 for d in diffs), n=len(diffs))
@@ -370,14 +456,17 @@ def final_val(run):
 
 
 def milestone_val(label):  # val loss of the evaluation where the token count crossed this milestone
-    return lambda run: run["summary"].get("milestones", {}).get(label, {}).get("val_loss")
+    return lambda run: (run["summary"].get("milestones") or {}).get(label, {}).get("val_loss")
 
 
 def route_entropy(run):
-    """Mean over reads of the last evaluation's route entropy (AttnRes runs). RD's extra value reads
-    (*.attn.v) are left out, so every variant averages the same reads (JS compares those)."""
-    entropy = [h for name, h in ((run["summary"].get("routes") or {}).get("entropy") or {}).items()
-               if not name.endswith(".v")]
+    """Mean over reads of the last evaluation's normalised route entropy, entropy / ln(number of
+    sources the read sees): 0 when one source takes all, 1 when the weights are uniform, so WAV (about
+    3x the sources) compares with Block AttnRes. Reads of one source (no value) and RD's extra value
+    reads (*.attn.v: every variant averages the same reads; JS compares those) are left out. None for
+    runs without it (no AttnRes, or from before summary.json had entropy_norm)."""
+    entropy = [h for name, h in ((run["summary"].get("routes") or {}).get("entropy_norm") or {}).items()
+               if h is not None and not name.endswith(".v")]
     return statistics.fmean(entropy) if entropy else None
 
 
@@ -389,22 +478,28 @@ def summarize(runs, baseline):
     """Finished runs grouped by (dataset, depth): [{dataset, depth, level, baseline, milestones, blocks
     ({AttnRes variant: its routing blocks}), rows: [{variant, seeds, val, metric, entropy, js, wall, delta,
     at: {milestone: {val, delta}}}]}]."""
-    groups = {}
+    groups, seen = {}, {}
     for r in runs:
-        if r["summary"]:
-            groups.setdefault((r["dataset"], r["depth"]), {}).setdefault(r["variant"], []).append(r)
+        if not r["summary"]:
+            continue
+        groups.setdefault((r["dataset"], r["depth"]), {}).setdefault(r["variant"], []).append(r)
+        key = (r["dataset"], r["depth"], r["variant"], r["seed"])
+        if r["seed"] is not None and seen.setdefault(key, r["name"]) != r["name"]:
+            raise UsageError(f"runs {seen[key]} and {r['name']} are both {r['variant']} with seed "
+                             f"{r['seed']} ({r['dataset']}, {r['depth']} layers), so neither pairs "
+                             "clearly: report one sweep's folder at a time, or move one of them away")
     order = {v: i for i, v in enumerate(VARIANTS)}
     out = []
     for (dataset, depth), by_variant in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0)):
         level = next(iter(by_variant.values()))[0]["summary"].get("level")
         to_metric = (lambda v: v / math.log(2)) if level == "char" else math.exp  # bits per char, perplexity
         reached = {label: m["tokens"] for rs in by_variant.values() for r in rs
-                   for label, m in r["summary"].get("milestones", {}).items()}
+                   for label, m in (r["summary"].get("milestones") or {}).items()}
         labels = sorted(reached, key=reached.get)
         base = by_variant.get(baseline)
         rows = []
         for variant in sorted(by_variant, key=lambda v: (order.get(v, len(order)), v)):
-            rs = sorted(by_variant[variant], key=lambda r: r["seed"])
+            rs = sorted(by_variant[variant], key=lambda r: (r["seed"] is None, r["seed"] or 0))
             compare = base is not None and variant != baseline
             rows.append(dict(
                 variant=variant, seeds=[r["seed"] for r in rs], val=mean_std([final_val(r) for r in rs]),
@@ -434,18 +529,22 @@ def _delta(d):  # (Δ mean ± std, wins/n)
     return _ms((d["mean"], d["std"]), sign="+"), f"{d['wins']}/{d['n']}" + (f" ({d['ties']} tied)" if d["ties"] else "")
 
 
-def markdown(runs_dir, runs, groups, baseline):
+def markdown(runs_dir, runs, groups, baseline, notes=()):
     finished = [r for r in runs if r["summary"]]
     lines = [f"# Report: {runs_dir}", "",
              f"{len(runs)} runs: {len(finished)} finished, {len(runs) - len(finished)} unfinished. "
              "Val loss: the last evaluation's, in nats per token; mean ± sample std over seeds (– for one seed). "
              f"Δ: paired difference to **{baseline}** (variant − baseline on the same dataset, depth and seed), "
-             "mean ± std over seeds; wins: seeds where the variant's val loss is lower. Route entropy (nats): "
-             "mean over reads, AttnRes runs; JS (nats, ≤ ln 2 = 0.693): QK route vs V route, mean over "
+             "mean ± std over seeds; wins: seeds where the variant's val loss is lower. Route entropy: "
+             "normalised, entropy / ln(number of sources the read sees) (0: one source takes all, "
+             "1: uniform), mean over the reads of more than one source, AttnRes runs (– for runs from "
+             "before it was recorded); JS (nats, ≤ ln 2 = 0.693): QK route vs V route, mean over "
              "attention layers, RD runs. Both from each run's last evaluation.", ""]
-    if finished and (finished[0]["dir"] / "run.json").exists():
-        cmd = _read_json(finished[0]["dir"] / "run.json").get("command", "")
-        lines += [f"Command of run `{finished[0]['name']}`: `{cmd}`", ""]
+    command = read_run_json(finished[0]["dir"] / "run.json").get("command") if finished else None
+    if command:
+        lines += [f"Command of run `{finished[0]['name']}`: `{command}`", ""]
+    if notes:
+        lines += ["Left out: " + "; ".join(notes) + ".", ""]
     for g in groups:
         unit = "val bpc" if g["level"] == "char" else "val ppl"
         lines += [f"## {g['dataset']}, {g['depth']} layers", ""]
@@ -458,7 +557,8 @@ def markdown(runs_dir, runs, groups, baseline):
                       "block size; rerun them with the same --attnres_block.", ""]
         if g["baseline"] is None:
             lines += [f"(baseline {baseline} has no finished run here: no paired differences)", ""]
-        lines += [f"| variant | seeds | val loss | {unit} | Δ val loss | wins | route entropy | JS QK‖V | train s |",
+        lines += [f"| variant | seeds | val loss | {unit} | Δ val loss | wins | route entropy (norm.) "
+                  "| JS QK‖V | train s |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for row in g["rows"]:
             delta, wins = _delta(row["delta"])
@@ -518,73 +618,202 @@ def route_matrix(run_dir, rows=16):
 
 
 def plots(runs_dir, runs, heatmaps, baseline=None):
-    """val_loss.png (val loss per variant, and its paired difference to the baseline) and
-    routes_<run>.png next to report.md for heatmaps {run: route_matrix(run)}; returns the paths written."""
+    """val_loss.png (val_loss_figure) and routes_<run>.png (routes_figure) next to report.md, for
+    heatmaps {run: route_matrix(run)}; returns the paths written. Without matplotlib: a line, no
+    files."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")  # headless
-        import matplotlib.pyplot as plt
+        importlib.import_module("matplotlib")  # optional; the figures import its parts
     except ImportError:
         print(NO_MATPLOTLIB)
         return []
-    import numpy as np
+    figures = {"val_loss.png": val_loss_figure(runs, baseline)}
+    figures.update({f"routes_{name.replace('/', '_')}.png": routes_figure(name, *matrix)
+                    for name, matrix in heatmaps.items()})
+    written = []
+    for filename, fig in figures.items():
+        if fig is None:
+            print(f"no evaluation in any run yet: no {filename}")
+            continue
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=PLOT_DPI)
+        written.append(Path(runs_dir) / filename)
+        prepare_data.write_atomic(written[-1], lambda f: f.write(png.getvalue()))
+    return written
 
-    def band(ax, curves, color, label=None):  # mean line and min-max band over seeds; returns the mean
-        tokens = sorted(set.intersection(*(set(c) for c in curves))) if curves else []  # reached by every seed
-        y = np.array([[c[t] for t in tokens] for c in curves])
-        if tokens:
-            ax.plot(tokens, y.mean(0), color=color, label=label)
-            ax.fill_between(tokens, y.min(0), y.max(0), color=color, alpha=0.2, linewidth=0)
-        return [m for t, m in zip(tokens, y.mean(0) if tokens else []) if t >= 0.2 * tokens[-1]]
 
-    groups, written = {}, []
+PLOT_DPI = 110
+
+
+def val_loss_figure(runs, baseline):
+    """One panel pair per (dataset, depth), at most PANELS_PER_ROW side by side: on top each
+    variant's val loss over tokens (mean over seeds, min–max band), below its paired difference to
+    the baseline (same seed; diff_axis). A variant's curve is that of its finished runs, as in the
+    table (of its unfinished ones while none has finished), in the same colour in every panel and
+    figure. Returns a matplotlib Figure, None without evaluations."""
+    from matplotlib.figure import Figure
+    groups = {}
     for r in runs:
         if r["evals"]:
             groups.setdefault((str(r["dataset"]), r["depth"] or 0), {}).setdefault(r["variant"], []).append(r)
-    fig, axes = plt.subplots(2, max(1, len(groups)), figsize=(7 * max(1, len(groups)), 8), squeeze=False, sharex="col")
-    for (ax, dax), ((dataset, depth), by_variant) in zip(axes.T, sorted(groups.items())):
-        curves = {v: {r["seed"]: {e["tokens"]: e["val_loss"] for e in r["evals"] if e["tokens"] > 0} for r in rs}
-                  for v, rs in by_variant.items()}
-        base, late = curves.get(baseline, {}), []
-        for i, variant in enumerate(sorted(curves, key=lambda v: (list(VARIANTS) + [v]).index(v))):
-            late += band(ax, list(curves[variant].values()), f"C{i}", f"{variant} (n={len(curves[variant])})")
-            diffs = [{t: y - base[s][t] for t, y in c.items() if t in base[s]} for s, c in curves[variant].items()
-                     if s in base]
-            if variant == baseline:
-                dax.axhline(0, color=f"C{i}", label=f"{variant} (baseline)")
-            elif diffs:
-                band(dax, diffs, f"C{i}", variant)
-        lo = min((min(y for c in v.values() for y in c.values()) for v in curves.values()), default=None)
-        if late and max(late) > lo:  # zoom on the last 80% of training, where the variants differ
-            ax.set_ylim(lo - 0.05 * (max(late) - lo), max(late) + 0.05 * (max(late) - lo))
-        ax.set(title=f"{dataset}, {depth} layers: mean over seeds, band = min–max", ylabel="val loss (nats/token)")
-        dax.set(title=f"paired difference to {baseline} (same seed)", xlabel="tokens",
-                ylabel="Δ val loss (nats/token)")
-        dax.set_yscale("symlog", linthresh=0.05)  # linear within ±0.05, log beyond: small and large gaps both show
-        for a in (ax, dax):
-            a.grid(alpha=0.3)
-            a.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
-    written.append(Path(runs_dir) / "val_loss.png")
-    fig.savefig(written[-1], dpi=90)
-    plt.close(fig)
-    for name, (reads, sources, matrix) in heatmaps.items():
-        w = np.array([[np.nan if x is None else x for x in row] for row in matrix])
-        fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(sources), 1.0 + 0.3 * len(reads)))
-        image = ax.imshow(np.ma.masked_invalid(w), cmap="viridis", vmin=0, vmax=1, aspect="auto")
-        for (i, j), x in np.ndenumerate(w):
-            if not np.isnan(x):
-                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=6, color="white" if x < 0.6 else "black")
-        ax.set_xticks(range(len(sources)), sources, rotation=60, fontsize=7)
-        ax.set_yticks(range(len(reads)), reads, fontsize=7)
-        ax.set_xlabel("source (blank: not in this read's pool)")
-        ax.set_title(f"{name}: mean routing weight (best.pt, val crops)", fontsize=8)
-        fig.colorbar(image, ax=ax, fraction=0.04)
-        fig.tight_layout()
-        written.append(Path(runs_dir) / f"routes_{name.replace('/', '_')}.png")
-        fig.savefig(written[-1], dpi=90)
-        plt.close(fig)
-    return written
+    if not groups:
+        return None
+    cols = min(PANELS_PER_ROW, len(groups))
+    rows = -(-len(groups) // cols)
+    fig = Figure(figsize=(8.0 * cols, 6.0 * rows), layout="constrained")
+    for cell, ((dataset, depth), by_variant) in zip(fig.subfigures(rows, cols, squeeze=False).ravel(),
+                                                    sorted(groups.items())):
+        ax, dax = cell.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=[3, 2]))
+        finished = {v: [r for r in rs if r["summary"]] or rs for v, rs in by_variant.items()}
+        _draw_group(ax, dax, finished, baseline)
+        ax.set_title(f"{dataset}, {depth} layers")
+    return fig
+
+
+PANELS_PER_ROW = 3  # (dataset, depth) groups side by side in val_loss.png; more go to the next row
+
+
+def _draw_group(ax, dax, by_variant, baseline):
+    """val_loss_figure's two panels of one (dataset, depth) group, {variant: its runs}."""
+    curves = {v: {r["seed"]: {e["tokens"]: e["val_loss"] for e in r["evals"] if e["tokens"] > 0} for r in rs}
+              for v, rs in by_variant.items()}
+    base, late, spans = curves.get(baseline, {}), [], {}
+    for variant in sorted(curves, key=_variant_rank):
+        color, seeds = _variant_color(variant), len(curves[variant])
+        finished = by_variant[variant][0]["summary"] is not None
+        label = f"{variant} ({seeds} seed{'s' * (seeds > 1)}{'' if finished else ', unfinished'})"
+        late += _band(ax, list(curves[variant].values()), color, label)
+        diffs = [{t: y - base[s][t] for t, y in c.items() if t in base[s]} for s, c in curves[variant].items()
+                 if s in base]
+        if variant != baseline and diffs:
+            _band(dax, diffs, color)
+            spans[variant] = [d for c in diffs for d in c.values()]
+    lo = min(y for v in curves.values() for c in v.values() for y in c.values())
+    if late and max(late) > lo:  # zoom on the last 80% of training, where the variants differ
+        ax.set_ylim(lo - 0.05 * (max(late) - lo), max(late) + 0.05 * (max(late) - lo))
+    ax.set(ylabel="val loss (nats/token)")
+    ax.legend(title="mean over seeds, band: min–max", fontsize=8, title_fontsize=8,
+              loc="upper left", bbox_to_anchor=(1.01, 1))
+    scale = diff_axis(dax, spans, _variant_color(baseline) if baseline in curves else "black")
+    dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline}\n(same seed{scale})")
+    dax.xaxis.set_major_formatter(_formatter(_tokens))
+    for a in (ax, dax):
+        a.grid(alpha=0.3)
+
+
+def _band(ax, curves, color, label=None):
+    """Mean line and min–max band over seeds, at the tokens every seed reached; returns the mean's
+    values in the last 80% of training."""
+    import numpy as np
+    tokens = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    if not tokens:
+        return []
+    y = np.array([[c[t] for t in tokens] for c in curves])
+    marker = "o" if len(tokens) < 3 else None  # a curve of one or two points shows as points
+    ax.plot(tokens, y.mean(0), color=color, label=label, marker=marker, markersize=4)
+    ax.fill_between(tokens, y.min(0), y.max(0), color=color, alpha=0.2, linewidth=0)
+    return [m for t, m in zip(tokens, y.mean(0)) if t >= 0.2 * tokens[-1]]
+
+
+def diff_axis(ax, spans, zero_color):
+    """The paired-difference axis, with a zero line and ticks that read as plain numbers (+0.05,
+    −0.1, never 4.4×10⁻²). Linear around 0; but when the variant furthest off lies more than 10x
+    further than the typical one (ReZero after 300 steps), small gaps would vanish on a linear axis:
+    then linear within ±L, a round number that holds the typical variant, and logarithmic beyond,
+    with ticks on both sides of 0. spans: {variant: its differences}. Returns what the axis label
+    adds ("; log beyond ±0.1", or nothing when linear)."""
+    from matplotlib.ticker import FixedLocator, MaxNLocator, NullLocator
+    values = [d for ds in spans.values() for d in ds] or [0.0]
+    lo, hi = min(0.0, *values), max(0.0, *values)
+    peaks = sorted(max(map(abs, ds), default=0.0) for ds in spans.values()) or [0.0]
+    typical = peaks[len(peaks) // 2]
+    ax.axhline(0, color=zero_color, linewidth=1.2)
+    if peaks[-1] <= 10 * typical or peaks[-1] == 0:
+        pad = 0.08 * ((hi - lo) or 0.01)
+        ax.set_ylim(lo - pad, hi + pad)
+        ax.yaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
+        note = ""
+    else:
+        linear = _round_up(typical)
+        ax.set_yscale("symlog", linthresh=linear, linscale=1.0)
+        ax.set_ylim(1.3 * min(lo, -linear), 1.3 * max(hi, linear))
+        ax.yaxis.set_major_locator(FixedLocator(_symlog_ticks(lo, hi, linear)))
+        ax.yaxis.set_minor_locator(NullLocator())
+        note = f"; log beyond ±{_plain(linear)[1:]}"
+    ax.yaxis.set_major_formatter(_formatter(_plain))
+    return note
+
+
+def _round_up(x):
+    """The smallest of 1, 2, 5 x 10^k that is >= x (x > 0)."""
+    k = math.floor(math.log10(x))
+    return next(m * 10.0 ** e for e in (k, k + 1) for m in (1, 2, 5) if m * 10.0 ** e >= x * (1 - 1e-9))
+
+
+def _symlog_ticks(lo, hi, linear):
+    """Ticks of a symlog axis, linear within ±linear: 0, ±linear/2, ±linear, then 1, 2, 5 x 10^k out
+    to the data, fewer where the data reaches further (1, 5 x 10^k past 4x linear, powers of 10 past
+    40x), so that labels never crowd."""
+    ticks = [-linear, -linear / 2, 0.0, linear / 2, linear]
+    for sign, end in ((1, hi), (-1, -lo)):
+        steps = (1, 2, 5) if end <= 4 * linear else (1, 5) if end <= 40 * linear else (1,)
+        k = math.floor(math.log10(linear))
+        while 10.0 ** k <= end:
+            ticks += [sign * m * 10.0 ** k for m in steps
+                      if linear * 1.0001 < m * 10.0 ** k <= end * 1.0001]
+            k += 1
+    return sorted(ticks)
+
+
+def _plain(x):  # a tick as a plain signed number: +0.05, −0.1, 0
+    if abs(x) < 1e-12:
+        return "0"
+    import numpy as np
+    digits = np.format_float_positional(abs(x), precision=3, fractional=False, trim="-")
+    return ("+" if x > 0 else "−") + digits
+
+
+def _tokens(x):  # a token count as the milestones write it: 0, 50K, 1.5M, 2B
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= scale:
+            return f"{x / scale:g}{suffix}"
+    return f"{x:g}"
+
+
+def _formatter(fn):
+    from matplotlib.ticker import FuncFormatter
+    return FuncFormatter(lambda x, pos: fn(x))
+
+
+def _variant_rank(variant):
+    return (list(VARIANTS) + [variant]).index(variant)
+
+
+def _variant_color(variant):  # the same colour for a variant in every panel and figure
+    return f"C{_variant_rank(variant) % 10}"
+
+
+def routes_figure(name, reads, sources, matrix):
+    """A heatmap of route_matrix's mean routing weights: rows are reads, columns sources in pool order,
+    each cell its weight, blank where the read cannot see the source. Returns a matplotlib Figure."""
+    import numpy as np
+    from matplotlib.figure import Figure
+    w = np.array([[np.nan if x is None else x for x in row] for row in matrix], dtype=float)
+    fig = Figure(figsize=(max(6.4, 2.6 + 0.8 * len(sources)), max(3.6, 1.6 + 0.34 * len(reads))),
+                 layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(np.ma.masked_invalid(w), cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    for (i, j), x in np.ndenumerate(w):
+        if not np.isnan(x):
+            ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=9,
+                    color="white" if x < 0.6 else "black")
+    slanted = max(map(len, sources)) > 3
+    ax.set_xticks(range(len(sources)), sources, rotation=30 if slanted else 0,
+                  ha="right" if slanted else "center", rotation_mode="anchor")
+    ax.set_yticks(range(len(reads)), reads)
+    ax.set(xlabel="source (blank: not in this read's pool)", ylabel="read",
+           title=f"{name}: mean routing weight (best.pt, val crops)")
+    fig.colorbar(image, ax=ax, label="weight", shrink=0.9)
+    return fig
 
 
 # -----------------------------------------------------------------------------
@@ -592,7 +821,8 @@ def plots(runs_dir, runs, heatmaps, baseline=None):
 
 
 def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
-    runs = load_runs(runs_dir)
+    notes = []
+    runs = load_runs(runs_dir, notes)
     if not runs:
         raise UsageError(f"no runs under {runs_dir} (no run.json or summary.json): run `python experiments.py "
                          "sweep NAME` first, or give the sweep's --out folder")
@@ -611,12 +841,18 @@ def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
             raise UsageError(f"--heatmap {name}: a {run['variant']} run has no depth routes; choose an AttnRes run")
     # read the checkpoints now, with or without matplotlib: a damaged one is an error either way
     heatmaps = {name: route_matrix(Path(runs_dir) / name) for name in heatmaps}
-    text = markdown(runs_dir, runs, summarize(runs, baseline), baseline)
+    text = markdown(runs_dir, runs, summarize(runs, baseline), baseline, notes)
     print(text)
-    prepare_data.write_atomic(Path(runs_dir) / "report.md", lambda f: f.write(text.encode() + b"\n"))
-    print(f"wrote {Path(runs_dir) / 'report.md'}")
-    for path in plots(runs_dir, runs, heatmaps, baseline) if make_plots else []:
-        print(f"wrote {path}")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    try:  # report.md and the plots go next to the runs
+        prepare_data.write_atomic(Path(runs_dir) / "report.md", lambda f: f.write(text.encode() + b"\n"))
+        print(f"wrote {Path(runs_dir) / 'report.md'}")
+        for path in plots(runs_dir, runs, heatmaps, baseline) if make_plots else []:
+            print(f"wrote {path}")
+    except OSError as e:
+        raise UsageError(f"cannot write the report into {runs_dir} ({e.strerror or e}): make that "
+                         "folder writable, or report a writable copy of it") from None
 
 
 def _ints(text, flag, low):
@@ -677,27 +913,417 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         if args.command == "report":
+            if extra:
+                raise UsageError(f"report takes no flags after -- (got {shlex.join(extra)})")
             report(args.runs_dir, args.baseline, args.plots or bool(args.heatmap), args.heatmap)
             return 0
-        runs = plan(args.name, args.out or f"runs/{args.name}", args.seeds, args.depths, args.variants, extra,
-                    args.data_root, args.data)
-        slots = job_slots(args.jobs, args.torchrun or 1, extra)
-        launcher = [sys.executable, TRAIN] if not args.torchrun else [  # "--": train.py drops it
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.torchrun}",
-            TRAIN, "--"]
-        try:
-            failed = run_sweep(runs, launcher, args.dry_run, slots)
-        except KeyboardInterrupt:
-            print("\ninterrupted: run the same command again to resume (finished runs are skipped, "
-                  "interrupted ones continue from their last.pt)", file=sys.stderr)
-            return 130
-        if failed:
-            print(f"{len(failed)} run(s) failed (see their train.log): {', '.join(failed)}", file=sys.stderr)
-            return 1
-        return 0
+        return sweep(args, extra)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a read-only folder: what was written so far is whole
+        print(f"error: {prepare_data.os_error_line(e, '--out')}", file=sys.stderr)
+        return 2
+
+
+def sweep(args, extra):
+    out = args.out or f"runs/{args.name}"
+    runs = plan(args.name, out, args.seeds, args.depths, args.variants, extra, args.data_root, args.data)
+    slots = job_slots(args.jobs, args.torchrun or 1, extra)
+    launcher = [sys.executable, TRAIN] if not args.torchrun else [  # "--": train.py drops it
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.torchrun}",
+        TRAIN, "--"]
+    if args.dry_run:
+        check_out(out, make=False)
+        run_sweep(runs, launcher, dry_run=True)
+        problems, demo = check_data(runs)
+        for problem in problems:
+            print(f"missing: {problem} (the sweep stops before its first run until then)")
+        for folder in demo:
+            print(f"note: {folder} is not prepared yet; the sweep prepares it first (python "
+                  f"prepare_data.py demo --out {shlex.quote(str(folder))})")
+        return 0
+    try:
+        with stop_on_signals():
+            get_ready(runs, out)
+            failed = run_sweep(runs, launcher, slots=slots)
+    except (KeyboardInterrupt, Stopped) as e:
+        print("interrupted: run the same command again to resume (finished runs are skipped, the "
+              "others continue from their last.pt)", file=sys.stderr)
+        return 128 + getattr(e, "signum", signal.SIGINT)
+    if failed:
+        print(f"{len(failed)} run(s) failed (see their train.log): {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -----------------------------------------------------------------------------
+# Below this banner: running the runs safely (processes, signals, files), showing their progress, and
+# checking the files they leave; nothing of the experiment's design.
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+POLL_S = 1.0  # how often the running runs' metrics.jsonl are read for the progress lines
+# the numbers of a progress line per evaluation, named as in train.py's eval line
+EVAL_NUMBERS = (("train", "train_loss"), ("val", "val_loss"), ("bpc", "val_bpc"))
+
+
+class Stopped(Exception):
+    """The sweep stops on a signal: its own (Ctrl-C, SIGTERM, SIGHUP), or one that stopped a run."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_signal(returncode):
+    """The signal that ended a run, else None: train.py exits 128 + signum after it saved (130 for
+    SIGINT, 143 for SIGTERM); a process that a signal killed before it could save has -signum."""
+    return next((s for s in STOP_SIGNALS if returncode in (128 + s, -s)), None)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGHUP stop the sweep as Ctrl-C does (Stopped in the main thread); a signal that is
+    ignored (SIGHUP under nohup) stays ignored."""
+    def handler(signum, frame):
+        raise Stopped(signum)
+
+    before = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                before[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in before.items():
+            signal.signal(sig, old)
+
+
+class Sweep:
+    """The runs under way, one per free slot. A run that a signal stopped, or the sweep's own signal,
+    stops the sweep: no run starts after it, and each run under way gets the signal once, as from a
+    Ctrl-C (train.py stops after its step and saves last.pt). Each run has a session of its own, so a
+    terminal's Ctrl-C reaches only the sweep, which passes it on; a second Ctrl-C passes on too
+    (train.py then stops at once)."""
+
+    def __init__(self, slots, progress):
+        self.free, self.jobs, self.progress = queue.SimpleQueue(), len(slots), progress
+        for slot in slots:
+            self.free.put(slot)
+        self.lock = threading.Lock()
+        self.running, self.signalled = {}, set()  # label: its process; labels that got the stop signal
+        self.failed, self.stopped, self.done, self.signum = [], [], 0, None
+
+    def run(self, todo):
+        """Every (label, run, cmd, resume) of todo; raises Stopped if a signal stopped the sweep."""
+        pool = concurrent.futures.ThreadPoolExecutor(self.jobs)
+        futures = [pool.submit(self.launch, *job) for job in todo]
+        with self.progress.polling():
+            while True:
+                try:
+                    for future in futures:
+                        future.result()
+                    break
+                except KeyboardInterrupt:
+                    self.stop(signal.SIGINT, again=True)
+                except Stopped as e:
+                    self.stop(e.signum, again=True)
+                except BaseException:  # a bug: the runs under way stop and save, then the traceback
+                    self.stop(signal.SIGTERM)
+                    raise
+        pool.shutdown()
+        if self.signum is not None:
+            raise Stopped(self.signum)
+
+    def launch(self, label, run, cmd, resume):  # in a worker thread: one run, from start to end
+        slot = self.free.get()  # a free slot exists: the pool runs at most len(slots) of these at once
+        try:
+            t = time.time()
+            process = self.start(label, run, cmd, slot, resume)
+            if process is not None:
+                self.finish(label, run, process.wait(), time.time() - t)
+        finally:
+            self.free.put(slot)
+
+    def start(self, label, run, cmd, slot, resume):
+        """The run's process, after run.json and train.log are in its folder; None once the sweep stops
+        or when the folder cannot be written (a failed run)."""
+        d, env = run["dir"], _run_env(run, slot)
+        info = {k: run[k] for k in ("variant", "dataset", "depth", "seed", "sweep", "attnres_block", "args")}
+        with self.lock:  # under the lock: stop() sees every process that starts
+            if self.signum is not None:
+                return None
+            try:
+                log, log_start = open_run_folder(d, dict(info, command=_shell(cmd, env)))
+                tail = RunTail(run, log_start)  # before the run writes: what is there now is not news
+            except OSError as e:
+                self.failed.append(run["name"])
+                self.progress.say(f"{label}: FAILED: {prepare_data.os_error_line(e, '--out')}")
+                return None
+            with log:  # PYTHONUNBUFFERED: train.log shows each line as it is printed
+                process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True,
+                                           env={"PYTHONUNBUFFERED": "1", **os.environ, **env})
+            self.running[label] = process
+        self.progress.say(f"{label}{' (resuming from last.pt)' if resume else ''}: started"
+                          + "".join(f" {k}={v}" for k, v in slot.items()))
+        self.progress.watch(label, tail)  # after the line that names the run
+        return process
+
+    def finish(self, label, run, returncode, seconds):
+        with self.lock:
+            del self.running[label]
+        self.progress.unwatch(label)  # its last evaluations come before its end line
+        d, signum = run["dir"], stop_signal(returncode)
+        if signum is not None:
+            self.stop(signum)
+            with self.lock:
+                self.stopped.append(run["name"])
+            again = "resumes it from its last.pt" if (d / "last.pt").exists() else "starts it again"
+            name = signal.Signals(signum).name
+            result = f"stopped by {name} (exit {returncode}); the same command {again}"
+        else:
+            result = self.outcome(run, returncode, seconds)
+        self.progress.say(f"{label}: {result}")
+
+    def outcome(self, run, returncode, seconds):
+        d, why = run["dir"], None
+        if returncode == 0 and (d / "summary.json").exists():
+            try:
+                final = read_summary(d / "summary.json")["final"]
+                with self.lock:
+                    self.done += 1
+                return f"done in {seconds:.0f} s, val loss {final['val_loss']:.4f}"
+            except UsageError as e:
+                why = str(e)
+        with self.lock:
+            self.failed.append(run["name"])
+        return f"FAILED (exit {returncode}): {why or last_error_line(d / 'train.log')}"
+
+    def stop(self, signum, again=False):
+        """Start no more runs; each run under way gets signum (SIGTERM for SIGHUP: train.py saves on
+        it), once, unless again (a second Ctrl-C)."""
+        with self.lock:
+            self.signum = signum if self.signum is None else self.signum
+            for label, process in self.running.items():
+                if (again or label not in self.signalled) and process.returncode is None:
+                    self.signalled.add(label)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
+
+
+def open_run_folder(d, info):
+    """Make run folder d, write its run.json (info) and open its train.log to append to: (file, its
+    size before). A planted link named train.log is refused (O_NOFOLLOW), never followed."""
+    d.mkdir(parents=True, exist_ok=True)
+    prepare_data.write_json(d / "run.json", info)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(d / "train.log", flags, 0o644)
+    return os.fdopen(fd, "ab"), os.fstat(fd).st_size
+
+
+def last_error_line(log):
+    """The last line of a train.log that names an error, else its last line."""
+    try:
+        lines = log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
+    except OSError as e:
+        return f"(its train.log cannot be read: {e.strerror or e})"
+    return next((s for s in reversed(lines) if "error" in s.lower()), lines[-1])
+
+
+class Progress:
+    """The sweep's lines, and each running run's latest step (read from its metrics.jsonl): on a
+    terminal, one status line below the others, refreshed in place; elsewhere (a file, a pipe), a
+    line per evaluation. A run's evaluations all appear before its end line."""
+
+    def __init__(self, stream):
+        self.stream, self.tty = stream, stream.isatty()
+        self.lock, self.runs = threading.Lock(), {}  # label: RunTail
+
+    def say(self, line):
+        with self.lock:
+            self._write(line + "\n")
+
+    def watch(self, label, tail):
+        with self.lock:
+            self.runs[label] = tail
+
+    def unwatch(self, label):
+        with self.lock:
+            self._news(label, self.runs.pop(label))
+
+    def poll(self):
+        with self.lock:
+            for label, tail in self.runs.items():
+                self._news(label, tail)
+            self._write("")  # the status line, refreshed
+
+    @contextlib.contextmanager
+    def polling(self):
+        """poll() every POLL_S seconds in a thread while the block runs; then the status line goes."""
+        done = threading.Event()
+
+        def loop():
+            while not done.wait(POLL_S):
+                self.poll()
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            with self.lock:
+                self.runs.clear()
+                self._write("")
+
+    def status(self):
+        """The status line: each running run's latest step, cut to the terminal's width."""
+        width = shutil.get_terminal_size().columns - 1
+        line = "  ".join(f"[{tail.name}: {tail.latest}]" for tail in self.runs.values())
+        return line if len(line) <= width else line[:max(0, width - 3)] + "..."
+
+    def _news(self, label, tail):  # under the lock
+        for line in tail.read():
+            if not self.tty:
+                self._write(f"{label}: {line}\n")
+
+    def _write(self, text):  # under the lock; on a terminal the status line is redrawn below the text
+        if self.tty:
+            text = "\r\x1b[K" + text + self.status()
+        if text:
+            self.stream.write(text)
+            self.stream.flush()
+
+
+class RunTail:
+    """What a running run logs from the moment the sweep starts it: the evaluation lines that its
+    metrics.jsonl gains (read on from where the last look stopped; from the start again if train.py
+    rewrote the file, printing no evaluation twice), its latest step as text, and its number of steps
+    (from the header line train.py writes to train.log)."""
+
+    def __init__(self, run, log_start=0):
+        self.name, self.log = run["name"], run["dir"] / "train.log"
+        self.metrics = run["dir"] / "metrics.jsonl"
+        self.offset, self.inode, self.log_offset, self.total = 0, None, log_start, None
+        self.last_eval, self.latest = -1, "starting"
+        self.read()  # what is there already (a resumed run's earlier lines) is not news
+
+    def read(self):
+        """The evaluations since the last read, as lines; updates latest."""
+        self._find_total()
+        try:
+            with open(self.metrics, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self.inode or os.fstat(f.fileno()).st_size < self.offset:
+                    self.inode, self.offset = inode, 0  # rewritten (train.py's repair on resume)
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []  # not written yet
+        data = data[:data.rfind(b"\n") + 1]  # whole lines: one being written waits for the next look
+        self.offset += len(data)
+        news = []
+        for line in data.splitlines():
+            record = _json_object(line)
+            if record is None or not _is_int(record.get("step")):
+                continue
+            of = f"/{self.total}" if self.total else ""
+            if record.get("type") == "eval" and _is_number(record.get("val_loss")):
+                numbers = [(name, record.get(key)) for name, key in EVAL_NUMBERS]
+                self.latest = f"eval step {record['step']}{of}" + "".join(
+                    f" | {name} {v:.4f}" for name, v in numbers if _is_number(v))
+                if record["step"] > self.last_eval:
+                    self.last_eval = record["step"]
+                    news.append(self.latest)
+            elif record.get("type") == "train" and _is_number(record.get("loss")):
+                self.latest = f"step {record['step']}{of} | loss {record['loss']:.4f}"
+        return news
+
+    def _find_total(self):  # "training: 300 steps x ..." near the top of this start's part of train.log
+        if self.total is not None:
+            return
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.log_offset)
+                text = f.read(1 << 16).decode(errors="replace")
+        except OSError:
+            return
+        found = re.search(r"^training: ([\d,]+) steps", text, re.MULTILINE)
+        if found:
+            self.total = int(found[1].replace(",", ""))
+        elif re.search(r"^(eval )?step \d", text, re.MULTILINE):  # training began without it
+            self.total = 0
+
+
+# checking the files runs leave: a damaged one is a note or one error line, never a traceback
+
+
+def summary_problem(s):
+    """Why s (a summary.json's content) is not what train.py writes, in the parts the report reads;
+    None if it is."""
+    if not isinstance(s, dict):
+        return "not a JSON object"
+    if not _is_number((s.get("final") if isinstance(s.get("final"), dict) else {}).get("val_loss")):
+        return "no final val_loss"
+    shape = dict(config=dict, train=dict, milestones=dict, routes=dict, wall_time_s=float, dataset=str,
+                 level=str)
+    why = (_wrong_fields(s, shape) or _wrong_fields(s.get("train") or {}, dict(seed=int), "train.")
+           or _wrong_fields(s.get("config") or {}, dict(n_layer=int, residual=str), "config."))
+    if why:
+        return why
+    for label, m in (s.get("milestones") or {}).items():
+        if not (isinstance(m, dict) and _is_number(m.get("tokens")) and _is_number(m.get("val_loss"))):
+            return f"milestone {label} has no tokens and val_loss"
+    routes = s.get("routes") or {}
+    for key in ("entropy", "entropy_norm"):
+        values = routes.get(key) or {}
+        if not (isinstance(values, dict) and all(v is None or _is_number(v) for v in values.values())):
+            return f"routes.{key} is not an object of numbers"
+    return _wrong_fields(routes, dict(js_mean=float), "routes.")
+
+
+def _json_object(line):
+    """A JSON line as a dict, else None (not JSON, or JSON that is not an object)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _wrong_fields(obj, types, prefix=""):
+    """Why obj is not a dict whose fields in `types` are None or of their type (float: any number);
+    None if it is."""
+    if not isinstance(obj, dict):
+        return f"{prefix.rstrip('.') or 'it'} is not a JSON object"
+    for key, kind in types.items():
+        value = obj.get(key)
+        if value is None:
+            continue
+        ok = {int: _is_int, float: _is_number}.get(kind, lambda v: isinstance(v, kind))(value)
+        if not ok or (kind is list and not all(isinstance(v, str) for v in value)):
+            return f"{prefix}{key} is not {_KINDS[kind]}"
+    return None
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", list: "a list of strings",
+          dict: "an object"}
+
+
+def _unreadable(e):
+    if isinstance(e, OSError):
+        return f"cannot be read: {e.strerror or e}"
+    return "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"not valid JSON: {e}"
 
 
 if __name__ == "__main__":

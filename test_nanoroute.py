@@ -2687,15 +2687,18 @@ _EXP_HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 def _exp_run(root, name, variant, seed, val=None, *, depth=4, dataset="demo", level="char", milestones=None,
              entropy=None, js=None, evals=((0, 4.0), (100, 3.0))):
     """A hand-made run folder: run.json, metrics.jsonl (eval lines (tokens, val_loss)) and, when val is
-    given, summary.json with that final val loss."""
+    given, summary.json with that final val loss. entropy: the normalised route entropy per read (the
+    raw entropy, which the report does not show, is written as 10x it)."""
     d = Path(root) / name
     d.mkdir(parents=True)
     (d / "run.json").write_text(json.dumps(dict(variant=variant, dataset=dataset, depth=depth, seed=seed, sweep="x")))
-    routes = None if entropy is None else dict(entropy=entropy, js={}, js_mean=js)
+    routes = None if entropy is None else dict(
+        entropy={k: 10 * (v or 0) for k, v in entropy.items()}, entropy_norm=entropy, js={}, js_mean=js)
     lines = [dict(type="eval", step=i, tokens=t, val_loss=v, routes=routes) for i, (t, v) in enumerate(evals)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"type": "ev')  # a cut line
     if val is not None:
-        summary = dict(config=dict(n_layer=depth, residual="attnres"), train=dict(seed=seed),
+        config = dict(n_layer=depth, **experiments.VARIANTS.get(variant, dict(residual="attnres")))
+        summary = dict(config=config, train=dict(seed=seed),
                        final=dict(val_loss=val), best_val_loss=val, step=100, tokens_seen=100, wall_time_s=10.0,
                        milestones={label: dict(step=1, tokens=tokens, val_loss=v)
                                    for label, tokens, v in milestones or ()},
@@ -2709,10 +2712,11 @@ def _exp_study(root):
     GPT-2-level group with one pair."""
     block, rd = [2.0, 2.2, 2.4], [1.9, 2.25, 2.3]  # rd - block = -0.1, +0.05, -0.1
     for seed in range(3):
-        _exp_run(root, f"block_L4_s{seed}", "block", seed, block[seed], entropy={"a": 1.0, "b": 2.0},
+        _exp_run(root, f"block_L4_s{seed}", "block", seed, block[seed],
+                 entropy={"layer0.attn": None, "a": 0.5, "b": 0.7},  # a read of one source has no value
                  milestones=[("0.5B", 500, 3.0 + seed / 10), ("0.25B", 250, 3.5)],
                  evals=((0, 4.0), (250, 3.5), (500, 3.0 + seed / 10)))
-        _exp_run(root, f"rd_L4_s{seed}", "rd", seed, rd[seed], entropy={"a": 0.5, "b": 0.5, "layer0.attn.v": 9.0},
+        _exp_run(root, f"rd_L4_s{seed}", "rd", seed, rd[seed], entropy={"a": 0.25, "b": 0.25, "layer1.attn.v": 0.9},
                  js=0.2 + 0.02 * seed,
                  milestones=[("0.5B", 500, 2.9 + seed / 10), ("0.25B", 250, 3.5)],
                  evals=((0, 4.0), (250, 3.5), (500, 2.9 + seed / 10)))
@@ -2735,10 +2739,10 @@ def test_exp_report_statistics_on_hand_made_runs(tmp_path):
     assert block["seeds"] == [0, 1, 2] and rd["seeds"] == [0, 1, 2]  # the unfinished seed 3 is not counted
     assert block["val"] == pytest.approx((2.2, 0.2))
     assert block["metric"] == pytest.approx((2.2 / math.log(2), 0.2 / math.log(2)))  # bits per char
-    assert block["delta"] is None and block["entropy"] == pytest.approx((1.5, 0.0)) and block["js"] == (None, None)
+    assert block["delta"] is None and block["entropy"] == pytest.approx((0.6, 0.0)) and block["js"] == (None, None)
     assert rd["delta"]["mean"] == pytest.approx(-0.05) and rd["delta"]["std"] == pytest.approx(math.sqrt(0.0075))
     assert (rd["delta"]["wins"], rd["delta"]["n"]) == (2, 3)
-    assert rd["js"] == pytest.approx((0.22, 0.02)) and rd["entropy"] == pytest.approx((0.5, 0.0))  # .v reads excluded
+    assert rd["js"] == pytest.approx((0.22, 0.02)) and rd["entropy"] == pytest.approx((0.25, 0.0))  # .v reads excluded
     assert rd["at"]["0.5B"]["delta"] == pytest.approx(dict(mean=-0.1, std=0.0, wins=3, ties=0, n=3))
     assert rd["at"]["0.25B"]["delta"] == pytest.approx(dict(mean=0.0, std=0.0, wins=0, ties=3, n=3))  # no win
     assert prenorm["val"] == (2.5, None)
@@ -2748,8 +2752,10 @@ def test_exp_report_statistics_on_hand_made_runs(tmp_path):
 
     assert experiments.main(["report", str(tmp_path)]) == 0  # default baseline: block
     text = (tmp_path / "report.md").read_text()
-    assert ("| rd | 3 | 2.1500 ± 0.2179 | 3.1018 ± 0.3144 | -0.0500 ± 0.0866 | 2/3 | 0.500 ± 0.000 | "
+    assert ("| rd | 3 | 2.1500 ± 0.2179 | 3.1018 ± 0.3144 | -0.0500 ± 0.0866 | 2/3 | 0.250 ± 0.000 | "
             "0.220 ± 0.020 |") in text
+    assert "| route entropy (norm.) |" in text and "Route entropy: normalised, entropy / ln(number of sources" in text
+    assert "| prenorm | 1 | 2.5000 ± – | 3.6067 ± – | +0.5000 ± – | 0/1 | – | – |" in text  # no routes: –
     assert "| prenorm | 1 | 2.5000 ± – |" in text and "| +0.5000 ± – | 0/1 |" in text
     assert ("| rd | 3.5000 ± 0.0000 | +0.0000 ± 0.0000 | 0/3 (3 tied) | 3.0000 ± 0.1000 | -0.1000 ± 0.0000 | "
             "3/3 |") in text
@@ -2820,13 +2826,92 @@ def test_exp_sweep_skips_finished_runs_resumes_interrupted_and_reports_failures(
     assert out.count("WARNING: it ran with other flags") == 1  # a changed sweep does not silently reuse runs
 
 
-def test_exp_sweep_ctrl_c_stops_with_one_line(tmp_path, monkeypatch, capsys):
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
+# a sweep stops when a run it started ends by SIGINT or SIGTERM (sent to that run alone, as `kill PID`
+# or a Ctrl-C that reaches only the child would): the run is "stopped", not FAILED, the other run under
+# way gets the same signal, no run starts after them, "interrupted" is said once, and the sweep exits
+# 128 + signum. The children are real processes.
+_EXP_SIGNALLED_TRAIN = """
+import os, signal, sys, time
+from pathlib import Path
+argv = sys.argv[1:]
+out = Path(argv[argv.index("--out_dir") + 1])
+with open(os.environ["EXP_CALLS"], "a") as f:
+    f.write(out.name + "\\n")
+if os.environ["EXP_CATCH"] == "1":  # as train.py does: stop after the step, save, exit 128 + signum
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+(out / "ready.tmp").write_text(str(os.getpid()))
+(out / "ready.tmp").rename(out / "ready")
+time.sleep(120)  # until a signal ends it
+"""
 
-    monkeypatch.setattr(experiments.subprocess, "run", interrupted)
-    assert experiments.main(["sweep", "tiny", "--out", str(tmp_path), "--seeds", "0"]) == 130
-    assert capsys.readouterr().err.strip().startswith("interrupted: run the same command again to resume")
+
+def _exp_wait_for(path):
+    """Wait until path exists (a child says it is ready); no timing is asserted, 120 s is a hang."""
+    for _ in range(2400):
+        if path.exists():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never appeared")
+
+
+@pytest.mark.parametrize("sig, catch", [(signal.SIGINT, "1"), (signal.SIGTERM, "1"), (signal.SIGTERM, "0")])
+def test_exp_sweep_stops_when_a_run_ends_by_a_signal(_train_data, tmp_path, monkeypatch, capsys, sig, catch):
+    fake, calls, out = tmp_path / "fake_train.py", tmp_path / "calls", tmp_path / "runs"
+    fake.write_text(_EXP_SIGNALLED_TRAIN)
+    monkeypatch.setattr(experiments, "TRAIN", str(fake))
+    monkeypatch.setenv("EXP_CALLS", str(calls))
+    monkeypatch.setenv("EXP_CATCH", catch)  # "0": the signal kills the child (exit -signum)
+    def send():  # once both runs are under way, to one of them
+        _exp_wait_for(out / "block_L2_s0" / "ready")
+        os.kill(_exp_wait_for(out / "prenorm_L2_s0" / "ready"), sig)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    argv = ["sweep", "custom", "--data", str(_train_data[0]), "--variants", "prenorm,block", "--depths", "2",
+            "--seeds", "0-1", "--jobs", "2", "--out", str(out)]
+    assert experiments.main(argv) == 128 + sig
+    sender.join()
+    captured = capsys.readouterr()
+    rc = 128 + sig if catch == "1" else -sig
+    name = signal.Signals(sig).name
+    for run in ("prenorm_L2_s0", "block_L2_s0"):
+        assert f"{run}: stopped by {name} (exit {rc}); the same command starts it again\n" in captured.out
+    assert "FAILED" not in captured.out + captured.err and "failed" not in captured.err
+    assert "0 done, 0 failed, 2 stopped" in captured.out
+    assert captured.err.splitlines() == ["interrupted: run the same command again to resume (finished runs are "
+                                         "skipped, the others continue from their last.pt)"]
+    assert (captured.out + captured.err).count("interrupted") == 1
+    assert sorted(calls.read_text().split()) == ["block_L2_s0", "prenorm_L2_s0"]  # seed 1 never started
+
+
+# a Ctrl-C at the terminal reaches the sweep (its process group); the sweep passes it on to each run under
+# way once, and prints each as stopped (never FAILED) before the one "interrupted" line
+_EXP_SWEEP_DRIVER = "import sys, experiments; experiments.TRAIN = sys.argv[1]; sys.exit(experiments.main(sys.argv[2:]))"
+
+
+def test_exp_terminal_ctrl_c_stops_the_sweep_and_its_runs_once(_train_data, tmp_path):
+    fake, calls, out = tmp_path / "fake_train.py", tmp_path / "calls", tmp_path / "runs"
+    fake.write_text(_EXP_SIGNALLED_TRAIN)
+    argv = ["sweep", "custom", "--data", str(_train_data[0]), "--variants", "prenorm,block", "--depths", "2",
+            "--seeds", "0-1", "--jobs", "2", "--out", str(out)]
+    # a session of its own, as a terminal's foreground job; Ctrl-C not ignored (as it is under `&` in a script)
+    sweep = subprocess.Popen([sys.executable, "-c", _EXP_SWEEP_DRIVER, str(fake), *argv], cwd=_TRAIN_ROOT,
+                             env=dict(_train_env(), EXP_CALLS=str(calls), EXP_CATCH="1"), start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = [_exp_wait_for(out / name / "ready") for name in ("prenorm_L2_s0", "block_L2_s0")]
+    os.killpg(sweep.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole foreground group
+    stdout, stderr = sweep.communicate(timeout=120)
+    assert sweep.returncode == 130, stderr
+    for name in ("prenorm_L2_s0", "block_L2_s0"):
+        assert stdout.count(f"{name}: stopped by SIGINT (exit 130)") == 1, stdout
+    assert "FAILED" not in stdout + stderr and "Traceback" not in stderr
+    assert stderr.count("interrupted") == 1 and stderr.startswith("interrupted: run the same command again")
+    assert sorted(calls.read_text().split()) == ["block_L2_s0", "prenorm_L2_s0"]  # seed 1 never started
+    for pid in pids:  # no run is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def _exp_routed_run(root):
@@ -2856,10 +2941,14 @@ def test_exp_plots_headless(tmp_path, capsys):
     runs_dir = _exp_routed_run(tmp_path)
     _exp_run(runs_dir, "rd_L2_s1", "rd", 1, 2.5, depth=2, evals=((0, 4.0), (100, 3.1), (200, 2.5)))
     assert experiments.main(["report", str(runs_dir), "--plots", "--heatmap", "rd_L2_s0"]) == 0
+    sizes = {}
     for png in ("val_loss.png", "routes_rd_L2_s0.png"):
-        assert (runs_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    import matplotlib
-    assert matplotlib.get_backend().lower() == "agg"
+        data = (runs_dir / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        sizes[png] = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")  # IHDR: width, height
+    dpi = experiments.PLOT_DPI
+    assert sizes["val_loss.png"] == (8 * dpi, 6 * dpi)  # the figure's own size: nothing cropped
+    assert sizes["routes_rd_L2_s0.png"][0] >= 6.4 * dpi and sizes["routes_rd_L2_s0.png"][1] >= 3.6 * dpi
 
 
 @pytest.mark.parametrize("matplotlib", ["as installed", "missing"])
@@ -2889,6 +2978,13 @@ def test_exp_real_sweep_through_train_py(tmp_path, capsys):
             "--sequence_len", "32", "--batch_size", "8", "--max_iters", "3", "--eval_tokens", "256",
             "--milestones", "0.5K", "--device", "cpu"]
     assert experiments.main(argv) == 0
+    # not a terminal: a line per evaluation of each run (steps 0, 2 at the milestone, 3), before its end line
+    lines = capsys.readouterr().out.splitlines()
+    for i, name in enumerate(("prenorm_L2_s0", "rd_L2_s0"), 1):
+        mine = [line.split(": ", 1)[1] for line in lines if line.startswith(f"[{i}/2] {tmp_path / 'runs' / name}: ")]
+        assert mine[0] == "started" and mine[-1].startswith("done in ") and len(mine) == 5, lines
+        assert [re.sub(r"[\d.]+\d", "X", m) for m in mine[1:-1]] == [
+            f"eval step {step}/3 | train X | val X | bpc X" for step in (0, 2, 3)], lines
     assert experiments.main(["report", str(tmp_path / "runs"), "--baseline", "prenorm"]) == 0
     text = (tmp_path / "runs/report.md").read_text()
     assert "| **prenorm** (baseline) | 1 |" in text and ("| 0/1 |" in text or "| 1/1 |" in text)
@@ -2949,7 +3045,28 @@ def test_exp_bad_grid_input_is_one_error_line(_train_data, tmp_path, capsys):
         ([*custom, "--data", demo, "--variants", "block", "--", "--n_layer", "8"], "--n_layer after --: the sweep"),
         ([*custom, "--data", demo, "--variants", "block", "--", "--data=x"], "--data after --"),
         ([*custom, "--data", demo, "--variants", "block", "--jobs", "0"], "--jobs 0: must be at least 1"),
+        # flags after -- are train.py's, checked by its parser before any run: abbreviations and misspellings
+        # (once taken by prefix, a 3-layer model in a folder named L2), bad values, the grid's flags by name
+        ([*custom, "--data", demo, "--variants", "block", "--depths", "2", "--", "--n_lay", "3"],
+         "after --: unrecognized arguments: --n_lay 3 (did you mean --n_layer?); the sweep sets --n_layer itself: "
+         "use --depths (the flags after -- go to every run: python train.py --help)"),
+        ([*custom, "--data", demo, "--variants", "block", "--", "--max_iter", "5"],
+         "after --: unrecognized arguments: --max_iter 5 (did you mean --max_iters?)"),
+        ([*custom, "--data", demo, "--variants", "block", "--", "--max_iters", "abc"],
+         "after --: argument --max_iters: invalid int value: 'abc'"),
+        ([*custom, "--data", demo, "--variants", "block", "--", "--n_layer=3"], "--n_layer after --: the sweep"),
+        ([*custom, "--data", demo, "--variants", "block", "--", "--wav", "True"], "--wav after --: the sweep sets it"),
+        ([*custom, "--data", demo, "--variants", "block", "--", "--out_dir", "x"], "--out_dir after --"),
+        ([*custom, "--data", demo, "--variants", "block", "--", "--resume"], "--resume after --: the sweep resumes"),
+        ([*custom, "--data", demo, "--variants", "block", "--", "--help"], "--help after --: the flags after -- are"),
+        (["sweep", "wav_paper", "--dry_run", "--", "--preset", "wav12"],
+         "--preset after --: sweep wav_paper sets the preset of each depth (wav12, wav24, wav48)"),
+        ([*custom, "--data", demo, "--variants", "block", "--out", str(tmp_path / "a_file" / "runs")],
+         f"--out {tmp_path / 'a_file' / 'runs'}: cannot make that folder (a file is in the way: "
+         f"{tmp_path / 'a_file'}); choose another --out"),
+        (["report", str(tmp_path), "--", "--baseline", "rd"], "report takes no flags after -- (got --baseline rd)"),
     ]
+    (tmp_path / "a_file").write_text("")
     for argv, message in cases:
         assert experiments.main(argv) == 2, argv
         captured = capsys.readouterr()
@@ -2994,7 +3111,7 @@ def test_exp_custom_sweep_runs_two_at_once_resumes_and_reports(_train_data, tmp_
     assert experiments.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     events = [line.split(": ")[1].split()[0] for line in lines if line.startswith("[")]
-    assert events == ["started", "started", "done", "done"], lines
+    assert [e for e in events if e != "eval"] == ["started", "started", "done", "done"], lines
     assert "2 done, 0 failed" in lines[-1] and "2 at a time" in lines[-1]
     info = {v: json.loads((tmp_path / f"runs/{v}_L2_s0/run.json").read_text()) for v in ("prenorm", "wav")}
     assert all(i["command"].startswith("OMP_NUM_THREADS=1 ") and i["dataset"] == "demo" for i in info.values())
@@ -3023,3 +3140,263 @@ def test_exp_report_states_the_routing_block(tmp_path):
     text = (tmp_path / "report.md").read_text()
     assert "**Routing blocks differ** (block: 2, rd: 2, wav: 4 sublayers)" in text
     assert "Routing block: 2 sublayers" not in text and "Routing block: 4 sublayers" in text  # fineweb_edu
+
+
+# the report's statistics on hand-made runs whose seeds are 2, 3 and 10 (which sort wrongly as text), with
+# a variant that lacks a seed: pairs, wins and milestones go by seed value, never by position
+def test_exp_report_pairs_by_seed_value_with_missing_seeds_and_seed_10(tmp_path):
+    block = {2: 2.0, 3: 2.5, 10: 3.0}
+    rd = {10: 2.7, 2: 2.1}  # no seed 3; by value: +0.1 (seed 2), -0.3 (seed 10)
+    block_at = {2: 2.8, 3: 2.9, 10: 3.1}
+    rd_at = {10: 3.0, 2: 2.8}  # at 2K tokens: a tie on seed 2, -0.1 on seed 10
+    for variant, finals, at in (("block", block, block_at), ("rd", rd, rd_at)):
+        for seed, val in finals.items():
+            _exp_run(tmp_path, f"{variant}_L4_s{seed}", variant, seed, val,
+                     milestones=[("10K", 10_000, val), ("2K", 2_000, at[seed])])
+    _exp_run(tmp_path, "wav_L4_s10", "wav", 10, 2.9)
+    d = _exp_run(tmp_path, "mine", "prenorm", None, 2.2)  # no seed anywhere: counted, never paired
+    summary = json.loads((d / "summary.json").read_text())
+    (d / "summary.json").write_text(json.dumps(dict(summary, train={})))
+    for variant in ("block", "rd"):  # at 8 layers, neither has a seed: nothing pairs
+        d = _exp_run(tmp_path, f"L8/{variant}", variant, None, 2.0, depth=8)
+        (d / "summary.json").write_text(json.dumps(dict(json.loads((d / "summary.json").read_text()), train={})))
+    runs = experiments.load_runs(tmp_path)
+    assert [r["name"] for r in runs][2:5] == ["block_L4_s10", "block_L4_s2", "block_L4_s3"]  # folders: text order
+    group, seedless = experiments.summarize(runs, "block")
+    assert [(row["variant"], row["seeds"]) for row in seedless["rows"]] == [("block", [None]), ("rd", [None])]
+    assert seedless["rows"][1]["delta"]["n"] == 0
+    assert group["milestones"] == ["2K", "10K"]  # token order, not text order
+    rows = {row["variant"]: row for row in group["rows"]}
+    assert [row["variant"] for row in group["rows"]] == ["prenorm", "block", "wav", "rd"]  # VARIANTS order
+    assert rows["block"]["seeds"] == [2, 3, 10] and rows["rd"]["seeds"] == [2, 10]  # by value
+    assert rows["block"]["val"] == pytest.approx((2.5, 0.5))
+    assert rows["rd"]["val"] == pytest.approx((2.4, statistics.stdev([2.1, 2.7])))
+    assert rows["rd"]["delta"] == pytest.approx(dict(mean=-0.1, std=statistics.stdev([0.1, -0.3]), wins=1, ties=0,
+                                                     n=2))
+    assert rows["rd"]["at"]["2K"]["delta"] == pytest.approx(dict(mean=-0.05, std=statistics.stdev([0.0, -0.1]),
+                                                                 wins=1, ties=1, n=2))
+    assert rows["rd"]["at"]["2K"]["val"] == pytest.approx((2.9, statistics.stdev([2.8, 3.0])))
+    assert rows["wav"]["delta"] == pytest.approx(dict(mean=-0.1, std=None, wins=1, ties=0, n=1))  # seed 10's pair
+    assert rows["prenorm"]["seeds"] == [None] and rows["prenorm"]["val"] == (2.2, None)
+    assert rows["prenorm"]["delta"]["n"] == 0  # a run without a seed pairs with none
+    assert experiments.main(["report", str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| rd | 2 | 2.4000 ± 0.4243 | 3.4625 ± 0.6121 | -0.1000 ± 0.2828 | 1/2 |" in text
+    assert "| prenorm | 1 | 2.2000 ± – | 3.1739 ± – | – | – |" in text
+    assert "| variant | val @2K | Δ @2K | wins | val @10K |" in text
+    assert "| rd | 2.9000 ± 0.1414 | -0.0500 ± 0.0707 | 1/2 (1 tied) | 2.4000 ± 0.4243 | -0.1000 ± 0.2828 | 1/2 |" \
+        in text
+    # the same variant and seed twice (two sweeps' folders in one report) pairs ambiguously: one line
+    _exp_run(tmp_path / "again", "rd_L4_s2", "rd", 2, 2.0)
+    with pytest.raises(experiments.UsageError, match="runs again/rd_L4_s2 and rd_L4_s2 are both rd with seed 2"):
+        experiments.summarize(experiments.load_runs(tmp_path), "block")
+
+
+# report: damaged run folders are one error line (a damaged summary.json), or left out with a note that
+# says so (run.json, metrics.jsonl lines); never a traceback
+def test_exp_report_damaged_files_are_one_line_or_a_note(tmp_path, capsys):
+    _exp_study(tmp_path)
+    d = tmp_path / "rd_L4_s0"
+    with open(d / "metrics.jsonl", "r+") as f:  # valid JSON that is not an object, and a bad eval line
+        lines = f.read().split("\n")
+        f.seek(0)
+        f.write("\n".join(lines[:1] + ["[1, 2]", "3", '"text"', '{"type": "eval", "step": "x"}'] + lines[1:]))
+    (tmp_path / "block_L4_s1" / "run.json").write_text("[]")  # a list: read from summary.json alone
+    (tmp_path / "block_L4_s2" / "run.json").write_text(json.dumps(dict(variant="block", seed="2")))
+    assert experiments.main(["report", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: {d / 'metrics.jsonl'}: 4 damaged line(s) left out\n" in err
+    assert f"note: {tmp_path / 'block_L4_s1' / 'run.json'} is damaged (it is not a JSON object): left out" in err
+    assert "block_L4_s2/run.json is damaged (seed is not an integer)" in err and "Traceback" not in err
+    text = (tmp_path / "report.md").read_text()
+    assert "Left out: " in text and "4 damaged line(s) left out" in text
+    assert "| **block** (baseline) | 3 |" in text  # both block runs still count, from their summary.json
+    runs = {r["name"]: r for r in experiments.load_runs(tmp_path)}
+    assert len(runs["rd_L4_s0"]["evals"]) == 3 and runs["block_L4_s1"]["seed"] == 1  # train.seed
+
+    summary = tmp_path / "block_L4_s0" / "summary.json"
+    good = json.loads(summary.read_text())
+    cases = [
+        ("[1]", "(not a JSON object)"),
+        (json.dumps(dict(good, routes=dict(entropy_norm="high"))), "(routes.entropy_norm is not an object of numbers)"),
+        (json.dumps(dict(good, milestones=[1])), "(milestones is not an object)"),
+        (json.dumps(dict(good, milestones={"1K": 5})), "(milestone 1K has no tokens and val_loss)"),
+        (json.dumps(dict(good, train=dict(seed="0"))), "(train.seed is not an integer)"),
+        (json.dumps(dict(good, wall_time_s="10 s")), "(wall_time_s is not a number)"),
+        (json.dumps(dict(good, final=dict(val_loss=float("nan")))), "(no final val_loss)"),
+        (b"\xff\xfe{}", "(not UTF-8 text)"),
+    ]
+    for content, message in cases:
+        (summary.write_bytes if isinstance(content, bytes) else summary.write_text)(content)
+        assert experiments.main(["report", str(tmp_path)]) == 2, message
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {summary} is damaged {message}") and err.count("\n") == 1, err
+    summary.unlink()
+    summary.mkdir()  # a summary.json that cannot be read (a folder; a file without permission reads the same)
+    assert experiments.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot read {summary} (Is a directory)") and err.count("\n") == 1
+    summary.rmdir()
+    (d / "metrics.jsonl").unlink()
+    (d / "metrics.jsonl").mkdir()  # unreadable metrics: the run is reported without its curve
+    (tmp_path / "report.md").unlink()
+    (tmp_path / "report.md").mkdir()  # and report.md cannot be written: one line
+    assert experiments.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"note: {d / 'metrics.jsonl'} cannot be read (Is a directory): the run's curve is left out" in err
+    assert err.splitlines()[-1] == (f"error: cannot write the report into {tmp_path} (Is a directory): make that "
+                                    "folder writable, or report a writable copy of it") and "Traceback" not in err
+
+
+# a sweep's run folder: a planted link named train.log is refused, not followed
+def test_exp_sweep_never_follows_a_planted_train_log_link(tmp_path, monkeypatch, capsys):
+    fake, outside = tmp_path / "fake_train.py", tmp_path / "outside.txt"
+    fake.write_text(_EXP_FAKE_TRAIN)
+    outside.write_text("not the sweep's")
+    monkeypatch.setenv("EXP_CALLS", str(tmp_path / "calls.jsonl"))
+    runs = experiments.plan("tiny", tmp_path / "out", seeds="0", variants="prenorm,rd")
+    (tmp_path / "out" / "prenorm_L4_s0").mkdir(parents=True)
+    (tmp_path / "out" / "prenorm_L4_s0" / "train.log").symlink_to(outside)
+    assert experiments.run_sweep(runs, [sys.executable, str(fake)]) == ["prenorm_L4_s0"]
+    out = capsys.readouterr().out
+    assert "prenorm_L4_s0: FAILED: Too many levels of symbolic links" in out and "1 done, 1 failed" in out
+    assert outside.read_text() == "not the sweep's"
+
+
+# the progress of a running run on a terminal: one status line, redrawn in place under each new line;
+# elsewhere a line per evaluation, never twice, also when train.py rewrites metrics.jsonl on resume
+class _ExpTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_exp_progress_in_place_on_a_terminal_and_a_line_per_eval_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")  # shutil.get_terminal_size reads it first
+    d = tmp_path / "wav_L4_s0"
+    d.mkdir()
+    (d / "train.log").write_text("an older run's lines\ntraining: 300 steps x 1,024 tokens\n")
+    metrics = d / "metrics.jsonl"
+    old = [dict(type="eval", step=0, tokens=0, train_loss=4.0, val_loss=4.1)]
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in old))  # a resumed run's earlier lines
+    terminal, plain = _ExpTerminal(), io.StringIO()
+    shows = [experiments.Progress(terminal), experiments.Progress(plain)]
+    for show in shows:
+        show.watch("[1/2] wav", experiments.RunTail(dict(name="wav_L4_s0", dir=d), len("an older run's lines\n")))
+    new = [dict(type="train", step=25, tokens=25_600, loss=2.5), dict(type="eval", step=25, tokens=25_600,
+                                                                       train_loss=2.4, val_loss=2.45, val_bpc=3.5)]
+    with open(metrics, "a") as f:
+        f.write("".join(json.dumps(x) + "\n" for x in new) + '{"type": "tra')  # a line being written
+    for show in shows:
+        show.poll()
+    status = "[wav_L4_s0: eval step 25/300 | train 2.4000 | val 2.4500 | bpc 3.5000]"
+    assert terminal.getvalue() == "\r\x1b[K" + status
+    shows[0].say("[2/2] rd: started")
+    assert terminal.getvalue().endswith("\r\x1b[K[2/2] rd: started\n" + status)
+    assert "\n" not in terminal.getvalue().replace("[2/2] rd: started\n", "")  # no line per evaluation
+    assert plain.getvalue() == f"[1/2] wav: {status[12:-1]}\n"  # the step 0 evaluation was not news
+    rewritten = tmp_path / "metrics.tmp"  # train.py's repair on resume: the same lines, a new file
+    rewritten.write_text("".join(json.dumps(x) + "\n" for x in old + new))
+    os.replace(rewritten, metrics)
+    with open(metrics, "a") as f:
+        f.write(json.dumps(dict(type="eval", step=50, tokens=51_200, train_loss=2.0, val_loss=2.1)) + "\n")
+    shows[1].unwatch("[1/2] wav")
+    assert plain.getvalue().splitlines()[1:] == ["[1/2] wav: eval step 50/300 | train 2.0000 | val 2.1000"]
+    shows[0].poll()
+    assert terminal.getvalue().endswith("\r\x1b[K[wav_L4_s0: eval step 50/300 | train 2.0000 | val 2.1000]")
+
+
+# --dry_run names what the real run would need; the real run then stops before its first run, with one line
+def test_exp_dry_run_names_what_is_missing_and_the_sweep_stops_before_starting(tmp_path, monkeypatch, capsys):
+    data, out = tmp_path / "data", tmp_path / "runs"
+    argv = ["sweep", "rd_paper", "--seeds", "0", "--depths", "16", "--data_root", str(data), "--out", str(out)]
+    assert experiments.main([*argv, "--dry_run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6 and all(" --preset rd_s " in line for line in lines[:5])
+    assert lines[5] == (f"missing: data folder {data / 'fineweb_edu'} does not exist; run: python prepare_data.py "
+                        f"fineweb_edu --out {data / 'fineweb_edu'} (the sweep stops before its first run until then)")
+    assert experiments.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"error: data folder {data / 'fineweb_edu'} does not exist; run: python prepare_data.py "
+                            f"fineweb_edu --out {data / 'fineweb_edu'}\n")
+    assert captured.out == "" and not out.exists()  # nothing started
+    # the demo is no download: the dry run says the sweep prepares it, and the sweep does (once, before its runs)
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(_EXP_FAKE_TRAIN)
+    monkeypatch.setenv("EXP_CALLS", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setattr(experiments, "TRAIN", str(fake))
+    tiny = ["sweep", "tiny", "--seeds", "0", "--variants", "prenorm", "--data_root", str(data), "--out", str(out)]
+    assert experiments.main([*tiny, "--dry_run"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"note: {data / 'demo'} is not prepared yet; the sweep prepares it first (python prepare_data.py demo "
+        f"--out {data / 'demo'})")
+    assert experiments.main(tiny) == 0
+    assert "preparing the demo dataset in" in capsys.readouterr().out
+    assert prepare_data.load_meta(data / "demo")["dataset"] == "demo"
+
+
+# val_loss.png's difference panel: a zero line and ticks that read as plain numbers on both sides of 0, linear
+# when the variants lie close, symlog (still plain ticks) when one is far off; the two rows sit close together
+def _exp_curves(root, offsets):
+    """block and one variant per offset (val loss = block's + offset), seeds 0 and 1, five evaluations."""
+    for seed in (0, 1):
+        base = [3.0 - 0.2 * i - 0.05 * seed for i in range(5)]
+        for variant, offset in {"block": 0.0, **offsets}.items():
+            ys = [y + offset * (i + 1) / 5 + 0.002 * seed for i, y in enumerate(base)]
+            _exp_run(root, f"{variant}_L4_s{seed}", variant, seed, ys[-1],
+                     evals=[(0, 4.0)] + [(1000 * (i + 1), y) for i, y in enumerate(ys)])
+    return experiments.load_runs(root)
+
+
+@pytest.mark.skipif(not _EXP_HAS_MPL, reason="needs matplotlib (optional: pip install matplotlib)")
+@pytest.mark.parametrize("offsets, scale", [(dict(rd=-0.02, wav=-0.03, prenorm=0.05), "linear"),
+                                            (dict(rd=-0.02, wav=-0.03, prenorm=0.05, rezero=0.9), "symlog")])
+def test_exp_val_loss_plot_ticks_are_plain_numbers_and_rows_sit_close(tmp_path, offsets, scale):
+    fig = experiments.val_loss_figure(_exp_curves(tmp_path, offsets), "block")
+    fig.draw_without_rendering()  # runs the layout
+    (top, bottom) = fig.axes[:2]
+    assert bottom.get_yscale() == scale
+    assert bottom.get_ylabel().endswith("(same seed; log beyond ±0.05)" if scale == "symlog" else "(same seed)")
+    ticks = [(t.get_position()[1], t.get_text()) for t in bottom.get_yticklabels() if t.get_text()]
+    for value, label in ticks:  # +0.05, −0.1, 0: no ×10⁻², no 1e-2, no offset text
+        assert re.fullmatch(r"0|[+−]\d+(\.\d+)?", label), ticks
+        assert float(label.replace("−", "-")) == pytest.approx(value, abs=1e-12)
+    assert min(v for v, _ in ticks) < 0 < max(v for v, _ in ticks) and len(ticks) >= 4
+    assert max(v for v, _ in ticks) >= max(offsets.values()) / 2  # ticks out to the furthest variant
+    assert bottom.yaxis.get_offset_text().get_text() == ""
+    assert any(list(line.get_ydata()) == [0, 0] for line in bottom.get_lines())  # the zero line
+    ymin, ymax = bottom.get_ylim()
+    assert ymin < -0.03 and ymax > max(offsets.values())  # every variant's difference is in view
+    gap = top.get_position().y0 - bottom.get_position().y1
+    assert 0 < gap < 0.06 and fig.get_figheight() <= 6.5  # compact: no empty band between the rows
+    assert [t.get_text() for t in bottom.get_xticklabels() if t.get_text()][-1].endswith("K")  # 5K, not 5000
+
+
+@pytest.mark.skipif(not _EXP_HAS_MPL, reason="needs matplotlib (optional: pip install matplotlib)")
+def test_exp_routes_heatmap_is_wide_with_titles_at_body_size():
+    import matplotlib
+    reads = ["layer0.attn", "layer0.mlp", "layer1.attn", "layer1.mlp", "readout"]
+    sources = ["emb", "C0", "P"]
+    matrix = [[1.0, None, None], [0.4, None, 0.6], [0.3, 0.7, None], [0.2, 0.3, 0.5], [0.5, 0.5, None]]
+    fig = experiments.routes_figure("block_L2_s0", reads, sources, matrix)
+    ax = fig.axes[0]
+    body = matplotlib.rcParams["font.size"]
+    assert fig.get_figwidth() >= 6.4  # three sources still give a readable width
+    assert ax.title.get_fontsize() >= body and ax.title.get_text().startswith("block_L2_s0: mean routing weight")
+    assert all(t.get_fontsize() >= 0.9 * body for t in ax.get_xticklabels() + ax.get_yticklabels())
+    cells = [t.get_text() for t in ax.texts]
+    assert cells == ["1.00", "0.40", "0.60", "0.30", "0.70", "0.20", "0.30", "0.50", "0.50", "0.50"]
+    assert all(t.get_fontsize() >= 0.9 * body for t in ax.texts)
+
+
+# val_loss.png of a sweep with many (dataset, depth) groups (wav_paper: 6) wraps into rows of 3 panel pairs
+@pytest.mark.skipif(not _EXP_HAS_MPL, reason="needs matplotlib (optional: pip install matplotlib)")
+def test_exp_val_loss_plot_of_many_groups_wraps_into_rows(tmp_path):
+    for dataset in ("tinystories", "text8"):
+        for depth in (12, 24, 48):
+            for variant in ("block", "wav"):
+                _exp_run(tmp_path, f"{dataset}/{variant}_L{depth}_s0", variant, 0, 2.0, depth=depth, dataset=dataset,
+                         evals=((100, 3.0), (200, 2.5), (300, 2.0 - 0.01 * (variant == "wav"))))
+    fig = experiments.val_loss_figure(experiments.load_runs(tmp_path), "block")
+    assert tuple(fig.get_size_inches()) == (24.0, 12.0) and len(fig.axes) == 12
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles == [f"{d}, {n} layers" for d in ("text8", "tinystories") for n in (12, 24, 48)]
