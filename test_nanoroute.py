@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
 import bench
 import experiments
@@ -759,24 +758,37 @@ def test_kernel_backward_inside_autocast_equals_outside(device):
 
 # Extending the routing (docs/routing.md walks through each): every change a researcher makes passes
 # fast == reference, forward and every gradient, float32 and bf16 autocast, or is refused when built.
+# The extensions tested are the docs' own code, run as written.
+@functools.cache
+def docs_code(path):
+    """The names defined by the Python blocks of a doc that start with an import, each run as written."""
+    namespace = {}
+    for block in re.findall(r"```python\n(.*?)```", (Path(__file__).parent / path).read_text(), re.S):
+        if block.startswith(("import ", "from ")):
+            exec(compile(block, path, "exec"), namespace)
+    return namespace
+
+
+def docs_class(name):
+    return docs_code("docs/routing.md")[name]
+
+
 def assert_extension_fast_equals_reference(cfg, device, model_class):
     """assert_fast_equals_reference in both precisions: what docs/routing.md says to run for a change."""
     for precision in PRECISIONS:
         assert_fast_equals_reference(cfg, device, precision, model_class)
 
 
+def test_readme_python_blocks_run_as_written():
+    names = docs_code("README.md")  # the model in Python, then the README's routing change
+    assert names["out"].shape == (2, 28)  # generate: 8 prompt tokens + 20
+    assert names["model"].bases == ["phase", "split", "cross"]
+
+
 # A new detail basis: one small method override
-class GPTWithCrossBasis(GPT):
-    """WAV with a third detail basis, cross = phase · split: + − − + over a block of 4."""
-
-    def detail_signs(self, l):
-        signs = super().detail_signs(l)
-        return {**signs, "cross": signs["phase"] * signs["split"]}
-
-
 def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(device):
     cfg = dict(residual="attnres", wav=True, attnres_block=4)
-    model = GPTWithCrossBasis(GPTConfig(**TINY, **cfg))
+    model = docs_class("GPTWithCrossBasis")(GPTConfig(**TINY, **cfg))
     assert all(b.shape == (3,) for b in model.detail_bias.values())  # a detail bias per read for it too
     _, _, routes = model(tokens(), return_routes=True)
     assert routing_stats(routes)["sources"] == ["emb", "C0", "C0.phase", "C0.split", "C0.cross",
@@ -787,24 +799,13 @@ def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(devic
     want = us[0] - us[1] - us[2] + us[3]
     scale = torch.clamp(state.value.pow(2).mean(-1).sqrt() / (want.pow(2).mean(-1).sqrt() + nanoroute.EPS), max=4.0)
     torch.testing.assert_close(cross.value, scale[..., None] * want)
-    assert_extension_fast_equals_reference(cfg, device, GPTWithCrossBasis)
+    assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithCrossBasis"))
 
 
 # A source made from earlier blocks: an override of complete
-class GPTWithBlockDifference(GPT):
-    """Block AttnRes whose pool also holds C<b>.diff = C_b − C_{b−1}, from the second completed block on."""
-
-    def complete(self, b, block, pool):
-        pool = super().complete(b, block, pool)
-        states = [s for s in pool if s.name.startswith("C") and "." not in s.name]
-        if len(states) < 2:
-            return pool
-        return pool + [nanoroute.Source(f"C{b}.diff", states[-1].value - states[-2].value)]
-
-
 def test_extension_block_difference_source_fast_equals_reference(device):
     cfg = dict(residual="attnres", attnres_block=2)  # 3 layers: C0, C1, C2, then the readout
-    model = randomise_routing(GPTWithBlockDifference(GPTConfig(**TINY, **cfg)))
+    model = randomise_routing(docs_class("GPTWithBlockDifference")(GPTConfig(**TINY, **cfg)))
     pools = []
     complete = model.complete
     model.complete = lambda b, block, pool: pools.append(complete(b, block, pool)) or pools[-1]
@@ -816,35 +817,17 @@ def test_extension_block_difference_source_fast_equals_reference(device):
     torch.testing.assert_close(value["C1.diff"], value["C1"] - value["C0"])
     readout = next(r for r in routes if r["name"] == "readout")
     assert readout["sources"] == ["emb", "C0", "C1", "C1.diff", "C2", "C2.diff"]
-    assert_extension_fast_equals_reference(cfg, device, GPTWithBlockDifference)
+    assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithBlockDifference"))
 
 
 # A learned temperature per read and a recency bias per source: an override of route
-class GPTWithTemperatureAndRecency(GPT):
-    """Every learned read scales its logits by exp(t) and adds −γ·age to each source's logit (age: how
-    many sources came after it in the pool); t = γ = 0 at init, so the model starts as its parent."""
-
-    def init_routing(self, config):
-        super().init_routing(config)
-        self.temperature = nn.ParameterDict({k: nn.Parameter(torch.zeros(())) for k in self.query})
-        self.recency = nn.ParameterDict({k: nn.Parameter(torch.zeros(())) for k in self.query})
-
-    def route(self, name, sources):
-        query, bias = super().route(name, sources)
-        key = name.replace(".", "_")
-        if key not in self.query:  # the reads without parameters (layer 0's)
-            return query, bias
-        age = torch.arange(len(sources) - 1, -1, -1, dtype=bias.dtype, device=bias.device)
-        return query * self.temperature[key].exp(), bias - self.recency[key] * age
-
-
 def test_extension_temperature_and_recency_in_route_fast_equals_reference(device):
     cfg = dict(residual="attnres", wav=True, rd="decoupled", attnres_block=4)
     torch.manual_seed(0)
-    model = GPTWithTemperatureAndRecency(GPTConfig(**TINY, **cfg))
+    model = docs_class("GPTWithTemperatureAndRecency")(GPTConfig(**TINY, **cfg))
     torch.testing.assert_close(model(tokens())[0], make_model(**cfg)(tokens())[0])  # paired with its parent at init
     assert {"temperature.readout", "recency.layer1_attn_v"} <= set(model.no_decay_parameters())  # no weight decay
-    assert_extension_fast_equals_reference(cfg, device, GPTWithTemperatureAndRecency)
+    assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithTemperatureAndRecency"))
 
 
 # Learned detail coefficients: the flag wav_learned_bases (SPEC: Learnable bases)
@@ -870,24 +853,9 @@ def test_learned_bases_start_at_the_signs_and_learn(device):
 
 # A normalised block summary (RMS-Block): completed blocks in complete(); the partial block is refused by
 # the fast kernel (its contract), and works on the reference path
-class GPTWithNormalisedBlocks(GPT):
-    """Block AttnRes whose completed summaries are C_b / rms(C_b), with the gradient through the norm."""
-
-    def complete(self, b, block, pool):
-        new = super().complete(b, block, pool)[len(pool):]
-        return pool + [s._replace(value=nanoroute.norm(s.value)) for s in new]
-
-
-class GPTWithNormalisedPartialBlock(GPT):
-    """The partial block P normalised too: block_sources, which the fast kernel cannot follow."""
-
-    def block_sources(self, name, block, first):
-        return [s._replace(value=nanoroute.norm(s.value)) for s in super().block_sources(name, block, first)]
-
-
 def test_extension_normalised_summaries_fast_equals_reference_or_refused(device):
     cfg = dict(residual="attnres", attnres_block=2)
-    model = randomise_routing(GPTWithNormalisedBlocks(GPTConfig(**TINY, **cfg)))
+    model = randomise_routing(docs_class("GPTWithNormalisedBlocks")(GPTConfig(**TINY, **cfg)))
     pools = []
     complete = model.complete
     model.complete = lambda b, block, pool: pools.append((complete(b, block, pool), sum(block))) or pools[-1][0]
@@ -895,11 +863,11 @@ def test_extension_normalised_summaries_fast_equals_reference_or_refused(device)
     for b, (pool, state) in enumerate(pools):  # C_b / rms(C_b), i.e. RMSNorm(C_b) with its ε
         rms = torch.sqrt(nanoroute.mean_square(state) + nanoroute.EPS)
         torch.testing.assert_close(pool[-1].value, state / rms[..., None])
-    assert_extension_fast_equals_reference(cfg, device, GPTWithNormalisedBlocks)
+    assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithNormalisedBlocks"))
     with pytest.raises(ValueError, match="overrides block_sources, which the fast kernel cannot follow") as err:
-        GPTWithNormalisedPartialBlock(GPTConfig(**TINY, **cfg))
+        docs_class("GPTWithNormalisedPartialBlock")(GPTConfig(**TINY, **cfg))
     assert "contract" in str(err.value) and "fast_routing=False" in str(err.value) and "\n" not in str(err.value)
-    slow = randomise_routing(GPTWithNormalisedPartialBlock(GPTConfig(**TINY, **cfg, fast_routing=False)))
+    slow = randomise_routing(docs_class("GPTWithNormalisedPartialBlock")(GPTConfig(**TINY, **cfg, fast_routing=False)))
     _, loss, routes = slow(tokens(), tokens(seed=4), return_routes=True)
     loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in slow.no_decay_parameters().values())
