@@ -427,6 +427,21 @@ def test_rd_decoupled_equals_off_at_init_and_differs_once_v_query_moves():
     assert stats["js_mean"] == pytest.approx(stats["js"]["layer1"] / 2)
 
 
+def test_rd_frozen_v_with_wav_keeps_the_value_route_at_its_init():
+    # choice (SPEC): frozen_v's value route keeps its zero query and its detail bias at wav_detail_bias,
+    # without parameters: at init it is exactly rd=decoupled, whose value route starts there too
+    cfg = dict(residual="attnres", wav=True, attnres_block=4, wav_detail_bias=-1.5)
+    frozen, decoupled = make_model(**cfg, rd="frozen_v"), make_model(**cfg, rd="decoupled")
+    assert not any(k.endswith("_v") for k in (*frozen.query, *frozen.detail_bias))
+    assert any(k.endswith("_v") for k in decoupled.detail_bias)
+    idx = tokens()
+    torch.testing.assert_close(frozen(idx)[0], decoupled(idx)[0])
+    _, _, routes = frozen(idx, return_routes=True)
+    for r in routes:  # a value route's detail sources weigh e^-1.5 of a state source
+        if r["name"].endswith(".v") and len(r["sources"]) > 1:
+            torch.testing.assert_close(r["weights"][2] / r["weights"][1], torch.full_like(r["weights"][1], math.exp(-1.5)))
+
+
 def test_rd_frozen_v_route_stays_uniform():
     model = make_model(**ATTNRES_MODES["rd_frozen_v"])
     assert not any(k.endswith("_v") for k in model.query)  # the value route has no parameter
@@ -484,6 +499,10 @@ def test_routing_stats_entropy_and_means():
         assert s["entropy_norm"] == (None if S == 1 else pytest.approx(s["entropy"] / math.log(S)))
     assert stats["js"] == {} and stats["js_mean"] is None
     assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]  # pool order
+    # by block number, not as text: C2 before C10 (a 48-layer model has up to 8 blocks; an extension more)
+    names = ["emb", "C10", "C2", "C10.split", "C1", "P"]
+    fake = [dict(name="readout", sources=names, weights=torch.full((6, 1, 1), 1 / 6))]
+    assert routing_stats(fake)["sources"] == ["emb", "C1", "C2", "C10", "C10.split", "P"]
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -947,9 +966,13 @@ def test_wav_keeps_no_more_per_sublayer_for_backward_than_block_attnres():
 
 def test_routing_stays_float32_under_bf16_autocast():
     model = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
+    pools, complete = [], model.complete  # choice: sources accumulate in float32, whatever the sublayers' dtype
+    model.complete = lambda b, block, pool: pools.append((block, complete(b, block, pool))) or pools[-1][1]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, loss, routes = model(tokens(), tokens(seed=4), return_routes=True)
         loss.backward()
+    assert pools and all(u.dtype == torch.float32 for block, pool in pools for u in block)
+    assert all(s.value.dtype == torch.float32 for _, pool in pools for s in pool)
     assert all(r["weights"].dtype == torch.float32 for r in routes)
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
     ref = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
@@ -986,6 +1009,7 @@ INVALID = [
     (dict(vocab_size=-1), "vocab_size=-1"),
     (dict(sequence_len=0), "sequence_len=0"),
     (dict(dropout=1.5), "dropout=1.5"),
+    (dict(dropout=1.0), "dropout=1.0: must be in [0, 1)"),
     (dict(residual="postnorm"), "residual='postnorm': must be one of prenorm, rezero, layerscale, attnres"),
     (dict(rd="both"), "rd='both': must be one of"),
     (dict(wav=True), "wav=True: applies only to residual=attnres"),
@@ -1003,6 +1027,19 @@ INVALID = [
     (dict(fast_routing=False), "fast_routing=False: applies only to residual=attnres"),
     (dict(residual="attnres", wav=True, n_layer=1), "n_layer=1: WAV needs at least 2 layers"),
 ]
+
+
+def test_routing_fields_are_one_list_a_subclass_extends():
+    @dataclasses.dataclass
+    class ConfigWithTemperature(GPTConfig):
+        route_temperature: float = nanoroute.setting(1.0, "logit temperature of every read", needs="attnres")
+
+    assert nanoroute.routing_fields() == ("residual", "attnres_block", "wav", "wav_bases", "wav_rho", "wav_detail_bias",
+                                          "wav_readout_details", "wav_learned_bases", "rd", "fast_routing")
+    assert nanoroute.routing_fields(ConfigWithTemperature)[-1] == "route_temperature"
+    with pytest.raises(ValueError, match="route_temperature=2.0: applies only to residual=attnres"):
+        ConfigWithTemperature(route_temperature=2.0)  # validate() follows the one list too
+    ConfigWithTemperature(residual="attnres", route_temperature=2.0)
 
 
 @pytest.mark.parametrize("overrides,message", INVALID)
@@ -1036,6 +1073,24 @@ def test_no_tensor_is_built_from_python_data_per_read(learned):
     with CountTensorsFromLists() as counter:  # the counter sees them: a read that builds one is caught
         torch.tensor([1.0, 2.0])
     assert counter.count == 1
+
+
+def test_kernel_constants_are_built_once_per_device():
+    a = nanoroute._constant(((1.0, -1.0),), torch.device("cpu"))
+    assert nanoroute._constant(((1.0, -1.0),), torch.device("cpu")) is a  # reused
+    assert nanoroute._constant(((1.0, -1.0),), torch.device("meta")).device.type == "meta"  # not the CPU's copy
+
+
+def test_embedding_dropout_is_on_in_training_only():
+    model = make_model(dropout=0.5)
+    seen = []
+    model.drop.register_forward_hook(lambda mod, args, out: seen.append((args[0], out)))
+    model(tokens())
+    (e, dropped), = seen
+    assert torch.equal(e, model.wte(tokens())) and (dropped == 0).float().mean() > 0.3  # the embedding e
+    model.eval()
+    model(tokens())
+    assert torch.equal(seen[-1][0], seen[-1][1])
 
 
 def test_torch_compile_traces_every_routing_path_without_graph_breaks():
