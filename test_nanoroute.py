@@ -757,6 +757,17 @@ def test_kernel_equals_reference_read_forward_and_gradients(device, precision, n
         torch.testing.assert_close(a, b, **tol, msg=name)
 
 
+def test_kernel_reuses_a_key_norm_only_for_the_same_value(device):
+    # the kernel computes a completed source's key norm once per forward and passes it to the next block's
+    # reads; a source replaced by another value under the same name (an override of complete) gets its own
+    g = torch.Generator().manual_seed(0)
+    x, y, x2 = (torch.randn(2, 5, 16, generator=g).to(device) for _ in range(3))
+    query, bias = torch.randn(16, generator=g).to(device), torch.zeros(2, device=device)
+    first = nanoroute.BlockReads({0: (query, bias)}, [("x", x), ("y", y)], [[1]], MATCH, None, {0: []})
+    then = nanoroute.BlockReads({0: (query, bias)}, [("x", 3 * x2), ("y", y)], [[1]], MATCH, first, {0: []})
+    torch.testing.assert_close(then(0, [])[0], nanoroute.depth_read(query, bias, [3 * x2, y])[0])
+
+
 def test_kernel_backward_inside_autocast_equals_outside(device):
     # a user may call backward() inside an autocast block: the kernel's backward stays float32
     completed, updates, coefficients, queries, biases = kernel_inputs(device, learned=True)
