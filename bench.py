@@ -68,7 +68,8 @@ _DEFAULTS = nanoroute.GPTConfig()
 VARIANTS = {name: {k: v for k, v in values.items() if getattr(_DEFAULTS, k) != v} for name, values in dict(
     **{k: nanoroute.VARIANTS[k] for k in ("prenorm", "rezero", "layerscale", "block")},
     full=dict(nanoroute.VARIANTS["block"], attnres_block=1), wav=nanoroute.VARIANTS["wav"],
-    rd=nanoroute.VARIANTS["rd"], naive=dict(nanoroute.VARIANTS["block"], fast_routing=False)).items()}
+    rd=nanoroute.VARIANTS["rd"], naive=dict(nanoroute.VARIANTS["block"], fast_routing=False),
+    wav_learned=dict(nanoroute.VARIANTS["wav"], wav_learned_bases=True)).items()}
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "sequence_len", "vocab_size")
 
 # -----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ References:
 """
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
@@ -58,6 +59,8 @@ class GPTConfig:
     wav_rho: float = setting(4.0, "cap on the detached RMS-matching scale of detail sources", needs="wav")
     wav_detail_bias: float = setting(-2.0, "initial logit offset of every detail source", needs="wav")
     wav_readout_details: bool = setting(False, "let the final readout read detail sources too", needs="wav")
+    wav_learned_bases: bool = setting(False, "learn the detail bases: a coefficient per sublayer and basis, "
+                                             "started at the signs (beyond WAV v1)", needs="wav")
     rd: str = setting("off", "off | decoupled | tied | average | frozen_v (needs residual=attnres)", needs="attnres")
     fast_routing: bool = setting(True, "False: the readable reference read (slow; for checking)", needs="attnres")
 
@@ -211,8 +214,9 @@ class MLP(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Depth routing (residual=attnres). SPEC: Attention Residuals, WAV v1, RD-AttnRes. The pool is a list
-# of Source; a read is a softmax over its key-normed sources; an update joins the partial block.
+# Depth routing (residual=attnres). SPEC: Attention Residuals, WAV v1, RD-AttnRes. A routing block is the
+# list of its updates; each source of the pool is named and is an explicit combination of one block's
+# updates; a read is a softmax over the key-normed pool. The kernel below the banner computes the same.
 
 def float32(x):
     """Context for routing math: autocast off, which would run it in bf16 (entered only when on)."""
@@ -226,26 +230,10 @@ def mean_square(v):  # per-token mean(v²) in float32 (B, T): one fused reductio
 
 
 class Source(NamedTuple):
-    """One source of the pool: value = scale · Σ_k coeffs[k]·terms[k] (terms (B, T, d), detached scale
-    (B, T) or None); inv_rms = rsqrt(mean(value²)+ε) (B, T), once for every read: RMSNorm(v)·w = (v·w)·inv_rms."""
-    name: str  # emb, C0, C0.phase, C0.split, ..., P, P.phase, P.split
-    terms: tuple
-    coeffs: tuple
-    scale: torch.Tensor
-    inv_rms: torch.Tensor
+    """A named source of the pool: emb, C0, C0.phase, C0.split, ..., and the partial block's P, P.phase, ..."""
+    name: str
+    value: torch.Tensor  # (B, T, d), float32; None where only the name and basis matter (see route)
     basis: str = None  # None for a state source, else its detail basis (its logit gets a detail bias)
-
-    @property
-    def value(self):
-        v = None
-        for c, t in zip(self.coeffs, self.terms):
-            v = (t if c == 1 else c * t) if v is None else torch.add(v, t, alpha=c)
-        return v if self.scale is None else v * self.scale[..., None]
-
-
-def stored_source(name, value, basis=None):
-    """A source kept as one tensor, with the graph of its key norm (completed blocks, e)."""
-    return Source(name, (value,), (1.0,), None, torch.rsqrt(mean_square(value) + EPS), basis)
 
 
 def depth_read(query, bias, values):
@@ -258,43 +246,59 @@ def depth_read(query, bias, values):
         return (weights[..., None] * V).sum(0), weights
 
 
-def reference_reads(route, completed):
-    """The reads of one routing block, one by one with depth_read over the whole pool."""
-    def read(name, partial, keep_weights=False):
-        return depth_read(*route(name, completed + partial), [s.value for s in completed + partial])
-    return read
+def combine(coefficients, updates):
+    """Σ_i c_i·u_i over a block's updates; c_i a number (a sign) or a 0-d tensor (a learned coefficient)."""
+    total = torch.zeros_like(updates[0])
+    for c, u in zip(coefficients, updates):
+        total = torch.add(total, u, alpha=c) if isinstance(c, (int, float)) else torch.addcmul(total, c, u)
+    return total
 
 
-class PartialBlock(NamedTuple):
-    """The routing block being filled (SPEC: partial source P), see write: pieces {signs: Σ u_i} (with
-    gradient); sums {"state": P, basis: P^basis} (without, for the key norms and RMS matching)."""
-    pieces: dict
-    sums: dict
+def matching_scale(state_ms, detail_ms, rho):
+    """SPEC: WAV stability 2, from mean squares: s = min(ρ, rms(C) / (rms(D) + ε)) per token. Computed
+    without gradient: it sets how much a selected detail contributes, not where the gradient goes."""
+    return (state_ms.sqrt() / (detail_ms.sqrt() + EPS)).clamp(max=rho)
 
 
 class DepthRouting:
-    """The routing of residual=attnres, inherited by GPT: parameters, pool, write, read, routes, forward."""
+    """The routing of residual=attnres, inherited by GPT: parameters, the pool, the read, RD's routes, the loop."""
 
     def init_routing(self, config):
-        # a zero pseudo-query per read (SPEC); choice: one detail bias per read and basis (see GPT.__init__)
-        d, n_bases = config.n_embd, len(self.detail_signs(0))
-        self.read_names = [r for l in range(2 * config.n_layer) for r in self._sublayer_reads(l)] + ["readout"]
-        # choice: no parameters for the first sublayer (it reads e alone) nor rd=frozen_v's value route
+        d, n_sub = config.n_embd, 2 * config.n_layer
+        self.bases = list(self.detail_signs(0))  # WAV's detail bases (none without WAV)
+        self.read_names = [r for l in range(n_sub + 1) for r in self.reads_before(l)]
+        # a zero pseudo-query per read (SPEC); choice: none for the first sublayer (it reads e alone) nor for
+        # rd=frozen_v's value route; one detail bias per read and basis
         learned = [r for r in self.read_names if not r.startswith("layer0.attn")
                    and not (config.rd == "frozen_v" and r.endswith(".v"))]
         self.query = nn.ParameterDict({_key(r): nn.Parameter(torch.zeros(d)) for r in learned})
-        reads_details = [r for r in learned if r != "readout" or config.wav_readout_details]
-        self.detail_bias = nn.ParameterDict(
-            {_key(r): nn.Parameter(torch.full((n_bases,), config.wav_detail_bias)) for r in reads_details}
-            if n_bases else {})
+        with_details = [r for r in learned if r != "readout" or config.wav_readout_details]
+        self.detail_bias = nn.ParameterDict({_key(r): nn.Parameter(torch.full((len(self.bases),), config.wav_detail_bias))
+                                             for r in with_details} if self.bases else {})
         self.register_buffer("frozen_query", torch.zeros(d), persistent=False)
-        self.register_buffer("frozen_detail_bias", torch.full((n_bases,), config.wav_detail_bias), persistent=False)
+        self.register_buffer("frozen_detail_bias", torch.full((len(self.bases),), config.wav_detail_bias),
+                             persistent=False)
+        if config.wav_learned_bases:  # SPEC: Learnable bases, a coefficient per sublayer and basis, from the signs
+            signs = [[float(s) for s in self.detail_signs(l).values()] for l in range(n_sub)]
+            self.basis_coefficients = nn.Parameter(torch.tensor(signs))  # (2·n_layer, bases)
+        if config.fast_routing and type(self).block_sources is not DepthRouting.block_sources:
+            raise ValueError(f"fast_routing=True: {type(self).__name__} overrides block_sources, which the fast "
+                             "kernel cannot follow. Its contract: the partial block's sources are the linear "
+                             "combinations of the block's updates that block_coefficients gives, each detail "
+                             "RMS-matched to the state with a detached scale, and it never builds them. Change "
+                             "completed blocks in complete(), the bases in detail_signs(), or build the model "
+                             "with fast_routing=False (docs/routing.md)")
 
-    def _sublayer_reads(self, l):  # the reads of sublayer l, in forward order
+    def reads_before(self, l):
+        """The reads that feed sublayer l, in forward order: one (two with RD's value route) for attention,
+        one for an MLP; "before" sublayer 2·n_layer is the final readout (SPEC)."""
+        j = l // 2
+        if l == 2 * self.config.n_layer:
+            return ["readout"]
         if l % 2:
-            return [f"layer{l // 2}.mlp"]
-        v_route = [f"layer{l // 2}.attn.v"] if self.config.rd in ("decoupled", "average", "frozen_v") else []
-        return [f"layer{l // 2}.attn", *v_route]
+            return [f"layer{j}.mlp"]
+        return [f"layer{j}.attn"] + ([f"layer{j}.attn.v"] if self.config.rd in ("decoupled", "average", "frozen_v")
+                                     else [])
 
     # ----- the pool ------------------------------------------------------------------
     def detail_signs(self, l):
@@ -304,105 +308,110 @@ class DepthRouting:
         signs = {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
         return {basis: signs[basis] for basis in self.config.detail_bases}
 
-    def block_sources(self, name, block):
-        """SPEC: a block's sources, signed sums of its pieces (see write): the state C = Σ u_i (P when
-        partial), then per basis D = Σ sign_i·u_i RMS-matched to it (SPEC: WAV stability 2)."""
-        if not block.pieces:
-            return []
-        keys, terms = list(block.pieces), tuple(block.pieces.values())
+    def block_coefficients(self, first, n):
+        """How the sources of a block combine its n updates (sublayers first, ..., first+n-1): the state's
+        row of ones, then a row per detail basis, its signs (SPEC: WAV v1) or, with wav_learned_bases, the
+        learned coefficients: lists of numbers, or a (1 + bases, n) tensor."""
+        if not self.config.wav_learned_bases:
+            signs = [self.detail_signs(l) for l in range(first, first + n)]
+            return [[1] * n] + [[s[basis] for s in signs] for basis in self.bases]
+        learned = self.basis_coefficients[first:first + n].t()  # (bases, n)
+        return torch.cat([torch.ones_like(learned[:1]), learned])
+
+    def block_sources(self, name, block, first):
+        """SPEC: the sources of the block of updates `block` (sublayers first, ...), explicitly: the state
+        C = Σ u_i, then per detail basis D = Σ c_i·u_i RMS-matched to C (stability 2)."""
+        state, *details = [combine(row, block) for row in self.block_coefficients(first, len(block))]
         with torch.no_grad():
-            state_ms = mean_square(block.sums["state"])
-            out = [Source(name, terms, (1,) * len(terms), None, torch.rsqrt(state_ms + EPS))]
-            for k, basis in enumerate(self.detail_signs(0)):
-                detail_ms = mean_square(block.sums[basis])
-                scale = (state_ms.sqrt() / (detail_ms.sqrt() + EPS)).clamp(max=self.config.wav_rho)
-                inv_rms = torch.rsqrt(scale.square() * detail_ms + EPS)  # mean((s·D)²) = s²·mean(D²)
-                out.append(Source(f"{name}.{basis}", terms, tuple(key[k] for key in keys), scale, inv_rms, basis))
-        return out
+            scales = [matching_scale(mean_square(state), mean_square(d), self.config.wav_rho) for d in details]
+        values = [state] + [d * s[..., None] for d, s in zip(details, scales)]
+        return [s._replace(value=v) for s, v in zip(self.block_source_names(name), values)]
 
-    def complete(self, block, name, pool):
-        """SPEC: pool + block C_b's sources (and details), each stored once; add other sources here."""
-        return pool + [stored_source(s.name, s.value, s.basis) for s in self.block_sources(name, block)]
+    def block_source_names(self, name):  # a block's sources without their values: the state, then its details
+        return [Source(name, None)] + [Source(f"{name}.{basis}", None, basis) for basis in self.bases]
 
-    # ----- the write -----------------------------------------------------------------
-    def write(self, block, u, l):
-        """SPEC: sublayer l's update u joins the partial block: P += u, with WAV P^basis += sign·u. The
-        gradient goes through pieces, the updates summed by sign pattern (1 without WAV, ≤ 4 with both
-        bases), of which every source is a fixed sum: a sublayer leaves one tensor for the backward."""
-        signs = self.detail_signs(l)
-        key = tuple(signs.values())
-        u = u.float()  # choice: sources accumulate in float32, like nanoGPT's residual stream
-        pieces = {**block.pieces, key: block.pieces[key] + u if key in block.pieces else u}
-        if not signs:  # Block AttnRes: the one piece is P itself
-            return PartialBlock(pieces, {"state": pieces[key]})
-        with torch.no_grad():  # a new block's sums get tensors of their own (torch.compile rejects aliases)
-            sums = {b: torch.add(block.sums[b], u, alpha=s) if block.sums else u * s
-                    for b, s in {"state": 1, **signs}.items()}
-        return PartialBlock(pieces, sums)
+    def complete(self, b, block, pool):
+        """SPEC: block b is complete: its sources C_b (and details) join the pool. Add other sources here."""
+        return pool + self.block_sources(f"C{b}", block, b * self.config.routing_block)
 
     # ----- the read ------------------------------------------------------------------
     def route(self, name, sources):
-        """A read's pseudo-query (d,) and its logit bias per source (S,): 0 for a state source, the
-        read's detail bias for a detail source (SPEC: WAV stability 1)."""
+        """A read's pseudo-query (d,) and its logit bias per source (S,): 0 for a state source, the read's
+        detail bias for its basis (SPEC: WAV stability 1). It sees the sources' names and bases, not their
+        values (the fast kernel never builds the partial block's)."""
         learned = _key(name) in self.query
         query = self.query[_key(name)] if learned else self.frozen_query
-        if all(s.basis is None for s in sources):
-            return query, query.new_zeros(len(sources))
-        beta = self.detail_bias[_key(name)] if learned else self.frozen_detail_bias
-        bases = list(self.detail_signs(0))
-        index = torch.tensor([0 if s.basis is None else 1 + bases.index(s.basis) for s in sources],
-                             device=beta.device)
-        return query, torch.cat([beta.new_zeros(1), beta])[index]
+        beta = self.detail_bias[_key(name)] if _key(name) in self.detail_bias else self.frozen_detail_bias
+        bias = {None: query.new_zeros(()), **{basis: beta[k] for k, basis in enumerate(self.bases)}}
+        return query, torch.stack([bias[s.basis] for s in sources])
 
-    def block_reads(self, names, completed, cache):
-        """The reads `names` of one block over `completed`: the one place that picks the kernel below
-        the banner or depth_read (fast_routing=False; choice: generation with a KV cache, token by token)."""
-        if self.config.fast_routing and (cache is None or torch.is_grad_enabled()):
-            return TwoPhaseReads(self.route, names, completed)
-        return reference_reads(self.route, completed)
+    def block_reads(self, pool, first, sublayers, cache, previous):
+        """The reads before `sublayers` (a routing block that starts at sublayer `first`, or the readout),
+        each over the pool and the block's own sources, which a read sees from the block's second sublayer
+        on. The one place that picks the kernel below the banner or depth_read (fast_routing=False; choice:
+        generation with a KV cache, one token at a time, has nothing to batch)."""
+        details = sublayers[0] < 2 * self.config.n_layer or self.config.wav_readout_details  # choice: the readout
+        if not self.config.fast_routing or (cache is not None and not torch.is_grad_enabled()):
+            return ReferenceReads(self, pool, first, details)
+        partial = [s for s in self.block_source_names("P") if details or s.basis is None]
+        sources = {name: pool + (partial if l > first else []) for l in sublayers for name in self.reads_before(l)}
+        rows = self.block_coefficients(first, sublayers[-1] - first)[:len(partial)]
+        match = functools.partial(matching_scale, rho=self.config.wav_rho)
+        return BlockReads({name: self.route(name, s) for name, s in sources.items()}, [(s.name, s.value) for s in pool],
+                          rows, match, previous, sources)
+
+    def read(self, reads, name, block, routes):
+        """Read `name` over its sources: h (B, T, d). With routes (return_routes), it records the read's
+        weights over its sources too (RD tied: also as the value route, which is the same read)."""
+        h, weights, sources = reads(name, block, keep_weights=routes is not None)
+        if routes is not None:
+            routes.append(dict(name=name, sources=[s.name for s in sources], weights=weights.detach()))
+            if self.config.rd == "tied" and name.endswith(".attn"):
+                routes.append(dict(routes[-1], name=f"{name}.v"))
+        return h
+
+    def sublayer_inputs(self, l, h):
+        """SPEC: RD-AttnRes. What sublayer l runs on, from its reads h (in reads_before order): (x, x_v),
+        x_v None when one input feeds Q, K and V."""
+        if len(h) == 1:  # an MLP; attention with one route (rd=off, or tied: w^V ≡ w^QK)
+            return h[0], None
+        if self.config.rd == "average":  # Q, K and V read ½(h^QK + h^V)
+            return 0.5 * (h[0] + h[1]), None
+        return h[0], h[1]  # decoupled, frozen_v: Q and K read h^QK, V reads h^V
 
     # ----- the forward loop ----------------------------------------------------------
     def _attnres(self, e, rope, cache, routes):
-        """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}, P] (with WAV
-        each block also brings its detail sources), runs on the read, and writes its update into P."""
-        cfg, m, n_sub = self.config, self.config.routing_block, 2 * self.config.n_layer
-
-        def read(name):
-            h, weights = reads(name, partial, routes is not None)
-            if routes is not None:
-                routes.append(dict(name=name, sources=[s.name for s in completed + partial],
-                                   weights=weights.detach()))
-            return h
-
-        completed = [stored_source("emb", e)]
-        block = PartialBlock({}, {})
+        """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}] (with WAV each block
+        also brings its detail sources) and its own block's sources, runs on what it read, and appends its
+        update to the block; a complete block's sources join the pool. The final readout reads them all."""
+        m, n_sub = self.config.routing_block, 2 * self.config.n_layer
+        pool, block, reads = [Source("emb", e)], [], None  # completed sources; the updates of block l // m
         for l in range(n_sub):
-            if l % m == 0:  # a new block
-                names = [r for k in range(l, min(l + m, n_sub)) for r in self._sublayer_reads(k)]
-                reads = self.block_reads(names, completed, cache)
-            partial = self.block_sources("P", block)
-            x, x_v = (read(f"layer{l // 2}.mlp"), None) if l % 2 else self.attention_inputs(l // 2, read, routes)
-            u = self._sublayer(l, x, rope, cache, x_v)
-            block = self.write(block, u, l)
-            if (l + 1) % m == 0:  # block complete: P becomes C_b (a short last block stays P)
-                completed = self.complete(block, f"C{l // m}", completed)
-                block = PartialBlock({}, {})
-        # SPEC: final readout, one more read over the final pool; details only if asked for (choice)
-        keep = lambda sources: [s for s in sources if cfg.wav_readout_details or s.basis is None]  # noqa: E731
-        completed, partial = keep(completed), keep(self.block_sources("P", block))
-        reads = self.block_reads(["readout"], completed, cache)
-        return read("readout")
+            if l % m == 0:  # a new block (the kernel reuses what the last block's reads computed)
+                reads = self.block_reads(pool, l, range(l, min(l + m, n_sub)), cache, reads)
+            h = [self.read(reads, name, block, routes) for name in self.reads_before(l)]
+            u = self._sublayer(l, *self.sublayer_inputs(l, h), rope, cache)
+            block.append(u.float())  # choice: sources accumulate in float32, like nanoGPT's residual stream
+            if len(block) == m:  # complete (a short last block stays partial)
+                pool, block = self.complete(l // m, block, pool), []
+        # SPEC: the final readout; choice: no detail sources unless wav_readout_details (conservative readout)
+        pool = [s for s in pool if s.basis is None or self.config.wav_readout_details]
+        reads = self.block_reads(pool, n_sub - len(block), [n_sub], cache, reads)
+        return self.read(reads, "readout", block, routes)
 
-    def attention_inputs(self, j, read, routes):
-        """SPEC: RD-AttnRes. Attention layer j's inputs: (h, None) or (h^QK, h^V), two routes of one pool."""
-        rd = self.config.rd
-        if rd in ("off", "tied"):  # tied: w^V ≡ w^QK, one read serves Q, K and V
-            x = read(f"layer{j}.attn")
-            if rd == "tied" and routes is not None:  # list the (identical) value route too
-                routes.append(dict(routes[-1], name=f"layer{j}.attn.v"))
-            return x, None
-        x, x_v = read(f"layer{j}.attn"), read(f"layer{j}.attn.v")
-        return (0.5 * (x + x_v), None) if rd == "average" else (x, x_v)  # average: Q, K, V read ½(h^QK + h^V)
+
+class ReferenceReads(NamedTuple):
+    """The reads of one routing block, one by one: depth_read over the pool and the block's own sources,
+    built explicitly (block_sources; their details only if `details`). Returns h, the weights, the sources."""
+    model: DepthRouting
+    pool: list
+    first: int
+    details: bool
+
+    def __call__(self, name, block, keep_weights=False):
+        own = self.model.block_sources("P", block, self.first) if block else []
+        sources = self.pool + [s for s in own if self.details or s.basis is None]
+        return *depth_read(*self.model.route(name, sources), [s.value for s in sources]), sources
 
 
 def _key(read_name):  # ParameterDict keys cannot contain "."
@@ -475,7 +484,7 @@ class GPT(DepthRouting, nn.Module):
             cache.pos += T
         return norm(x)
 
-    def _sublayer(self, l, x, rope, cache, x_v=None):
+    def _sublayer(self, l, x, x_v, rope, cache):
         """u_l = f_l(norm(x)); ReZero feeds f_l the raw stream (SPEC: no pre-norm inside)."""
         layer = self.layers[l // 2]
         prep = (lambda t: t) if self.config.residual == "rezero" else norm
@@ -486,17 +495,21 @@ class GPT(DepthRouting, nn.Module):
     def _residual(self, x, rope, cache):
         # SPEC: prenorm x += f(norm(x)); rezero x += α·f(x); layerscale x += γ⊙f(norm(x))
         for l in range(2 * self.config.n_layer):
-            u = self._sublayer(l, x, rope, cache)
+            u = self._sublayer(l, x, None, rope, cache)
             x = x + u if self.residual_gain is None else x + self.residual_gain[l] * u
         return x
 
     # ----- training helpers ----------------------------------------------------------
-    def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), device_type="cpu"):
-        """AdamW with weight decay on the matrices of Linear and Embedding layers only: pseudo-queries,
-        detail biases, ReZero/LayerScale gains and biases get none (SPEC: Numerics)."""
+    def no_decay_parameters(self):
+        """{name: parameter} of everything but the matrices of Linear and Embedding layers: the routing's
+        (pseudo-queries, detail biases, learned bases), ReZero/LayerScale gains, Linear biases (SPEC: Numerics)."""
         matrices = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
-        decay = [p for p in self.parameters() if id(p) in matrices]
-        no_decay = [p for p in self.parameters() if id(p) not in matrices]
+        return {name: p for name, p in self.named_parameters() if id(p) not in matrices}
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), device_type="cpu"):
+        """AdamW with weight decay on the matrices of Linear and Embedding layers only (no_decay_parameters)."""
+        no_decay = list(self.no_decay_parameters().values())
+        decay = [p for p in self.parameters() if not any(p is q for q in no_decay)]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
@@ -575,22 +588,36 @@ def routing_stats(routes):
 
 
 # =============================================================================
-# Below this banner: a fast kernel for depth reads, and nothing of the model. It takes sources,
-# pseudo-queries and logit biases and computes what depth_read computes, with hand-written backward
-# passes; it knows nothing of WAV, RD or routing blocks. Its own tests check it against depth_read.
+# Below this banner: a fast kernel for depth reads, and nothing of the model. It is given a pool of
+# sources, queries and logit biases, and a block of updates with the coefficients that combine them into
+# the block's own sources; it computes what depth_read computes over them, with hand-written backward
+# passes (the coefficients' gradient too), and keeps whatever it needs for speed and memory. It knows
+# nothing of WAV, RD or the routing fields. Its own tests check it against depth_read.
 # =============================================================================
 
-class TwoPhaseReads:
-    """R reads over the same completed sources, each with its own partial sources (SPEC: Two-phase
-    computation). Phase 1 (here): all R reads over the completed sources in one batched pass, one read
-    of each source instead of R. Phase 2 (per call): an online softmax merges a read's phase-1 summary
-    with its partial sources, which share their terms and are never built. route: as GPT.route."""
+class BlockReads:
+    """The reads of one routing block, two-phase (SPEC: Two-phase computation). Phase 1 (here): every read
+    over the completed sources in one batched pass, one read of each source instead of one per read.
+    Phase 2 (per call): an online softmax merges a read's phase-1 summary with the block's own sources,
+    which are linear combinations of the block's updates and are never built.
 
-    def __init__(self, route, names, completed):
-        self.route = route
-        params = [route(name, completed) for name in names]
-        queries, biases = torch.stack([q for q, _ in params]), torch.stack([b for _, b in params])
-        values, inv_rms = [s.value for s in completed], [s.inv_rms for s in completed]
+    routes: {read: (query (d,), bias (S + P_r,))}, the bias over the S completed sources, then over the
+    P_r block sources it sees (0 or P); completed: [(key, value (B, T, d))]; coefficients: P rows of n
+    numbers, or a (P, n) tensor (learned: its gradient is computed): block source p = s_p · Σ_i c_pi·u_i,
+    s_0 = 1 and s_p = match(mean_square(source 0), mean_square(source p)) for p > 0, without gradient;
+    previous: the last block's BlockReads, whose key norms are reused; sources: {read: the caller's list
+    of its sources}, returned with each read (the kernel reads the routes only)."""
+
+    def __init__(self, routes, completed, coefficients, match, previous, sources):
+        self.routes, self.coefficients, self.match, self.sources = routes, coefficients, match, sources
+        self.learned = isinstance(coefficients, torch.Tensor)
+        # running sums of the block's sources are needed unless the one source is the one term (Block AttnRes)
+        self.summed = self.learned or len(coefficients) > 1 or any(c != 1 for row in coefficients for c in row)
+        self.norms = dict(previous.norms) if isinstance(previous, BlockReads) else {}  # key -> (value, inv_rms)
+        values, inv_rms = [v for _, v in completed], [self._inv_rms(key, v) for key, v in completed]
+        S, names = len(values), list(routes)
+        queries = torch.stack([routes[r][0] for r in names])
+        biases = torch.stack([routes[r][1][:S] for r in names])
         if torch.is_grad_enabled():
             out = CompletedReads.apply(queries, biases, *values, *inv_rms)
             mix, lse, p = out[:len(names)], out[len(names):-1], out[-1]
@@ -598,23 +625,79 @@ class TwoPhaseReads:
             mix, lse, p, _, _ = completed_reads(queries, biases, values, inv_rms)
             mix, lse = mix.unbind(2), lse.unbind(2)
         self.phase1 = {name: (mix[r], lse[r], p[..., r]) for r, name in enumerate(names)}
+        self.pieces, self.sums, self.seen, self.state = {}, None, 0, None
 
-    def __call__(self, name, partial, keep_weights=False):
-        """h (B, T, d) of read `name` over the completed and partial sources; its weights (S, B, T)."""
+    def _inv_rms(self, key, value):
+        """rsqrt(mean(v²)+ε) of a completed source (with its graph), once per source per forward: every
+        read's key norm is then RMSNorm(v)·w = (v·w)·inv_rms (SPEC: Two-phase computation)."""
+        cached = self.norms.get(key)
+        if cached is None or cached[0] is not value:
+            cached = self.norms[key] = (value, torch.rsqrt(mean_square(value) + EPS))
+        return cached[1]
+
+    def __call__(self, name, block, keep_weights=False):
+        """h (B, T, d) of read `name` over the completed sources and the sources of `block` (its updates
+        so far, a list that grows by one per sublayer); its weights (S + P_r, B, T) if keep_weights; its sources."""
         mix, lse, p = self.phase1[name]
-        if not partial:  # a compact copy: a view would keep phase 1's output for the whole block alive
-            return mix.contiguous(), p.permute(2, 0, 1) if keep_weights else None
-        query, bias = self.route(name, partial)
-        terms = partial[0].terms
-        assert all(s.terms is terms for s in partial), "the partial sources of a read share their terms"
-        inv_rms = torch.stack([s.inv_rms for s in partial])
-        scale = torch.stack([torch.ones_like(s.inv_rms) if s.scale is None else s.scale for s in partial])
-        single = len(partial) == 1 and partial[0].coeffs == (1,)  # the partial source is its one term
-        coeffs = None if single else torch.tensor([s.coeffs for s in partial], dtype=torch.float32,
-                                                  device=inv_rms.device)
-        args = (mix, lse, query, bias, inv_rms.detach(), scale.detach(), coeffs)
+        query, bias = self.routes[name]
+        S = p.size(2)
+        if bias.size(0) == S:  # it sees no block source. A compact copy: a view would keep phase 1's output alive
+            return mix.contiguous(), p.permute(2, 0, 1) if keep_weights else None, self.sources[name]
+        terms, coeffs, inv_rms, scale = self._block_state(block)
+        args = (mix, lse, query, bias[S:], inv_rms, scale, coeffs)
         h, a = PartialMerge.apply(*args, *terms) if torch.is_grad_enabled() else merge_partial(*args, terms)[:2]
-        return h, torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if keep_weights else None
+        return h, torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if keep_weights else None, self.sources[name]
+
+    def _block_state(self, block):
+        """The block's sources as PartialMerge takes them: terms, their coefficients (P, K) (None: the one
+        source is the one term), inv_rms and detached scale (P, B, T). Updates with identical fixed
+        coefficient columns are summed into one term (WAV's two bases: at most 4 per block; without WAV, 1:
+        a sublayer leaves one tensor for the backward); learned coefficients keep one term per update."""
+        if self.state is None or self.seen != len(block):
+            for i in range(self.seen, len(block)):
+                self._absorb(i, block[i])
+            self.seen = len(block)
+            terms = tuple(self.pieces.values())
+            if self.learned:
+                coeffs = self.coefficients[:, :len(terms)]
+            else:
+                keys = list(self.pieces)
+                coeffs = _constant(tuple(zip(*keys)), terms[0].device)  # (P, K)
+                if coeffs.shape == (1, 1) and keys[0] == (1,):  # the one source is the one term itself
+                    coeffs = None
+            with torch.no_grad():  # SPEC: WAV stability 2, mean squares and scales without gradient
+                ms = mean_square(self.sums) if self.summed else mean_square(terms[0])[None]  # (P, B, T)
+                scale = torch.cat([torch.ones_like(ms[:1]), self.match(ms[0], ms[1:])])
+                inv_rms = torch.rsqrt(scale.square() * ms + EPS)  # mean((s·v)²) = s²·mean(v²)
+            self.state = terms, coeffs, inv_rms, scale
+        return self.state
+
+    def _absorb(self, i, u):
+        """Update i joins its piece (with gradient) and the running sums of the block's sources (without)."""
+        key = i if self.learned else tuple(row[i] for row in self.coefficients)
+        self.pieces[key] = self.pieces[key] + u if key in self.pieces else u
+        if not self.summed:
+            return
+        with torch.no_grad():
+            column = self.coefficients[:, i] if self.learned else _constant(key, u.device)
+            term = column.float()[:, None, None, None] * u  # (P, B, T, d)
+            self.sums = term if self.sums is None else self.sums + term
+
+
+_CONSTANTS = {}  # (values, device) -> tensor
+
+
+def _constant(values, device):
+    """A small float32 tensor of fixed values on `device`, built once per values and device: a copy from
+    the host to a GPU at every read would wait for the GPU's queue to drain. A compiled graph holds it as
+    a constant instead. Never an inference tensor (autograd may save it later)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.float32, device=device)
+    key = (values, str(device))
+    if key not in _CONSTANTS:
+        with torch.inference_mode(False):
+            _CONSTANTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return _CONSTANTS[key]
 
 
 def completed_reads(queries, biases, values, inv_rms):
@@ -634,24 +717,26 @@ def completed_reads(queries, biases, values, inv_rms):
 def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
     """Phase 2's forward: a read's summary (mix, lse), query (d,) and P partial sources scale_p ·
     Σ_k coeffs[p, k]·terms_k: bias (P,), inv_rms and detached scale (P, B, T), coeffs (P, K) (None: the
-    source is its one term), terms (B, T, d). Returns h (B, T, d), a (1+P, B, T), dots (P, B, T)."""
+    source is its one term), terms (B, T, d). Returns h (B, T, d), a (1+P, B, T), dots ṽ_pᵀw (P, B, T) and
+    the terms' dots t_kᵀw (K, B, T)."""
     with float32(mix):
         q = query.float()
         # vecdot, not v @ q: a per-token dot product is one fused pass, matrix-vector is 2x slower on CPU
-        dots = _per_source(coeffs, torch.stack([torch.linalg.vecdot(t.float(), q) for t in terms])) * scale
+        term_dots = torch.stack([torch.linalg.vecdot(t.float(), q) for t in terms])
+        dots = _per_source(coeffs, term_dots) * scale
         a = torch.cat([lse[None], dots * inv_rms + bias.float()[:, None, None]]).softmax(0)
         h = a[0][..., None] * mix
         for t, w in zip(terms, _per_term(coeffs, a[1:] * scale)):  # each term's weight in h
             h.addcmul_(w[..., None], t.float())
-    return h, a, dots
+    return h, a, dots, term_dots
 
 
 def _per_source(coeffs, x):  # Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)
-    return x if coeffs is None else (coeffs @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
+    return x if coeffs is None else (coeffs.float() @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
 
 
 def _per_term(coeffs, x):  # Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -> (K, ...)
-    return x if coeffs is None else (coeffs.t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
+    return x if coeffs is None else (coeffs.float().t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
 
 
 class CompletedReads(torch.autograd.Function):
@@ -693,34 +778,35 @@ class CompletedReads(torch.autograd.Function):
 
 class PartialMerge(torch.autograd.Function):
     """Phase 2 with a hand-written backward: a softmax over [lse, the partial sources' logits]. The
-    sources are fixed combinations of the terms with detached scales and inv_rms: never built, no graph
-    nodes, and the backward keeps only the terms (shared by the block's reads), h and P×B×T numbers.
-    With ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k and inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
-        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dmix = a_0 dh,  dterm_k = Σ_p c_pk dv_p,
+    sources are combinations of the terms with detached scales and inv_rms: never built, no graph nodes,
+    and the backward keeps only the terms (shared by the block's reads), h and P×B×T numbers. With
+    ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k and inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
+        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dmix = a_0 dh,
         dlse = −Σ_p dlogit_p (softmax gradients sum to zero: no copy of mix is needed),
-        dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p."""
+        dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p,
+        dterm_k = Σ_p c_pk dv_p,  dc_pk = Σ ⟨dv_p, term_k⟩ (only for coefficients that require grad)."""
 
     @staticmethod
     def forward(ctx, mix, lse, query, bias, inv_rms, scale, coeffs, *terms):
-        h, a, dots = merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms)
-        ctx.save_for_backward(query, inv_rms, scale, coeffs, dots, a, h, *terms)
+        h, a, dots, term_dots = merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms)
+        ctx.save_for_backward(query, inv_rms, scale, coeffs, dots, a, h, term_dots, *terms)
         ctx.mark_non_differentiable(a)
         return h, a
 
     @staticmethod
     def backward(ctx, dh, _):
-        query, inv_rms, scale, coeffs, dots, a, h, *stored = ctx.saved_tensors
+        query, inv_rms, scale, coeffs, dots, a, h, term_dots, *stored = ctx.saved_tensors
         with float32(h):  # float32 also when backward() is called under autocast
             dh, q = dh.float(), query.float()
             terms = [t.float() for t in stored]
-            g = _per_source(coeffs, torch.stack([torch.linalg.vecdot(dh, t) for t in terms]))
-            dlogit = a[1:] * (g * scale - torch.linalg.vecdot(dh, h))  # (P, B, T)
+            term_grads = torch.stack([torch.linalg.vecdot(dh, t) for t in terms])  # ⟨dh, term_k⟩ (K, B, T)
+            dlogit = a[1:] * (_per_source(coeffs, term_grads) * scale - torch.linalg.vecdot(dh, h))  # (P, B, T)
             c = dlogit * inv_rms * scale  # through the dot product
             norm_term = dlogit * dots * inv_rms.pow(3) * scale.square() / h.size(-1)  # through the key norm
             c_k, a_k = _per_term(coeffs, c), _per_term(coeffs, a[1:] * scale)
             # −Σ_p c_pk·norm_term_p·v_p = Σ_j M_kj·term_j, M_kj = −Σ_p c_pk·c_pj·norm_term_p
-            M = -norm_term[:, None] if coeffs is None else \
-                -_per_term(coeffs, coeffs[:, :, None, None] * norm_term[:, None])
+            C = None if coeffs is None else coeffs.float()
+            M = -norm_term[:, None] if C is None else -_per_term(C, C[:, :, None, None] * norm_term[:, None])
             dquery = sum(c_k[k].flatten() @ t.flatten(0, 1) for k, t in enumerate(terms))
             dterms = []
             for k in range(len(terms)):
@@ -729,5 +815,11 @@ class PartialMerge(torch.autograd.Function):
                     dt.addcmul_(M[k, j][..., None], t)
                 dterms.append(dt)
             dmix, dlse, dbias = a[0][..., None] * dh, -dlogit.sum(0), dlogit.sum((1, 2))
-        return dmix, dlse, dquery.to(query.dtype), dbias, None, None, None, \
+            dcoeffs = None
+            if ctx.needs_input_grad[6]:  # ⟨dv_p, term_k⟩ = s_p a_p ⟨dh, t_k⟩ + c_p ⟨w, t_k⟩ − norm_p Σ_j c_pj ⟨t_j, t_k⟩
+                gram = torch.stack([torch.stack([torch.linalg.vecdot(t, u) for u in terms]) for t in terms])
+                dcoeffs = (torch.einsum("pbt,kbt->pk", a[1:] * scale, term_grads)
+                           + torch.einsum("pbt,kbt->pk", c, term_dots)
+                           - torch.einsum("pbt,pj,jkbt->pk", norm_term, C, gram)).to(coeffs.dtype)
+        return dmix, dlse, dquery.to(query.dtype), dbias, None, None, dcoeffs, \
             *(dt.to(t.dtype) for dt, t in zip(dterms, stored))

@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import functools
 import hashlib
 import http.server
 import importlib.util
@@ -61,6 +62,9 @@ ATTNRES_MODES = {
     "wav_wide": dict(residual="attnres", wav=True, attnres_block=6, n_layer=3),
     **{f"rd_{m}": dict(residual="attnres", rd=m, attnres_block=4) for m in nanoroute.RD_MODES if m != "off"},
     "rd_wav": dict(residual="attnres", rd="decoupled", wav=True, attnres_block=4),
+    "wav_learned": dict(residual="attnres", wav=True, wav_learned_bases=True, attnres_block=4),  # SPEC: Learnable bases
+    "wav_learned_rd": dict(residual="attnres", wav=True, wav_learned_bases=True, wav_readout_details=True, rd="decoupled",
+                           attnres_block=6),
 }
 ALL_MODES = {"prenorm": dict(), "rezero": dict(residual="rezero"), "layerscale": dict(residual="layerscale"),
              **ATTNRES_MODES}
@@ -72,12 +76,12 @@ def make_model(seed=0, **overrides):
 
 
 def randomise_routing(model, seed=1, scale=1.0):
-    """Move every routing parameter away from its init, so tests do not only see uniform weights."""
+    """Move every routing parameter away from its init, so tests do not only see uniform weights: every
+    parameter that is not a Linear or Embedding matrix (the rule configure_optimizers uses), whatever its name."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith(("query.", "detail_bias.", "residual_gain")):
-                p.add_(scale * torch.randn(p.shape, generator=g))
+        for p in model.no_decay_parameters().values():
+            p.add_(scale * torch.randn(p.shape, generator=g))
     return model
 
 
@@ -99,9 +103,10 @@ def ref_read(query, bias, values):
     return h, torch.stack(weights)
 
 
-def ref_block_sources(updates, first, name, bases, m, rho):
+def ref_block_sources(updates, first, name, bases, m, rho, learned=None):
     """Sources of one block from its updates u_first, u_first+1, ... written as explicit sums
-    (SPEC: C = Σ u_i, D^phase = Σ a_i u_i, D^split = Σ r_i u_i, then detached RMS matching)."""
+    (SPEC: C = Σ u_i, D^phase = Σ a_i u_i, D^split = Σ r_i u_i, then detached RMS matching); with
+    learned (SPEC: Learnable bases, a (2·n_layer, bases) tensor), D = Σ learned[l, basis]·u_l."""
     state = sum(updates)
     out = [(name, state, 0)]
     for k, basis in enumerate(bases, start=1):
@@ -110,22 +115,23 @@ def ref_block_sources(updates, first, name, bases, m, rho):
             l = first + i  # the sublayer that wrote u
             a = 1 if l % 2 == 0 else -1  # attention +1, MLP −1
             r = 1 if i < m / 2 else -1  # first half of the (full) block +1
-            detail = detail + (a if basis == "phase" else r) * u
+            c = (a if basis == "phase" else r) if learned is None else learned[l, k - 1]
+            detail = detail + c * u
         rms = lambda x: torch.sqrt((x * x).mean(-1))  # noqa: E731
         scale = torch.minimum(rms(state) / (rms(detail) + nanoroute.EPS), torch.tensor(rho)).detach()
         out.append((f"{name}.{basis}", scale[..., None] * detail, k))
     return out
 
 
-def ref_pool(e, updates, l, cfg):
+def ref_pool(e, updates, l, cfg, learned=None):
     """The pool before sublayer l: [e, C_0 (+details), ..., C_{b-1} (+details)] + [P (+details)]."""
     m, bases = cfg.routing_block, cfg.detail_bases
     pool = [("emb", e, 0)]
     for b in range(l // m):
-        pool += ref_block_sources(updates[b * m:(b + 1) * m], b * m, f"C{b}", bases, m, cfg.wav_rho)
+        pool += ref_block_sources(updates[b * m:(b + 1) * m], b * m, f"C{b}", bases, m, cfg.wav_rho, learned)
     if l % m:
         first = l // m * m
-        pool += ref_block_sources(updates[first:l], first, "P", bases, m, cfg.wav_rho)
+        pool += ref_block_sources(updates[first:l], first, "P", bases, m, cfg.wav_rho, learned)
     return pool
 
 
@@ -148,8 +154,9 @@ def reference_forward(model, idx):
         reads[name] = ([n for n, _, _ in pool], w)
         return h
 
+    learned = getattr(model, "basis_coefficients", None)  # SPEC: Learnable bases
     for l in range(2 * cfg.n_layer):
-        pool = ref_pool(e, updates, l, cfg)
+        pool = ref_pool(e, updates, l, cfg, learned)
         layer = model.layers[l // 2]
         if l % 2:
             x = nanoroute.norm(read(f"layer{l // 2}.mlp", pool))
@@ -165,7 +172,7 @@ def reference_forward(model, idx):
         x, x_v = nanoroute.norm(h_qk), nanoroute.norm(h_v)
         inputs.append(x)
         updates.append(layer.attn(x, rope, x_v))
-    pool = ref_pool(e, updates, 2 * cfg.n_layer, cfg)
+    pool = ref_pool(e, updates, 2 * cfg.n_layer, cfg, learned)
     if not cfg.wav_readout_details:
         pool = [s for s in pool if s[2] == 0]
     h = read("readout", pool)
@@ -321,54 +328,64 @@ def test_wav_bases_are_explicit_signed_sums():
     cfg = GPTConfig(**TINY, residual="attnres", wav=True, attnres_block=6)
     model = GPT(cfg)
     us = [torch.randn(2, 5, 16) for _ in range(6)]
-
-    def signed_sums(block):  # from the pieces (with gradient) and the running sums (without)
-        sources = model.block_sources("P", block)
-        return [{s.basis or "state": s._replace(scale=None).value for s in sources}, block.sums]
-
-    block = nanoroute.PartialBlock({}, {})
-    for l, u in enumerate(us):
-        block = model.write(block, u, l)
-    assert len(block.pieces) == 4  # attention / MLP × first / second half
-    for sums in signed_sums(block):
-        torch.testing.assert_close(sums["state"], us[0] + us[1] + us[2] + us[3] + us[4] + us[5])
-        torch.testing.assert_close(sums["phase"], us[0] - us[1] + us[2] - us[3] + us[4] - us[5])  # attn +, MLP −
-        torch.testing.assert_close(sums["split"], us[0] + us[1] + us[2] - us[3] - us[4] - us[5])  # halves
+    sources = {s.basis or "state": s.value for s in model.block_sources("C0", us, 0)}
+    torch.testing.assert_close(sources["state"], us[0] + us[1] + us[2] + us[3] + us[4] + us[5])
+    rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
+    for basis, want in (("phase", us[0] - us[1] + us[2] - us[3] + us[4] - us[5]),  # attention +, MLP −
+                        ("split", us[0] + us[1] + us[2] - us[3] - us[4] - us[5])):  # first half +, second −
+        scale = torch.clamp(rms(sources["state"]) / (rms(want) + nanoroute.EPS), max=cfg.wav_rho)
+        torch.testing.assert_close(sources[basis], scale[..., None] * want)
     # a partial block keeps the same signs: after 4 of 6 updates, split is u0+u1+u2−u3
-    block = nanoroute.PartialBlock({}, {})
-    for l, u in enumerate(us[:4]):
-        block = model.write(block, u, l)
-    for sums in signed_sums(block):
-        torch.testing.assert_close(sums["split"], us[0] + us[1] + us[2] - us[3])
-    # and the sources the model builds from them are the explicit reference's
     refs = ref_block_sources(us[:4], 0, "P", cfg.detail_bases, 6, cfg.wav_rho)
-    for src, (rname, rvalue, rbasis) in zip(model.block_sources("P", block), refs, strict=True):
+    for src, (rname, rvalue, rbasis) in zip(model.block_sources("P", us[:4], 0), refs, strict=True):
         assert (src.name, src.basis) == (rname, (None, *cfg.detail_bases)[rbasis])
         torch.testing.assert_close(src.value, rvalue)
 
 
+def test_kernel_sums_updates_with_equal_coefficients_into_one_term():
+    # the kernel's representation (below the banner): WAV's two bases make at most four sign patterns
+    # (attention / MLP × first / second half), so a block of 6 updates is read through 4 terms; with
+    # learned coefficients every update is its own term. Either way the sources are the same.
+    us = [torch.randn(2, 5, 16, requires_grad=True) for _ in range(6)]
+    for learned in (False, True):
+        model = randomise_routing(make_model(residual="attnres", wav=True, attnres_block=6, wav_learned_bases=learned))
+        pool = [nanoroute.Source("emb", torch.randn(2, 5, 16))]
+        reads = model.block_reads(pool, 0, range(0, 6), None, None)
+        terms, coeffs, inv_rms, scale = reads._block_state(us[:5])  # what sublayer 5's read sees
+        assert len(terms) == (5 if learned else 4) and coeffs.shape == (3, len(terms))
+        sources = model.block_sources("P", us[:5], 0)
+        for p, source in enumerate(sources):  # the same sources, and their key norms
+            value = scale[p][..., None] * sum(c * t for c, t in zip(coeffs[p], terms))
+            torch.testing.assert_close(value, source.value)
+            torch.testing.assert_close(inv_rms[p], torch.rsqrt(nanoroute.mean_square(source.value) + nanoroute.EPS))
+
+
 def test_wav_rms_matching_caps_at_rho_and_passes_no_gradient_through_scale():
-    model = GPT(GPTConfig(**TINY, residual="attnres", wav=True, wav_rho=3.0))
-    state = torch.randn(2, 5, 16, requires_grad=True)
-    small = (1e-3 * torch.randn(2, 5, 16)).requires_grad_()  # needs a scale-up far beyond rho
-    large = (5.0 * torch.randn(2, 5, 16)).requires_grad_()  # needs a scale-down: no cap
-    # pieces (by phase and split sign) whose signed sums are C = state, D^phase = small, D^split = large
-    pieces = {(1, 1): (small + large) / 2, (1, -1): (state - large) / 2, (-1, 1): (state - small) / 2}
-    sums = {"state": state.detach(), "phase": small.detach(), "split": large.detach()}
-    sources = model.complete(nanoroute.PartialBlock(pieces, sums), "C0", [])
+    model = GPT(GPTConfig(**TINY, residual="attnres", wav=True, wav_rho=3.0))  # block of 4: phase + − + −, split + + − −
+    state = torch.randn(2, 5, 16)
+    small = 1e-3 * torch.randn(2, 5, 16)  # needs a scale-up far beyond rho
+    large = 5.0 * torch.randn(2, 5, 16)  # needs a scale-down: no cap
+    # updates whose signed sums are C = state, D^phase = small, D^split = large (and + − − + = 0):
+    # the inverse of the 4x4 Hadamard matrix of the signs is its transpose / 4
+    targets = [state, small, large, torch.zeros(2, 5, 16)]
+    H = [[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]]
+    us = [sum(H[k][i] * targets[k] for k in range(4)).div(4).requires_grad_() for i in range(4)]
+    sources = model.complete(0, us, [])
     rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
-    torch.testing.assert_close(sources[1].value, 3.0 * small)  # capped at rho
+    torch.testing.assert_close(sources[0].value, state, atol=1e-6, rtol=1e-5)
+    phase = nanoroute.combine(H[1], [u.detach() for u in us])  # ≈ small, up to float32 cancellation
+    torch.testing.assert_close(phase, small, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sources[1].value, 3.0 * phase)  # capped at rho
     torch.testing.assert_close(rms(sources[2].value), rms(state), rtol=1e-4, atol=1e-6)  # matched
-    # gradient: d(s·D)/dD = s, and nothing reaches C or D through the scale s
+    # gradient: d(s·D)/du_i = s·sign_i, and nothing reaches the updates through the scale s
     r = torch.randn(2, 5, 16)
-    (sources[1].value * r).sum().backward(retain_graph=True)
-    torch.testing.assert_close(small.grad, 3.0 * r)
-    assert not state.grad.any() and not large.grad.any()
-    small.grad = state.grad = None
-    (sources[2].value * r).sum().backward()
-    scale = (rms(state) / (rms(large) + nanoroute.EPS)).detach()
-    torch.testing.assert_close(large.grad, scale[..., None] * r)
-    assert not state.grad.any() and not small.grad.any()
+    grads = torch.autograd.grad((sources[1].value * r).sum(), us)
+    for i, g in enumerate(grads):
+        torch.testing.assert_close(g, 3.0 * H[1][i] * r)
+    scale = (rms(state) / (rms(large) + nanoroute.EPS)).clamp(max=3.0)
+    grads = torch.autograd.grad((sources[2].value * r).sum(), us)
+    for i, g in enumerate(grads):
+        torch.testing.assert_close(g, H[2][i] * scale[..., None] * r, atol=1e-6, rtol=1e-4)
 
 
 def test_wav_detail_bias_to_minus_infinity_is_block_attnres():
@@ -408,6 +425,21 @@ def test_rd_decoupled_equals_off_at_init_and_differs_once_v_query_moves():
     # layer 0's two routes both read e alone (JS = 0 by construction): left out of js and js_mean
     assert list(stats["js"]) == ["layer1", "layer2"]
     assert stats["js_mean"] == pytest.approx(stats["js"]["layer1"] / 2)
+
+
+def test_rd_frozen_v_with_wav_keeps_the_value_route_at_its_init():
+    # choice (SPEC): frozen_v's value route keeps its zero query and its detail bias at wav_detail_bias,
+    # without parameters: at init it is exactly rd=decoupled, whose value route starts there too
+    cfg = dict(residual="attnres", wav=True, attnres_block=4, wav_detail_bias=-1.5)
+    frozen, decoupled = make_model(**cfg, rd="frozen_v"), make_model(**cfg, rd="decoupled")
+    assert not any(k.endswith("_v") for k in (*frozen.query, *frozen.detail_bias))
+    assert any(k.endswith("_v") for k in decoupled.detail_bias)
+    idx = tokens()
+    torch.testing.assert_close(frozen(idx)[0], decoupled(idx)[0])
+    _, _, routes = frozen(idx, return_routes=True)
+    for r in routes:  # a value route's detail sources weigh e^-1.5 of a state source
+        if r["name"].endswith(".v") and len(r["sources"]) > 1:
+            torch.testing.assert_close(r["weights"][2] / r["weights"][1], torch.full_like(r["weights"][1], math.exp(-1.5)))
 
 
 def test_rd_frozen_v_route_stays_uniform():
@@ -467,6 +499,10 @@ def test_routing_stats_entropy_and_means():
         assert s["entropy_norm"] == (None if S == 1 else pytest.approx(s["entropy"] / math.log(S)))
     assert stats["js"] == {} and stats["js_mean"] is None
     assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]  # pool order
+    # by block number, not as text: C2 before C10 (a 48-layer model has up to 8 blocks; an extension more)
+    names = ["emb", "C10", "C2", "C10.split", "C1", "P"]
+    fake = [dict(name="readout", sources=names, weights=torch.full((6, 1, 1), 1 / 6))]
+    assert routing_stats(fake)["sources"] == ["emb", "C1", "C2", "C10", "C10.split", "P"]
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -526,10 +562,13 @@ def test_gradients_reach_every_routing_parameter(mode):
     model = make_model(**ALL_MODES[mode])
     _, loss = model(tokens(), tokens(seed=4))
     loss.backward()
-    routing = [(n, p) for n, p in model.named_parameters() if n.startswith(("query.", "detail_bias.", "residual_gain"))]
+    routing = list(model.no_decay_parameters().items())
     assert routing or mode == "prenorm"
     for name, p in routing:  # (ReZero's sublayer weights get none at init: α = 0 by design)
-        assert p.grad is not None and (p.grad != 0).any(dim=-1).all(), name
+        grad = p.grad
+        if name == "basis_coefficients" and not model.config.wav_readout_details:
+            grad = grad[:-1]  # the last update is read only by the readout, which reads no detail source
+        assert grad is not None and (grad != 0).any(dim=-1).all(), name
     if mode.startswith(("block", "full", "wav", "rd")):
         n_reads = len([n for n in model.read_names if n != "layer0.attn" and not
                        (model.config.rd == "frozen_v" and n.endswith(".v")) and n != "layer0.attn.v"])
@@ -581,7 +620,8 @@ def model_tolerance(device, precision):
 
 
 def fast_and_reference(mode, device, precision, model_class=GPT):
-    """Logits and parameter gradients of one randomised model, fast path and reference path."""
+    """Logits and the gradient of every parameter that requires grad, fast path and reference path, of
+    one randomised model; and the names of its routing parameters (the rule configure_optimizers uses)."""
     results = []
     for fast in (True, False):
         torch.manual_seed(0)
@@ -591,75 +631,107 @@ def fast_and_reference(mode, device, precision, model_class=GPT):
         with precision_context(device, precision):
             logits, loss = model(tokens().to(device), tokens(seed=4).to(device))
         loss.backward()
-        results.append((logits.float(), {n: p.grad for n, p in model.named_parameters()}))
-    return results
+        results.append((logits.float(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    return (*results, set(model.no_decay_parameters()))
+
+
+def assert_fast_equals_reference(mode, device, precision, model_class=GPT, frozen=()):
+    """The fast kernel gives the reference path's logits and gradients: every gradient in float32, the
+    routing parameters' under bf16 autocast (whose sublayers round to bf16). Fails when a parameter
+    that requires grad gets no gradient, or only zeros, on either path (frozen: those allowed to)."""
+    (fast_logits, fast_grads), (ref_logits, ref_grads), routing = fast_and_reference(mode, device, precision,
+                                                                                     model_class)
+    tol = model_tolerance(device, precision)
+    torch.testing.assert_close(fast_logits, ref_logits, **tol)
+    assert set(fast_grads) == set(ref_grads)
+    for name in ref_grads:
+        for path, grad in (("fast", fast_grads[name]), ("reference", ref_grads[name])):
+            if name not in frozen:
+                assert grad is not None and grad.abs().sum() > 0, f"{name} gets no gradient on the {path} path"
+        if precision == "float32" or name in routing:
+            torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
+    return routing
 
 
 @pytest.mark.parametrize("mode", ["block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout",
-                                  "wav_wide", "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav"])
+                                  "wav_wide", "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav",
+                                  "wav_learned", "wav_learned_rd"])
 def test_fast_path_equals_reference_path_forward_and_gradients(mode, device):
-    # wav_wide (m = 6) has reads over all four pieces of a partial block (see write)
-    (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(mode, device, "float32")
-    tol = model_tolerance(device, "float32")
-    torch.testing.assert_close(fast_logits, ref_logits, **tol)
-    for name in ref_grads:
-        torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
+    # wav_wide (m = 6) has reads over all four pieces of a partial block (see the kernel's BlockReads)
+    assert_fast_equals_reference(mode, device, "float32")
 
 
-@pytest.mark.parametrize("mode", ["block", "full", "wav", "rd_wav"])
+@pytest.mark.parametrize("mode", ["block", "full", "wav", "rd_wav", "wav_learned_rd"])
 def test_fast_path_equals_reference_path_under_bf16_autocast(mode, device):
-    (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(mode, device, "bf16_autocast")
-    tol = model_tolerance(device, "bf16_autocast")
-    torch.testing.assert_close(fast_logits, ref_logits, **tol)
-    for name in ref_grads:
-        if name.startswith(("query.", "detail_bias.")):  # the routing's own parameters
-            torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
+    routing = assert_fast_equals_reference(mode, device, "bf16_autocast")
+    assert {"query.readout", "basis_coefficients"} & routing  # the routing's own parameters are compared
 
 
-# The kernel alone, against depth_read on random inputs: R reads over S completed sources and P
-# partial sources given as fixed combinations of K stored terms with detached per-token scales.
-def kernel_inputs(device, seed=0, B=2, T=5, d=16, S=3, K=3):
+def test_the_harness_fails_on_a_missing_gradient(device):
+    # a change that leaves a parameter without gradient on both paths (coefficients built under no_grad)
+    # must not pass because None == None
+    class NoGradCoefficients(GPT):
+        def block_coefficients(self, first, n):
+            with torch.no_grad():
+                return super().block_coefficients(first, n)
+    with pytest.raises(AssertionError, match="basis_coefficients gets no gradient"):
+        assert_fast_equals_reference("wav_learned", device, "float32", NoGradCoefficients)
+
+
+def test_randomise_routing_moves_every_routing_parameter():
+    for mode in ("rd_wav", "wav_learned_rd"):
+        model = make_model(**ATTNRES_MODES[mode])
+        before = {n: p.clone() for n, p in model.no_decay_parameters().items()}
+        assert "basis_coefficients" in before or mode == "rd_wav"
+        randomise_routing(model)
+        for name, p in model.no_decay_parameters().items():
+            assert not torch.equal(p, before[name]), name
+
+
+# The kernel alone, against depth_read on random inputs: R reads over S completed sources and the P
+# sources of a block of updates, each a combination of the updates (fixed numbers, where the kernel sums
+# updates with equal columns into one term, or learned coefficients), every source after the first
+# RMS-matched to it with a detached scale; the block grows by one update per sublayer.
+MATCH = functools.partial(nanoroute.matching_scale, rho=2.0)
+ROWS = [[1, 1, 1, 1, 1], [1, -1, 1, -1, 1], [0.5, 1, -2, 0.5, 1]]  # columns 0 and 4 are equal: one term
+
+
+def kernel_inputs(device, learned=False, seed=0, B=2, T=5, d=16, S=3):
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
     completed = [rand(B, T, d).requires_grad_() for _ in range(S)]
-    terms = [rand(B, T, d).requires_grad_() for _ in range(K)]
-    coeffs = [(1, 1, 1), (1, -1, 1), (0.5, 1, -2)]  # any fixed numbers, not only signs
-    scales = [None, torch.rand(B, T, generator=g).to(device) + 0.5, torch.rand(B, T, generator=g).to(device) * 3]
-    queries = rand(2, d).requires_grad_()
-    biases = rand(2, S + len(coeffs)).requires_grad_()
-    return completed, terms, coeffs, scales, queries, biases
+    updates = [rand(B, T, d).requires_grad_() for _ in ROWS[0]]
+    coefficients = torch.tensor(ROWS, device=device, requires_grad=True) if learned else ROWS
+    return completed, updates, coefficients, rand(2, d).requires_grad_(), rand(2, S + len(ROWS)).requires_grad_()
 
 
-def kernel_sources(completed, terms, coeffs, scales):
-    """Sources for the kernel, and route(read, sources) -> (query, biases of those sources)."""
-    stored = [nanoroute.stored_source(f"c{i}", v) for i, v in enumerate(completed)]
-    terms, partial = tuple(terms), []  # the kernel's contract: the partial sources share their terms
-    for i, (c, scale) in enumerate(zip(coeffs, scales)):
-        value = nanoroute.Source("", terms, c, scale, None).value.detach()
-        partial.append(nanoroute.Source(f"p{i}", terms, c, scale,
-                                        torch.rsqrt(nanoroute.mean_square(value) + nanoroute.EPS)))
-    return stored, partial
-
-
-def kernel_route(queries, biases, stored, partial):
-    column = {s.name: i for i, s in enumerate(stored + partial)}
-    return lambda r, sources: (queries[r], biases[r, [column[s.name] for s in sources]])
+def explicit_sources(block, coefficients):
+    """A block's sources built explicitly: v_p = Σ_i c_pi·u_i, scaled by MATCH(ms(v_0), ms(v_p)) for p > 0."""
+    values = [sum(c * u for c, u in zip(row, block)) for row in coefficients]
+    with torch.no_grad():
+        ms = [nanoroute.mean_square(v) for v in values]
+    return values[:1] + [v * MATCH(ms[0], m)[..., None] for v, m in zip(values[1:], ms[1:])]
 
 
 def kernel_and_reference(inputs, precision, device, n_partial):
-    """(h, weights) of both reads and the gradients of a random loss, by the kernel and by depth_read."""
-    completed, terms, coeffs, scales, queries, biases = inputs
-    stored, partial = kernel_sources(completed, terms, coeffs, scales)
-    partial = partial[:n_partial]
-    route = kernel_route(queries, biases, stored, partial)
-    leaves = [queries, biases, *completed, *terms]
+    """h and weights of both reads at every length of the block, and the gradients of a random loss of
+    them, by the kernel and by depth_read over the explicit sources."""
+    completed, updates, coefficients, queries, biases = inputs
+    coefficients, S = coefficients[:n_partial], len(completed)
+    leaves = [queries, biases, *completed, *updates] + [inputs[2]] * isinstance(inputs[2], torch.Tensor)
     out = []
     for kernel in (True, False):
+        g, results = torch.Generator().manual_seed(5), []
         with precision_context(device, precision):
-            reads = (nanoroute.TwoPhaseReads(route, [0, 1], stored) if kernel
-                     else nanoroute.reference_reads(route, stored))
-            results = [reads(r, partial, keep_weights=True) for r in (0, 1)]
-        g = torch.Generator().manual_seed(5)
+            routes = {r: (queries[r], biases[r, :S + n_partial]) for r in (0, 1)}
+            reads = nanoroute.BlockReads(routes, list(enumerate(completed)), coefficients, MATCH, None, routes)
+            for n in range(1, len(updates) + 1):
+                for r in (0, 1):
+                    if kernel:
+                        results.append(reads(r, updates[:n], keep_weights=True)[:2])
+                    else:
+                        sources = completed + explicit_sources(updates[:n], coefficients) * (n_partial > 0)
+                        results.append(nanoroute.depth_read(*routes[r], sources))
         loss = sum((h * torch.randn(h.shape, generator=g).to(device)).sum() for h, _ in results)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         out.append(([h for h, _ in results], [w for _, w in results], grads))
@@ -668,95 +740,105 @@ def kernel_and_reference(inputs, precision, device, n_partial):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("n_partial", [0, 1, 3])
-def test_kernel_equals_reference_read_forward_and_gradients(device, precision, n_partial):
-    inputs = kernel_inputs(device)
+@pytest.mark.parametrize("learned", [False, True])
+def test_kernel_equals_reference_read_forward_and_gradients(device, precision, n_partial, learned):
+    inputs = kernel_inputs(device, learned)
     (h, w, grads), (ref_h, ref_w, ref_grads) = kernel_and_reference(inputs, precision, device, n_partial)
     tol = dict(atol=1e-5, rtol=1e-4) if device.type == "cpu" else dict(atol=1e-4, rtol=1e-3)
     for a, b in zip(h + w, ref_h + ref_w, strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, **tol)
-    names = ["queries", "biases", "completed", "completed", "completed", "term", "term", "term"]
+    names = ["queries", "biases"] + ["completed"] * 3 + ["update"] * 5 + ["coefficients"] * learned
     for name, a, b in zip(names, grads, ref_grads, strict=True):
-        if name == "term" and n_partial == 0:
-            assert a is None and b is None  # no partial source: the terms are not read
+        if name in ("update", "coefficients") and n_partial == 0:
+            assert a is None and b is None  # no block source: the updates are not read
             continue
+        assert a is not None and b is not None, name
         torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_kernel_reuses_a_key_norm_only_for_the_same_value(device):
+    # the kernel computes a completed source's key norm once per forward and passes it to the next block's
+    # reads; a source replaced by another value under the same name (an override of complete) gets its own
+    g = torch.Generator().manual_seed(0)
+    x, y, x2 = (torch.randn(2, 5, 16, generator=g).to(device) for _ in range(3))
+    query, bias = torch.randn(16, generator=g).to(device), torch.zeros(2, device=device)
+    first = nanoroute.BlockReads({0: (query, bias)}, [("x", x), ("y", y)], [[1]], MATCH, None, {0: []})
+    then = nanoroute.BlockReads({0: (query, bias)}, [("x", 3 * x2), ("y", y)], [[1]], MATCH, first, {0: []})
+    torch.testing.assert_close(then(0, [])[0], nanoroute.depth_read(query, bias, [3 * x2, y])[0])
 
 
 def test_kernel_backward_inside_autocast_equals_outside(device):
     # a user may call backward() inside an autocast block: the kernel's backward stays float32
-    inputs = kernel_inputs(device)
-    completed, terms, coeffs, scales, queries, biases = inputs
+    completed, updates, coefficients, queries, biases = kernel_inputs(device, learned=True)
+    leaves = [queries, biases, *completed, *updates, coefficients]
     grads = []
     for inside in (False, True):
-        stored, partial = kernel_sources(completed, terms, coeffs, scales)
-        route = kernel_route(queries, biases, stored, partial)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            reads = nanoroute.TwoPhaseReads(route, [0, 1], stored)
-            loss = sum((reads(r, partial)[0] * (r + 1)).square().sum() for r in (0, 1))
+            routes = {r: (queries[r], biases[r]) for r in (0, 1)}
+            reads = nanoroute.BlockReads(routes, list(enumerate(completed)), coefficients, MATCH, None, routes)
+            loss = sum((reads(r, updates[:n])[0] * (r + 1)).square().sum() for r in (0, 1) for n in (2, 5))
             if inside:
-                grads.append(torch.autograd.grad(loss, [queries, biases, *completed, *terms]))
+                grads.append(torch.autograd.grad(loss, leaves))
         if not inside:
-            grads.append(torch.autograd.grad(loss, [queries, biases, *completed, *terms]))
+            grads.append(torch.autograd.grad(loss, leaves))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-# Extending the routing: a new detail basis is one small method override (docs/routing.md)
-class GPTWithCrossBasis(GPT):
-    """WAV with a third detail basis, cross = phase · split: + − − + over a block of 4."""
+# Extending the routing (docs/routing.md walks through each): every change a researcher makes passes
+# fast == reference, forward and every gradient, float32 and bf16 autocast, or is refused when built.
+# The extensions tested are the docs' own code, run as written.
+@functools.cache
+def docs_code(path):
+    """The names defined by the Python blocks of a doc that start with an import, each run as written."""
+    namespace = {}
+    for block in re.findall(r"```python\n(.*?)```", (Path(__file__).parent / path).read_text(), re.S):
+        if block.startswith(("import ", "from ")):
+            exec(compile(block, path, "exec"), namespace)
+    return namespace
 
-    def detail_signs(self, l):
-        signs = super().detail_signs(l)
-        return {**signs, "cross": signs["phase"] * signs["split"]}
+
+def docs_class(name):
+    return docs_code("docs/routing.md")[name]
 
 
+def assert_extension_fast_equals_reference(cfg, device, model_class):
+    """assert_fast_equals_reference in both precisions: what docs/routing.md says to run for a change."""
+    for precision in PRECISIONS:
+        assert_fast_equals_reference(cfg, device, precision, model_class)
+
+
+def test_readme_python_blocks_run_as_written():
+    names = docs_code("README.md")  # the model in Python, then the README's routing change
+    assert names["out"].shape == (2, 28)  # generate: 8 prompt tokens + 20
+    assert names["model"].bases == ["phase", "split", "cross"]
+
+
+# A new detail basis: one small method override
 def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(device):
     cfg = dict(residual="attnres", wav=True, attnres_block=4)
-    model = GPTWithCrossBasis(GPTConfig(**TINY, **cfg))
+    model = docs_class("GPTWithCrossBasis")(GPTConfig(**TINY, **cfg))
     assert all(b.shape == (3,) for b in model.detail_bias.values())  # a detail bias per read for it too
     _, _, routes = model(tokens(), return_routes=True)
     assert routing_stats(routes)["sources"] == ["emb", "C0", "C0.phase", "C0.split", "C0.cross",
                                                 "P", "P.phase", "P.split", "P.cross"]
     us = [torch.randn(2, 5, 16) for _ in range(4)]
-    block = nanoroute.PartialBlock({}, {})
-    for l, u in enumerate(us):
-        block = model.write(block, u, l)
-    cross = {s.basis: s for s in model.block_sources("P", block)}["cross"]
-    torch.testing.assert_close(cross._replace(scale=None).value, us[0] - us[1] - us[2] + us[3])
-    assert_extension_fast_equals_reference(cfg, device, GPTWithCrossBasis)
+    state, *_, cross = model.block_sources("P", us, 0)
+    assert cross.name == "P.cross" and cross.basis == "cross"
+    want = us[0] - us[1] - us[2] + us[3]
+    scale = torch.clamp(state.value.pow(2).mean(-1).sqrt() / (want.pow(2).mean(-1).sqrt() + nanoroute.EPS), max=4.0)
+    torch.testing.assert_close(cross.value, scale[..., None] * want)
+    assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithCrossBasis"))
 
 
-def assert_extension_fast_equals_reference(cfg, device, model_class):
-    """The fast kernel reads an extended pool exactly like the reference read, forward and gradients (all
-    of them in float32; the routing parameters' under bf16 autocast, whose sublayers round to bf16)."""
-    for precision in PRECISIONS:
-        (fast_logits, fast_grads), (ref_logits, ref_grads) = fast_and_reference(cfg, device, precision, model_class)
-        tol = model_tolerance(device, precision)
-        torch.testing.assert_close(fast_logits, ref_logits, **tol)
-        for name in ref_grads:
-            if precision == "float32" or name.startswith(("query.", "detail_bias.")):
-                torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
-
-
-# Extending the routing: a source that is not a signed sum of a block's updates (docs/routing.md)
-class GPTWithBlockDifference(GPT):
-    """Block AttnRes whose pool also holds C<b>.diff = C_b − C_{b−1}, from the second completed block on."""
-
-    def complete(self, block, name, pool):
-        pool = super().complete(block, name, pool)
-        states = [s for s in pool if s.name.startswith("C") and "." not in s.name]
-        if len(states) < 2:
-            return pool
-        return pool + [nanoroute.stored_source(f"{name}.diff", states[-1].value - states[-2].value)]
-
-
+# A source made from earlier blocks: an override of complete
 def test_extension_block_difference_source_fast_equals_reference(device):
     cfg = dict(residual="attnres", attnres_block=2)  # 3 layers: C0, C1, C2, then the readout
-    model = randomise_routing(GPTWithBlockDifference(GPTConfig(**TINY, **cfg)))
+    model = randomise_routing(docs_class("GPTWithBlockDifference")(GPTConfig(**TINY, **cfg)))
     pools = []
     complete = model.complete
-    model.complete = lambda block, name, pool: pools.append(complete(block, name, pool)) or pools[-1]
+    model.complete = lambda b, block, pool: pools.append(complete(b, block, pool)) or pools[-1]
     _, _, routes = model(tokens(), return_routes=True)
     model.complete = complete
     assert routing_stats(routes)["sources"] == ["emb", "C0", "C1", "C1.diff", "C2", "C2.diff", "P"]
@@ -765,7 +847,60 @@ def test_extension_block_difference_source_fast_equals_reference(device):
     torch.testing.assert_close(value["C1.diff"], value["C1"] - value["C0"])
     readout = next(r for r in routes if r["name"] == "readout")
     assert readout["sources"] == ["emb", "C0", "C1", "C1.diff", "C2", "C2.diff"]
-    assert_extension_fast_equals_reference(cfg, device, GPTWithBlockDifference)
+    assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithBlockDifference"))
+
+
+# A learned temperature per read and a recency bias per source: an override of route
+def test_extension_temperature_and_recency_in_route_fast_equals_reference(device):
+    cfg = dict(residual="attnres", wav=True, rd="decoupled", attnres_block=4)
+    torch.manual_seed(0)
+    model = docs_class("GPTWithTemperatureAndRecency")(GPTConfig(**TINY, **cfg))
+    torch.testing.assert_close(model(tokens())[0], make_model(**cfg)(tokens())[0])  # paired with its parent at init
+    assert {"temperature.readout", "recency.layer1_attn_v"} <= set(model.no_decay_parameters())  # no weight decay
+    assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithTemperatureAndRecency"))
+
+
+# Learned detail coefficients: the flag wav_learned_bases (SPEC: Learnable bases)
+def test_learned_bases_start_at_the_signs_and_learn(device):
+    cfg = dict(residual="attnres", wav=True, attnres_block=4)
+    fixed, learned = make_model(**cfg), make_model(**cfg, wav_learned_bases=True)
+    signs = torch.tensor([[1.0, 1.0], [-1.0, 1.0], [1.0, -1.0], [-1.0, -1.0]] * 2)[:6]  # phase, split; m = 4
+    assert torch.equal(learned.basis_coefficients, signs)
+    idx = tokens()
+    torch.testing.assert_close(learned(idx)[0], fixed(idx)[0])  # exactly WAV v1 at init
+    assert "basis_coefficients" in learned.no_decay_parameters()  # no weight decay, like every routing parameter
+    shared = {n: p for n, p in fixed.named_parameters()}
+    for name, p in learned.named_parameters():  # created from constants: the shared weights stay paired
+        assert name == "basis_coefficients" or torch.equal(p, shared[name]), name
+    opt = learned.configure_optimizers(0.1, 1e-2)
+    for _ in range(2):
+        learned(idx, idx)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(learned.basis_coefficients, signs)  # they learn
+    assert not torch.allclose(learned(idx)[0], fixed(idx)[0])
+
+
+# A normalised block summary (RMS-Block): completed blocks in complete(); the partial block is refused by
+# the fast kernel (its contract), and works on the reference path
+def test_extension_normalised_summaries_fast_equals_reference_or_refused(device):
+    cfg = dict(residual="attnres", attnres_block=2)
+    model = randomise_routing(docs_class("GPTWithNormalisedBlocks")(GPTConfig(**TINY, **cfg)))
+    pools = []
+    complete = model.complete
+    model.complete = lambda b, block, pool: pools.append((complete(b, block, pool), sum(block))) or pools[-1][0]
+    model(tokens())
+    for b, (pool, state) in enumerate(pools):  # C_b / rms(C_b), i.e. RMSNorm(C_b) with its ε
+        rms = torch.sqrt(nanoroute.mean_square(state) + nanoroute.EPS)
+        torch.testing.assert_close(pool[-1].value, state / rms[..., None])
+    assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithNormalisedBlocks"))
+    with pytest.raises(ValueError, match="overrides block_sources, which the fast kernel cannot follow") as err:
+        docs_class("GPTWithNormalisedPartialBlock")(GPTConfig(**TINY, **cfg))
+    assert "contract" in str(err.value) and "fast_routing=False" in str(err.value) and "\n" not in str(err.value)
+    slow = randomise_routing(docs_class("GPTWithNormalisedPartialBlock")(GPTConfig(**TINY, **cfg, fast_routing=False)))
+    _, loss, routes = slow(tokens(), tokens(seed=4), return_routes=True)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in slow.no_decay_parameters().values())
 
 
 # Numerics: backward() called inside an autocast block gives the gradients it gives outside
@@ -773,27 +908,28 @@ def test_extension_block_difference_source_fast_equals_reference(device):
 def test_backward_inside_bf16_autocast_equals_outside(fast):
     grads = []
     for inside in (False, True):
-        model = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"], fast_routing=fast))
+        model = randomise_routing(make_model(**ATTNRES_MODES["wav_learned_rd"], fast_routing=fast))
         sources = []  # every update written into the pool, to compare the sources' gradients
-        write = model.write
+        sublayer = model._sublayer
 
-        def keep_and_write(block, u, l):
+        def keep_update(*args):
+            u = sublayer(*args)
             u.retain_grad()
             sources.append(u)
-            return write(block, u, l)
+            return u
 
-        model.write = keep_and_write
+        model._sublayer = keep_update
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(tokens(), tokens(seed=4))
             if inside:
                 loss.backward()
         if not inside:
             loss.backward()
-        routing = {n: p.grad for n, p in model.named_parameters() if n.startswith(("query.", "detail_bias."))}
+        routing = {n: p.grad for n, p in model.no_decay_parameters().items()}
         grads.append((routing, [u.grad for u in sources]))
     (routing, updates), (routing_inside, updates_inside) = grads
-    assert any(n.startswith("detail_bias.") for n in routing)
-    for name in routing:  # queries and detail biases
+    assert {"detail_bias.readout", "basis_coefficients"} <= set(routing)
+    for name in routing:  # queries, detail biases, learned bases
         torch.testing.assert_close(routing_inside[name], routing[name], atol=1e-7, rtol=1e-5, msg=name)
     for a, b in zip(updates_inside, updates, strict=True):  # the sources, through every update
         torch.testing.assert_close(a.float(), b.float(), atol=1e-7, rtol=1e-5)
@@ -841,9 +977,13 @@ def test_wav_keeps_no_more_per_sublayer_for_backward_than_block_attnres():
 
 def test_routing_stays_float32_under_bf16_autocast():
     model = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
+    pools, complete = [], model.complete  # choice: sources accumulate in float32, whatever the sublayers' dtype
+    model.complete = lambda b, block, pool: pools.append((block, complete(b, block, pool))) or pools[-1][1]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, loss, routes = model(tokens(), tokens(seed=4), return_routes=True)
         loss.backward()
+    assert pools and all(u.dtype == torch.float32 for block, pool in pools for u in block)
+    assert all(s.value.dtype == torch.float32 for _, pool in pools for s in pool)
     assert all(r["weights"].dtype == torch.float32 for r in routes)
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
     ref = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
@@ -880,6 +1020,7 @@ INVALID = [
     (dict(vocab_size=-1), "vocab_size=-1"),
     (dict(sequence_len=0), "sequence_len=0"),
     (dict(dropout=1.5), "dropout=1.5"),
+    (dict(dropout=1.0), "dropout=1.0: must be in [0, 1)"),
     (dict(residual="postnorm"), "residual='postnorm': must be one of prenorm, rezero, layerscale, attnres"),
     (dict(rd="both"), "rd='both': must be one of"),
     (dict(wav=True), "wav=True: applies only to residual=attnres"),
@@ -892,8 +1033,24 @@ INVALID = [
     (dict(residual="attnres", wav=True, wav_rho=-1.0), "wav_rho=-1.0: must be > 0"),
     (dict(residual="attnres", wav=True, wav_bases="haar"), "wav_bases='haar': must be one of phase, split, both"),
     (dict(residual="attnres", wav_rho=2.0), "wav_rho=2.0: applies only with wav=True"),
+    (dict(residual="attnres", wav_learned_bases=True), "wav_learned_bases=True: applies only with wav=True"),
+    (dict(wav_learned_bases=True), "wav_learned_bases=True: applies only to residual=attnres"),
+    (dict(fast_routing=False), "fast_routing=False: applies only to residual=attnres"),
     (dict(residual="attnres", wav=True, n_layer=1), "n_layer=1: WAV needs at least 2 layers"),
 ]
+
+
+def test_routing_fields_are_one_list_a_subclass_extends():
+    @dataclasses.dataclass
+    class ConfigWithTemperature(GPTConfig):
+        route_temperature: float = nanoroute.setting(1.0, "logit temperature of every read", needs="attnres")
+
+    assert nanoroute.routing_fields() == ("residual", "attnres_block", "wav", "wav_bases", "wav_rho", "wav_detail_bias",
+                                          "wav_readout_details", "wav_learned_bases", "rd", "fast_routing")
+    assert nanoroute.routing_fields(ConfigWithTemperature)[-1] == "route_temperature"
+    with pytest.raises(ValueError, match="route_temperature=2.0: applies only to residual=attnres"):
+        ConfigWithTemperature(route_temperature=2.0)  # validate() follows the one list too
+    ConfigWithTemperature(residual="attnres", route_temperature=2.0)
 
 
 @pytest.mark.parametrize("overrides,message", INVALID)
@@ -901,6 +1058,50 @@ def test_invalid_configs_raise_one_line_value_error(overrides, message):
     with pytest.raises(ValueError) as err:
         GPTConfig(**{**TINY, **overrides})
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+class CountTensorsFromLists(torch.overrides.TorchFunctionMode):
+    """Counts tensors built from Python data (torch.tensor, as_tensor, new_tensor): on a GPU each is a
+    blocking copy from the host, which drains the GPU's queue."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.tensor, torch.as_tensor, torch.Tensor.new_tensor)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_no_tensor_is_built_from_python_data_per_read(learned):
+    model = make_model(**ATTNRES_MODES["wav_learned_rd" if learned else "rd_wav"], n_layer=4)
+    model(tokens(), tokens(seed=4))[1].backward()  # the first forward may build the kernel's constants, once
+    for grad in (True, False):  # training and evaluation
+        with CountTensorsFromLists() as counter, torch.set_grad_enabled(grad):
+            model(tokens(), tokens(seed=4))[1].sum()
+        assert counter.count == 0, counter.count
+    with CountTensorsFromLists() as counter:  # the counter sees them: a read that builds one is caught
+        torch.tensor([1.0, 2.0])
+    assert counter.count == 1
+
+
+def test_kernel_constants_are_built_once_per_device():
+    a = nanoroute._constant(((1.0, -1.0),), torch.device("cpu"))
+    assert nanoroute._constant(((1.0, -1.0),), torch.device("cpu")) is a  # reused
+    assert nanoroute._constant(((1.0, -1.0),), torch.device("meta")).device.type == "meta"  # not the CPU's copy
+
+
+def test_embedding_dropout_is_on_in_training_only():
+    model = make_model(dropout=0.5)
+    seen = []
+    model.drop.register_forward_hook(lambda mod, args, out: seen.append((args[0], out)))
+    model(tokens())
+    (e, dropped), = seen
+    assert torch.equal(e, model.wte(tokens())) and (dropped == 0).float().mean() > 0.3  # the embedding e
+    model.eval()
+    model(tokens())
+    assert torch.equal(seen[-1][0], seen[-1][1])
 
 
 def test_torch_compile_traces_every_routing_path_without_graph_breaks():

@@ -5,6 +5,7 @@ Fault injection: does the test suite notice small, realistic bugs in nanoroute's
     python tools/fault_inject.py --jobs 2            # two faults at a time
     python tools/fault_inject.py --only train.py     # the faults of one file
     python tools/fault_inject.py --list              # print the faults, run nothing
+    python tools/fault_inject.py --match "learned"   # the faults whose description says "learned"
 
 For each fault it copies the repository's git-tracked files (as they are in the working tree) to a
 temporary folder, applies that one edit, and runs the README's test command there, stopping at the
@@ -294,20 +295,97 @@ FAULTS = [
      'if name.endswith(".attn.v")}', "JS averages in layer 0 (0 by construction)"),
     ("nanoroute.py", '"split": 1 if l % m < m / 2 else -1', '"split": 1 if l % m <= m / 2 else -1',
      "the split basis puts the middle sublayer in the first half"),
-    ("nanoroute.py", ".clamp(max=self.config.wav_rho)", "", "the RMS-matching scale is not capped at rho"),
-    ("nanoroute.py", "inv_rms = torch.rsqrt(scale.square() * detail_ms + EPS)", "inv_rms = torch.rsqrt(detail_ms + EPS)",
-     "a detail's key norm ignores its RMS-matching scale"),
-    ("nanoroute.py", "0 if s.basis is None else 1 + bases.index(s.basis)", "0 if s.basis is None else 1",
+    ("nanoroute.py", ".clamp(max=rho)", "", "the RMS-matching scale is not capped at rho"),
+    ("nanoroute.py", "inv_rms = torch.rsqrt(scale.square() * ms + EPS)", "inv_rms = torch.rsqrt(ms + EPS)",
+     "a detail's key norm ignores its RMS-matching scale (fast path)"),
+    ("nanoroute.py", "bias = {None: query.new_zeros(()), **{basis: beta[k] for k, basis in enumerate(self.bases)}}",
+     "bias = {None: query.new_zeros(()), **{basis: beta[0] for k, basis in enumerate(self.bases)}}",
      "every detail basis gets the first basis's bias"),
-    ("nanoroute.py", "for k, basis in enumerate(self.detail_signs(0)):",
-     "for k, basis in enumerate(self.config.detail_bases):", "a basis added in detail_signs is ignored"),
-    ("nanoroute.py", 'completed = self.complete(block, f"C{l // m}", completed)',
-     'completed = DepthRouting.complete(self, block, f"C{l // m}", completed)',
+    ("nanoroute.py", "self.bases = list(self.detail_signs(0))", "self.bases = list(config.detail_bases)",
+     "a basis added in detail_signs is ignored"),
+    ("nanoroute.py", "pool, block = self.complete(l // m, block, pool), []",
+     "pool, block = DepthRouting.complete(self, l // m, block, pool), []",
      "a source added in an override of complete is ignored"),
-    ("nanoroute.py", "if cfg.wav_readout_details or s.basis is None]", "if s.basis is None]",
-     "wav_readout_details is ignored"),
-    ("nanoroute.py", "(0.5 * (x + x_v), None) if rd == \"average\" else (x, x_v)", "(x, x_v)",
-     "rd=average feeds the two routes apart"),
+    ("nanoroute.py", "pool = [s for s in pool if s.basis is None or self.config.wav_readout_details]",
+     "pool = [s for s in pool if s.basis is None]", "wav_readout_details is ignored"),
+    ("nanoroute.py", "return 0.5 * (h[0] + h[1]), None", "return h[0], h[1]", "rd=average feeds the two routes apart"),
+    # --- nanoroute.py: [outside] faults, designed from the docs and the model file by a reviewer who had not read the tests
+    ('nanoroute.py', 'self.register_buffer("frozen_detail_bias", torch.full((len(self.bases),), config.wav_detail_bias),',
+     'self.register_buffer("frozen_detail_bias", torch.zeros(len(self.bases)),',
+     "rd=frozen_v + WAV: the value route's frozen detail bias is 0 instead of its initial value wav_detail_bias (docs: kept at its initial value); no other read uses it [outside]"),
+    ('nanoroute.py', 'return -1 if block == "emb" else math.inf if block == "P" else int(block[1:])',
+     'return -1 if block == "emb" else math.inf if block == "P" else int(block[1])',
+     "routing_stats 'sources' order: block index read from its first digit, so C10, C11 sort right after C1 (>= 11 blocks) [outside]"),
+    ('nanoroute.py', 'gamma = 0.1 if config.n_layer <= 18 else 1e-5 if config.n_layer <= 24 else 1e-6',
+     'gamma = 0.1 if config.n_layer < 18 else 1e-5 if config.n_layer <= 24 else 1e-6',
+     'LayerScale initial gamma off by one: an 18-layer model starts at 1e-5, CaiT (SPEC) says 0.1 up to 18 layers [outside]'),
+    ('nanoroute.py', 'dropout_p=self.dropout if self.training else 0.0,',
+     'dropout_p=self.dropout,',
+     'attention dropout stays on in eval mode (and in generate): eval/generation non-deterministic when dropout > 0 [outside]'),
+    ('nanoroute.py', 'return {name: p for name, p in self.named_parameters() if id(p) not in matrices}',
+     'return {name: p for name, p in self.named_parameters() if p.dim() < 2}',
+     "weight decay groups by nanoGPT's dim rule: 2-D routing/gain parameters (basis_coefficients, LayerScale gamma, ReZero alpha) get decayed [outside]"),
+    ('nanoroute.py', 'return ("residual",) + tuple(f.name for f in fields(config_class) if f.metadata.get("needs"))',
+     'return ("residual",) + tuple(f.name for f in fields(GPTConfig) if f.metadata.get("needs"))',
+     "routing_fields ignores a subclass's routing fields (docstring: 'a subclass's too') [outside]"),
+    ('nanoroute.py', 'with_details = [r for r in learned if r != "readout" or config.wav_readout_details]',
+     'with_details = [r for r in self.read_names if not r.startswith("layer0.attn")\n                        and (r != "readout" or config.wav_readout_details)]',
+     'rd=frozen_v + WAV: the value routes get a learned detail bias (docs: it stays frozen at its initial value, like the zero query) [outside]'),
+    ('nanoroute.py', 'return h[0], h[1]  # decoupled, frozen_v: Q and K read h^QK, V reads h^V',
+     'return h[1], h[0]  # decoupled, frozen_v: Q and K read h^QK, V reads h^V',
+     'RD decoupled/frozen_v: routes swapped, Q/K read the value route and V the QK route (identical at init; frozen_v then freezes the QK route) [outside]'),
+    ('nanoroute.py', 'if not 0.0 <= self.dropout < 1.0:',
+     'if not 0.0 <= self.dropout <= 1.0:',
+     'config validation accepts dropout=1.0 (documented range [0, 1)) [outside]'),
+    ('nanoroute.py', 'pool = [s for s in pool if s.basis is None or self.config.wav_readout_details]',
+     'pool = [s for s in pool if "." not in s.name or self.config.wav_readout_details]',
+     "conservative readout filters by name: an extension's bias-free completed source (C<b>.diff) is dropped from the readout (docs: 'the final readout reads it too') [outside]"),
+    ('nanoroute.py', 'return pool + self.block_sources(f"C{b}", block, b * self.config.routing_block)',
+     'return pool + self.block_sources(f"C{b}", block, b)',
+     "completed block b's first sublayer index is b, not b*m: C1.. get wrong phase/split signs (still zero-sum) or wrong learned-basis rows; C0 and P are right [outside]"),
+    ('nanoroute.py', 'key = (values, str(device))',
+     'key = values',
+     'kernel constant cache ignores the device: after a CPU run, a model on another device gets the CPU constants (device mismatch) [outside]'),
+    ('nanoroute.py', 'rows = self.block_coefficients(first, sublayers[-1] - first)[:len(partial)]',
+     'rows = self.block_coefficients(first, sublayers[-1] - first)',
+     "fast readout over a short last WAV block: the kernel merges P's detail sources too (conservative readout broken, fast != reference) only when 2*n_layer % m != 0 [outside]"),
+    ('nanoroute.py', 'block.append(u.float())',
+     'block.append(u)',
+     "sources accumulate in bf16 under autocast (docs: float32 whatever the sublayers' dtype); fast and reference still agree to bf16 tolerance [outside]"),
+    ('nanoroute.py', 'e = self.drop(self.wte(idx))',
+     'e = self.wte(idx)',
+     'no dropout on the embedding (docs: dropout on embeddings, attention and sublayer outputs); training is still stochastic [outside]'),
+    ('nanoroute.py', 'wav_learned_bases: bool = setting(False, "learn the detail bases: a coefficient per sublayer and basis, "\n                                             "started at the signs (beyond WAV v1)", needs="wav")',
+     'wav_learned_bases: bool = setting(False, "learn the detail bases: a coefficient per sublayer and basis, "\n                                             "started at the signs (beyond WAV v1)", needs="attnres")',
+     'validation: wav_learned_bases=True without wav=True is silently accepted (an empty basis_coefficients) instead of a one-line ValueError [outside]'),
+    ('nanoroute.py', 'return max(m, 4) if self.wav else m',
+     'return max(m, 4)',
+     'auto routing block (attnres_block=0) is at least 4 sublayers without WAV too: n_layer <= 8 gets 2-layer blocks instead of m = 2*ceil(n_layer/8) (12/24/48 layers unaffected) [outside]'),
+    # --- nanoroute.py: issue 19's faults (the routing on plain tensors), and one in the tests' own harness
+    ("test_nanoroute.py", "        for p in model.no_decay_parameters().values():\n            p.add_(",
+     "        for p in [q for n, q in model.no_decay_parameters().items() if n.startswith(('query.', 'detail_bias.'))]:\n"
+     "            p.add_(", "randomise_routing moves only parameters named query./detail_bias. (a new one stays put)"),
+    ("nanoroute.py", "return dmix, dlse, dquery.to(query.dtype), dbias, None, None, dcoeffs,",
+     "return dmix, dlse, dquery.to(query.dtype), dbias, None, None, None,",
+     "the kernel drops the gradient of learned coefficients"),
+    ("nanoroute.py", "learned = self.basis_coefficients[first:first + n].t()  # (bases, n)",
+     "learned = self.basis_coefficients[first:first + n].t().detach()  # (bases, n)",
+     "learned coefficients are built without gradient"),
+    ("nanoroute.py", 'started at the signs (beyond WAV v1)", needs="wav")', 'started at the signs (beyond WAV v1)")',
+     "a new routing field is left out of the one list (routing_fields)"),
+    ("nanoroute.py", "if config.fast_routing and type(self).block_sources is not DepthRouting.block_sources:",
+     "if False:", "an override of block_sources is silently ignored by the fast kernel"),
+    ("nanoroute.py", "            self.seen = len(block)\n", "", "the kernel re-adds the block's updates at every read"),
+    ("nanoroute.py", "key = i if self.learned else tuple(row[i] for row in self.coefficients)",
+     "key = i if self.learned else tuple(row[0] for row in self.coefficients)",
+     "the kernel groups updates by the first column's coefficients"),
+    ("nanoroute.py", "if cached is None or cached[0] is not value:", "if cached is None:",
+     "the kernel reuses a key norm for a source whose value changed"),
+    ("nanoroute.py", "entropy_norm=entropy / math.log(n) if n > 1 else None)",
+     "entropy_norm=entropy / math.log(n + 1) if n > 1 else None)", "normalised entropy divides by the wrong pool size"),
+    ("nanoroute.py", "            self.basis_coefficients = nn.Parameter(torch.tensor(signs))  # (2·n_layer, bases)",
+     "            self.basis_coefficients = nn.Parameter(torch.tensor(signs).abs())  # (2·n_layer, bases)",
+     "learned bases do not start at the signs"),
     ("nanoroute.py", "dmix, dlse, dbias = a[0][..., None] * dh,", "dmix, dlse, dbias = dh,",
      "phase 2's backward drops the merge weight of the phase-1 summary"),
     ("nanoroute.py", "logits = logits / temperature", "logits = logits / 1.0", "generate ignores temperature"),
@@ -315,7 +393,7 @@ FAULTS = [
      "top-k keeps k - 1 tokens"),
     ("nanoroute.py", "context = idx[:, -cfg.sequence_len:]", "context = idx[:, :cfg.sequence_len]",
      "generation past sequence_len reads the start of the text, not its end"),
-    ("nanoroute.py", "decay = [p for p in self.parameters() if id(p) in matrices]",
+    ("nanoroute.py", "decay = [p for p in self.parameters() if not any(p is q for q in no_decay)]",
      "decay = [p for p in self.parameters() if p.dim() >= 1]", "pseudo-queries and gains get weight decay"),
     ("nanoroute.py", "return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).mean().item()",
      "return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).sum().item()", "JS divergence summed over tokens"),
@@ -370,6 +448,7 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=1, help="faults tested at the same time (default 1)")
     p.add_argument("--only", metavar="FILE", help="only the faults of this file, e.g. train.py")
     p.add_argument("--timeout", type=int, default=900, help="seconds per suite run; longer counts as killed")
+    p.add_argument("--match", metavar="TEXT", help="only the faults whose description contains TEXT")
     p.add_argument("--list", action="store_true", help="print the faults and exit")
     a = p.parse_args(argv)
     files = sorted({f[0] for f in FAULTS})
@@ -377,7 +456,7 @@ def main(argv=None):
         p.error(f"--only {a.only}: no faults for it; choose one of {', '.join(files)}")
     if a.jobs < 1:
         p.error(f"--jobs {a.jobs}: must be at least 1")
-    faults = [f for f in FAULTS if a.only in (None, f[0])]
+    faults = [f for f in FAULTS if a.only in (None, f[0]) and (a.match or "") in f[3]]
     if a.list:
         for i, (file, old, _, what) in enumerate(faults, 1):
             found = (ROOT / file).read_text(encoding="utf-8").count(old)
