@@ -3601,3 +3601,43 @@ def test_exp_val_loss_plot_of_many_groups_wraps_into_rows(tmp_path):
     assert tuple(fig.get_size_inches()) == (24.0, 12.0) and len(fig.axes) == 12
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titles == [f"{d}, {n} layers" for d in ("text8", "tinystories") for n in (12, 24, 48)]
+
+
+# -----------------------------------------------------------------------------
+# Packaging: the model from any folder (pip install -e .), and the repository's pytest configuration
+
+def test_pip_install_editable_makes_the_model_importable_from_any_folder(tmp_path):
+    # the README's `pip install -e .`, offline: a fresh venv that borrows this environment's packages (torch,
+    # setuptools) through a .pth file, installing a copy of the project's pyproject.toml and nanoroute.py
+    root = Path(__file__).resolve().parent
+    project = tmp_path / "clone"
+    project.mkdir()
+    for name in ("pyproject.toml", "nanoroute.py", "LICENSE"):
+        shutil.copy(root / name, project / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site_packages = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    here = [p for p in sys.path if p.endswith("site-packages")]
+    (Path(site_packages) / "borrowed.pth").write_text("\n".join(here) + "\n")
+    pip = subprocess.run([python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--no-index",
+                          "-e", str(project)], capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = "import nanoroute; from nanoroute import GPT, GPTConfig; print(nanoroute.__file__)"
+    out = subprocess.run([python, "-c", script], cwd=elsewhere, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()) == project / "nanoroute.py"  # editable: the clone's own file
+
+
+def test_pytest_configuration_lists_skip_reasons(tmp_path):
+    # `python -m pytest -q` (the README's command) says why tests were skipped: -rs in pyproject.toml
+    shutil.copy(Path(__file__).resolve().parent / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "test_skip.py").write_text("import pytest\n\n\ndef test_x():\n    pytest.skip('needs a thing')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)
+    assert "SKIPPED [1] test_skip.py:5: needs a thing" in out.stdout, out.stdout
+
