@@ -490,9 +490,10 @@ def markdown(runs_dir, runs, groups, baseline):
 # Plots (optional: matplotlib)
 
 
-def route_matrix(run_dir, rows=16):
+def route_matrix(run_dir, rows=16, data_root=None):
     """Mean routing weights of a run's best.pt on `rows` val crops: (reads, sources, matrix) with
-    sources in pool order and None where a read cannot see a source."""
+    sources in pool order and None where a read cannot see a source. The val split is read from
+    the data folder the run was trained on (found from here, or as DATA_ROOT/NAME: --data_root)."""
     import numpy as np
     import torch
 
@@ -507,7 +508,10 @@ def route_matrix(run_dir, rows=16):
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     model.eval()
-    data, T = prepare_data.open_split(ckpt["train_args"]["data"], "val"), model.config.sequence_len
+    dataset = ckpt.get("meta", {}).get("dataset")
+    data_dir = train.find_data(ckpt["train_args"]["data"], run_dir,
+                               "give --data_root DIR, the folder that holds it", dataset, data_root)
+    data, T = prepare_data.open_split(data_dir, "val"), model.config.sequence_len
     x = torch.from_numpy(np.stack([data[o:o + T] for o in np.linspace(0, len(data) - T - 1, rows, dtype=int)])
                          .astype(np.int64))
     with torch.no_grad():
@@ -591,7 +595,7 @@ def plots(runs_dir, runs, heatmaps, baseline=None):
 # Command line
 
 
-def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
+def report(runs_dir, baseline=None, make_plots=False, heatmaps=(), data_root=None):
     runs = load_runs(runs_dir)
     if not runs:
         raise UsageError(f"no runs under {runs_dir} (no run.json or summary.json): run `python experiments.py "
@@ -610,7 +614,7 @@ def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
         if config.get("residual", "attnres") != "attnres":
             raise UsageError(f"--heatmap {name}: a {run['variant']} run has no depth routes; choose an AttnRes run")
     # read the checkpoints now, with or without matplotlib: a damaged one is an error either way
-    heatmaps = {name: route_matrix(Path(runs_dir) / name) for name in heatmaps}
+    heatmaps = {name: route_matrix(Path(runs_dir) / name, data_root=data_root) for name in heatmaps}
     text = markdown(runs_dir, runs, summarize(runs, baseline), baseline)
     print(text)
     prepare_data.write_atomic(Path(runs_dir) / "report.md", lambda f: f.write(text.encode() + b"\n"))
@@ -668,6 +672,9 @@ def build_parser():
     r.add_argument("--plots", action="store_true", help="also write val_loss.png (needs matplotlib)")
     r.add_argument("--heatmap", action="append", default=[], metavar="RUN",
                    help="also write routes_RUN.png for this run folder (implies --plots; repeatable)")
+    r.add_argument("--data_root", metavar="DIR",
+                   help="--heatmap: the folder of the prepared datasets, when a run's own --data is "
+                   "not found (default: from here or from the run folder)")
     return p
 
 
@@ -677,7 +684,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         if args.command == "report":
-            report(args.runs_dir, args.baseline, args.plots or bool(args.heatmap), args.heatmap)
+            report(args.runs_dir, args.baseline, args.plots or bool(args.heatmap), args.heatmap,
+                   args.data_root)
             return 0
         runs = plan(args.name, args.out or f"runs/{args.name}", args.seeds, args.depths, args.variants, extra,
                     args.data_root, args.data)
