@@ -88,7 +88,27 @@ def sample(a):
     model.to(device).eval()
     decode = prepare_data.decoder(meta, data_dir)
 
-    # the prompt
+    ids = prompt_ids(a, meta, data_dir, config)
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+
+    if a.routes:
+        show_routes(model, idx, path, decode(ids))
+        return
+    torch.manual_seed(a.seed)
+    t0 = time.time()
+    out = model.generate(idx.expand(a.num_samples, -1), a.max_new_tokens, a.temperature, a.top_k)
+    dt = time.time() - t0
+    shown = 0 if a.start is not None else len(ids)  # a default prompt (<|endoftext|>, a newline) is not text
+    for row in out.tolist():
+        print(decode(row[shown:]))
+        print("-" * 40)
+    n = a.num_samples * a.max_new_tokens
+    print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
+
+
+def prompt_ids(a, meta, data_dir, config):
+    """The prompt's token ids: --start (or the file it names), else a default one; at most the
+    last sequence_len of them."""
     if a.start is None and a.routes:
         ids = prepare_data.open_split(data_dir, "val", meta)[:config.sequence_len].tolist()
     elif a.start is None and meta["level"] == "gpt2":
@@ -109,21 +129,7 @@ def sample(a):
         print(f"note: the prompt is {len(ids)} tokens, longer than sequence_len={config.sequence_len}: "
               f"using its last {config.sequence_len}", file=sys.stderr)
         ids = ids[-config.sequence_len:]
-    idx = torch.tensor([ids], dtype=torch.long, device=device)
-
-    if a.routes:
-        show_routes(model, idx, path, decode(ids))
-        return
-    torch.manual_seed(a.seed)
-    t0 = time.time()
-    out = model.generate(idx.expand(a.num_samples, -1), a.max_new_tokens, a.temperature, a.top_k)
-    dt = time.time() - t0
-    shown = 0 if a.start is not None else len(ids)  # a default prompt (<|endoftext|>, a newline) is not text
-    for row in out.tolist():
-        print(decode(row[shown:]))
-        print("-" * 40)
-    n = a.num_samples * a.max_new_tokens
-    print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
+    return ids
 
 
 @torch.no_grad()
