@@ -317,6 +317,39 @@ def pick_dtype(name, device):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def read_settings(explicit, world, master):
+    """The settings, from the checkpoint too with --resume: (TrainSettings, the model's settings,
+    the checkpoint or None)."""
+    ckpt_path, ckpt = Path(explicit.get("out_dir", TrainSettings.out_dir)) / "last.pt", None
+    if explicit.get("resume"):
+        ckpt = load_checkpoint(ckpt_path, f"--resume: no checkpoint at {ckpt_path}; train without "
+                               "--resume first")
+    elif ckpt_path.exists():
+        raise UsageError(f"{ckpt_path.parent} already holds a run ({ckpt_path}): add --resume to "
+                         "continue it, or choose another --out_dir (or delete that folder)")
+    a, model_settings, preset = resolve_settings(explicit, ckpt, ckpt_path)
+    check_settings(a, world)
+    if a.wandb_project and master:
+        import_wandb()  # now: a missing package costs no training
+    if preset and master:
+        values = [f"{k}={v}" + (f" (overridden: {explicit[k]})" if k in explicit else "")
+                  for k, v in preset.items()]
+        print(f"preset {a.preset}: " + " ".join(values))
+    return a, model_settings, ckpt
+
+
+def start_processes(device_name):
+    """(rank, world, device). torchrun sets RANK, WORLD_SIZE and LOCAL_RANK: one process per GPU."""
+    ddp = "RANK" in os.environ
+    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) if ddp else (0, 1, 0)
+    device = pick_device(device_name, local_rank)
+    if ddp:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
 # -----------------------------------------------------------------------------
 # Data: random crops at offsets that depend only on (seed, step, micro-step)
 
@@ -402,6 +435,22 @@ def check_fits(a, T, train_data, val_data):
         raise UsageError(f"a batch of --batch_size {a.batch_size} x sequence_len {T} = "
                          f"{a.batch_size * T} tokens is larger than the training data "
                          f"({len(train_data)} tokens): lower --batch_size")
+
+
+def open_data(a, ckpt, given, master):
+    """The dataset's meta.json and its train and val splits. With --resume and no --data, the data
+    folder the checkpoint names is found from any working folder (find_data)."""
+    ckpt_path = Path(a.out_dir) / "last.pt"
+    if ckpt is not None and not given:
+        fix = "give --data DIR, the dataset it was trained on"
+        a.data = find_data(a.data, ckpt_path.parent, fix, ckpt["meta"].get("dataset"))
+    meta = open_dataset(a.data, master)
+    if ckpt is not None and ckpt["config"]["vocab_size"] != meta["vocab_size"]:
+        raise UsageError(f"dataset {a.data} has vocab_size {meta['vocab_size']} but {ckpt_path} "
+                         f"was trained with {ckpt['config']['vocab_size']}: resume with the --data "
+                         "it was trained on")
+    splits = (prepare_data.open_split(a.data, split, meta) for split in ("train", "val"))
+    return meta, *splits
 
 
 # -----------------------------------------------------------------------------
@@ -520,83 +569,6 @@ def setup(argv, cleanup):
     run.t_start, run.wandb = time.time(), start_wandb(run)
     run.stop_signals = catch_stop_signals(cleanup)
     return run
-
-
-def start_processes(device_name):
-    """(rank, world, device). torchrun sets RANK, WORLD_SIZE and LOCAL_RANK: one process per GPU."""
-    ddp = "RANK" in os.environ
-    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) if ddp else (0, 1, 0)
-    device = pick_device(device_name, local_rank)
-    if ddp:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
-
-
-def read_settings(explicit, world, master):
-    """The settings, from the checkpoint too with --resume: (TrainSettings, the model's settings,
-    the checkpoint or None)."""
-    ckpt_path, ckpt = Path(explicit.get("out_dir", TrainSettings.out_dir)) / "last.pt", None
-    if explicit.get("resume"):
-        ckpt = load_checkpoint(ckpt_path, f"--resume: no checkpoint at {ckpt_path}; train without "
-                               "--resume first")
-    elif ckpt_path.exists():
-        raise UsageError(f"{ckpt_path.parent} already holds a run ({ckpt_path}): add --resume to "
-                         "continue it, or choose another --out_dir (or delete that folder)")
-    a, model_settings, preset = resolve_settings(explicit, ckpt, ckpt_path)
-    check_settings(a, world)
-    if a.wandb_project and master:
-        import_wandb()  # now: a missing package costs no training
-    if preset and master:
-        values = [f"{k}={v}" + (f" (overridden: {explicit[k]})" if k in explicit else "")
-                  for k, v in preset.items()]
-        print(f"preset {a.preset}: " + " ".join(values))
-    return a, model_settings, ckpt
-
-
-def open_data(a, ckpt, given, master):
-    """The dataset's meta.json and its train and val splits. With --resume and no --data, the data
-    folder the checkpoint names is found from any working folder (find_data)."""
-    ckpt_path = Path(a.out_dir) / "last.pt"
-    if ckpt is not None and not given:
-        fix = "give --data DIR, the dataset it was trained on"
-        a.data = find_data(a.data, ckpt_path.parent, fix, ckpt["meta"].get("dataset"))
-    meta = open_dataset(a.data, master)
-    if ckpt is not None and ckpt["config"]["vocab_size"] != meta["vocab_size"]:
-        raise UsageError(f"dataset {a.data} has vocab_size {meta['vocab_size']} but {ckpt_path} "
-                         f"was trained with {ckpt['config']['vocab_size']}: resume with the --data "
-                         "it was trained on")
-    splits = (prepare_data.open_split(a.data, split, meta) for split in ("train", "val"))
-    return meta, *splits
-
-
-def start_fresh(run):
-    """A new run: each process draws its own dropout stream; no metrics.jsonl of an earlier try."""
-    torch.manual_seed(run.settings.seed + run.rank)
-    if run.master:
-        (run.out_dir / "metrics.jsonl").unlink(missing_ok=True)
-
-
-def print_header(run):
-    """What this run is: the data, the model, the schedule, the processes and the precision."""
-    a, config, meta, T = run.settings, run.config, run.meta, run.config.sequence_len
-    run.log(f"data: {a.data} ({meta['dataset']}, {meta['level']} level, vocab {config.vocab_size}; "
-            f"train {len(run.train_data):,} / val {len(run.val_data):,} tokens)")
-    routing = f" (block {config.routing_block}, wav {config.wav}, rd {config.rd})"
-    run.log(f"model: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
-            f"sequence_len {T}, residual {config.residual}"
-            + (routing if config.residual == "attnres" else "")
-            + f"; {run.raw_model.get_num_params() / 1e6:.2f}M parameters")
-    if block_note(config):
-        run.log(block_note(config))
-    min_lr = a.lr / 10 if a.min_lr is None else a.min_lr
-    run.log(f"training: {a.max_iters} steps x {run.tokens_per_step:,} tokens (batch "
-            f"{a.batch_size} x accum {a.grad_accum} x {T}) = "
-            f"{a.max_iters * run.tokens_per_step / 1e6:.1f}M tokens; "
-            f"lr {a.lr:g} warmup {a.warmup_iters} cosine to {min_lr:g}; {run.world} process(es) on "
-            f"{run.device}, {str(run.dtype).removeprefix('torch.')}; evaluation: {a.eval_tokens:,} "
-            f"tokens per split every {a.eval_interval} steps")
 
 
 def train(run):
@@ -846,6 +818,34 @@ def command(script, flags, world=1):
         launcher = ["torchrun", f"--nproc_per_node={world}", script, "--"]
     return shlex.join([*launcher, *map(str, flags)])
 
+
+
+def start_fresh(run):
+    """A new run: each process draws its own dropout stream; no metrics.jsonl of an earlier try."""
+    torch.manual_seed(run.settings.seed + run.rank)
+    if run.master:
+        (run.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+
+def print_header(run):
+    """What this run is: the data, the model, the schedule, the processes and the precision."""
+    a, config, meta, T = run.settings, run.config, run.meta, run.config.sequence_len
+    run.log(f"data: {a.data} ({meta['dataset']}, {meta['level']} level, vocab {config.vocab_size}; "
+            f"train {len(run.train_data):,} / val {len(run.val_data):,} tokens)")
+    routing = f" (block {config.routing_block}, wav {config.wav}, rd {config.rd})"
+    run.log(f"model: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
+            f"sequence_len {T}, residual {config.residual}"
+            + (routing if config.residual == "attnres" else "")
+            + f"; {run.raw_model.get_num_params() / 1e6:.2f}M parameters")
+    if block_note(config):
+        run.log(block_note(config))
+    min_lr = a.lr / 10 if a.min_lr is None else a.min_lr
+    run.log(f"training: {a.max_iters} steps x {run.tokens_per_step:,} tokens (batch "
+            f"{a.batch_size} x accum {a.grad_accum} x {T}) = "
+            f"{a.max_iters * run.tokens_per_step / 1e6:.1f}M tokens; "
+            f"lr {a.lr:g} warmup {a.warmup_iters} cosine to {min_lr:g}; {run.world} process(es) on "
+            f"{run.device}, {str(run.dtype).removeprefix('torch.')}; evaluation: {a.eval_tokens:,} "
+            f"tokens per split every {a.eval_interval} steps")
 
 
 # =============================================================================
