@@ -5,7 +5,7 @@ Train a nanoroute GPT on a prepared dataset: one CPU or GPU, or several under to
     python train.py --residual prenorm --out_dir out_prenorm   # the same run without depth routing
     python train.py --residual attnres --rd decoupled --out_dir out/rd
     python train.py --preset rd_s --seed 1 --out_dir out/rd_s_seed1
-    torchrun --nproc_per_node=8 train.py --preset rd_s --rd off --out_dir out/rd_s_off
+    torchrun --nproc_per_node=8 train.py -- --preset rd_s --rd off --out_dir out/rd_s_off
 
 Every GPTConfig field is a flag of the same name (`python train.py --help`). The batches depend only
 on --seed and the step, never on the model or the number of processes, and the model is initialised
@@ -443,7 +443,10 @@ def open_data(a, ckpt, given, master):
     ckpt_path = Path(a.out_dir) / "last.pt"
     if ckpt is not None and not given:
         fix = "give --data DIR, the dataset it was trained on"
-        a.data = find_data(a.data, ckpt_path.parent, fix, ckpt["meta"].get("dataset"))
+        found = find_data(a.data, ckpt_path.parent, fix, ckpt["meta"].get("dataset"))
+        if found != a.data and master:
+            print(f"note: the data folder {a.data} of {ckpt_path} is not here; found it at {found}")
+        a.data = found
     meta = open_dataset(a.data, master)
     if ckpt is not None and ckpt["config"]["vocab_size"] != meta["vocab_size"]:
         raise UsageError(f"dataset {a.data} has vocab_size {meta['vocab_size']} but {ckpt_path} "
@@ -486,7 +489,8 @@ def main(argv=None):
 @dataclasses.dataclass
 class Run:
     """What the loop shares with its parts: set up once, but for the progress at the end, which is
-    what a checkpoint records."""
+    what a checkpoint records. __post_init__ adds the precision context (ctx), ddp, the fixed
+    evaluation crops of each split and the milestones as (label, tokens)."""
     settings: TrainSettings
     config: GPTConfig
     meta: dict  # the dataset's meta.json
