@@ -673,8 +673,8 @@ def build_parser():
     r.add_argument("--heatmap", action="append", default=[], metavar="RUN",
                    help="also write routes_RUN.png for this run folder (implies --plots; repeatable)")
     r.add_argument("--data_root", metavar="DIR",
-                   help="--heatmap: the folder of the prepared datasets, when a run's own --data is "
-                   "not found (default: from here or from the run folder)")
+                   help="--heatmap: the folder of the prepared datasets, when a run's own --data "
+                   "is not found (default: from here or from the run folder)")
     return p
 
 

@@ -1587,12 +1587,14 @@ def test_resume_is_bitwise_exact(_train_data, _train_one_thread, tmp_path, capsy
     flags = ["--data", demo, *_TRAIN_TINY, *_TRAIN_ROUTED, "--dropout", 0.1, "--grad_accum", 2, "--max_iters", 6,
              "--eval_interval", 4]
     assert _train_main(train, [*flags, "--out_dir", tmp_path / "a"])[0] == 0
-    code, text, _ = _train_main(train, [*flags, "--out_dir", tmp_path / "b", "--stop_after", 3], capsys)
+    code, text, _ = _train_main(train, [*flags, "--out_dir", tmp_path / "b", "--stop_after", 3],
+                                capsys)
     assert code == 0 and torch.load(tmp_path / "b" / "last.pt", weights_only=True)["step"] == 3
     assert not (tmp_path / "b" / "summary.json").exists()
     # the line --stop_after prints is the whole command that continues the run: run as printed
     resume = shlex.split(text.split("(--stop_after); continue with: ")[1].splitlines()[0])
-    assert resume == ["python", "train.py", "--out_dir", str(tmp_path / "b"), "--resume", "--device", "cpu"]
+    assert resume == ["python", "train.py", "--out_dir", str(tmp_path / "b"), "--resume",
+                      "--device", "cpu"]
     assert _train_main(train, resume[2:], capsys)[0] == 0
     a, b = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in "ab")
     assert a["model"].keys() == b["model"].keys()
@@ -1849,7 +1851,7 @@ def _train_check_stopped(out, err, signum, capsys):
     step = torch.load(out / "last.pt", weights_only=True)["step"]
     assert err.strip().splitlines() == [f"stopped by {signal.Signals(signum).name} after step {step}, "
                                         f"{out / 'last.pt'} saved; continue with: python train.py --out_dir {out} "
-                                        "--resume --device cpu"], err  # --resume restores all but --device
+                                        "--resume --device cpu"], err  # not restored by --resume
     assert step >= 1 and not list(out.glob("*.tmp")) and not (out / "train.lock").exists()
     assert max(r["step"] for r in _train_metrics(out)) == step
     assert _train_main(train, ["--out_dir", out, "--resume", "--max_iters", step + 1], capsys)[0] == 0
@@ -1970,12 +1972,13 @@ def test_default_run_is_routed_and_ends_with_routing_summary(_train_data, _train
     assert lines[1].split() == ["layer0.attn", "emb", "1.00"]  # the first read sees only the embedding
     weights = [float(w) for w in lines[5].split()[2::2]]  # readout: emb, C0, C1 with their weights
     assert weights == sorted(weights, reverse=True) and sum(weights) == pytest.approx(1, abs=0.02)
-    nxt = [shlex.split(line.rsplit("  # ", 1)[0]) for line in text.split("\nnext:\n")[1].splitlines()]
+    lines = text.split("\nnext:\n")[1].splitlines()
+    nxt = [shlex.split(line.rsplit("  # ", 1)[0]) for line in lines]
     assert nxt[:2] == [["python", "sample.py", "--out_dir", str(out)], ["python", "sample.py", "--out_dir", str(out),
                                                                          "--routes"]]
     assert nxt[2][:4] == ["python", "train.py", "--residual", "prenorm"] and nxt[2][-2:] == ["--out_dir",
                                                                                           f"{out}_prenorm"]
-    # the suggested baseline, run as printed, is paired with this run: the same settings but the routing
+    # the suggested baseline, run as printed, is paired with this run: the same but the routing
     assert _train_main(train, nxt[2][2:])[0] == 0
     routed, baseline = (json.loads((Path(d) / "summary.json").read_text()) for d in (out, f"{out}_prenorm"))
     assert baseline["config"] == dict(routed["config"], residual="prenorm")
@@ -1985,58 +1988,66 @@ def test_default_run_is_routed_and_ends_with_routing_summary(_train_data, _train
 def _train_settings(argv, config_class=GPTConfig, vocab_size=53, device=torch.device("cpu")):
     """The settings a train.py run with these flags would have (its own steps, on no data): the
     TrainSettings and the config."""
-    explicit = {k: v for k, v in vars(train.build_parser(config_class).parse_args(argv)).items() if v is not None}
-    a, model, _ = train.resolve_settings(explicit, config_class=config_class)
+    given = vars(train.build_parser(config_class).parse_args(argv))
+    a, model, _ = train.resolve_settings({k: v for k, v in given.items() if v is not None},
+                                         config_class=config_class)
     config = train.model_config(model, vocab_size, a.data, config_class)
-    train.complete_settings(a, config, device)  # --eval_tokens's default, --max_iters from --max_tokens
+    train.complete_settings(a, config, device)  # --eval_tokens's default, max_iters from max_tokens
     return a, config
 
 
 def _train_baseline(a, config, device=torch.device("cpu")):
     """The baseline command of the next: block, as a shell would split it."""
-    return shlex.split(train.next_commands(a, config, True, device).splitlines()[-1].rsplit("  # ", 1)[0])
+    line = train.next_commands(a, config, True, device).splitlines()[-1]
+    return shlex.split(line.rsplit("  # ", 1)[0])
 
 
 def test_next_commands_baseline_repeats_only_the_settings_a_plain_run_would_not_get():
-    a, config = _train_settings([])  # --eval_tokens filled in as a run does (not given: not repeated)
-    assert _train_baseline(a, config) == ["python", "train.py", "--residual", "prenorm", "--out_dir", "out_prenorm"]
+    a, config = _train_settings([])  # --eval_tokens filled in as a run does: not repeated
+    plain = ["python", "train.py", "--residual", "prenorm"]
+    assert _train_baseline(a, config) == [*plain, "--out_dir", "out_prenorm"]
     a.eval_tokens, a.seed = 1024, 7  # given by the user: the baseline repeats them
-    assert _train_baseline(a, config) == ["python", "train.py", "--residual", "prenorm", "--eval_tokens", "1024",
-                                          "--seed", "7", "--out_dir", "out_prenorm"]
+    assert _train_baseline(a, config) == [*plain, "--eval_tokens", "1024", "--seed", "7",
+                                          "--out_dir", "out_prenorm"]
 
 
-# the printed baseline of every variant and preset, run through train.py's parser and GPTConfig, is the
-# run itself without the routing; the flags that say how a run runs (--dtype, --device) are repeated too
-_TRAIN_PAIRED = [[f"--{k}={v}" for k, v in values.items()] for values in nanoroute.VARIANTS.values()] + [
-    ["--preset", name] for name in train.PRESETS]
+# the printed baseline of every variant and preset, run through train.py's parser and GPTConfig, is
+# the run itself without the routing; the flags of how it runs (--dtype, --device) are repeated too
+_TRAIN_PAIRED = [[f"--{k}={v}" for k, v in values.items()] for values in nanoroute.VARIANTS.values()]
+_TRAIN_PAIRED += [["--preset", name] for name in train.PRESETS]
 
 
 @pytest.mark.parametrize("flags", _TRAIN_PAIRED, ids=[*nanoroute.VARIANTS, *train.PRESETS])
 def test_printed_baseline_is_the_same_run_without_routing(flags):
-    run_flags = [*flags, "--dtype", "bfloat16", "--device", "cpu", "--seed", "3", "--out_dir", "runs/a b"]
-    a, config = _train_settings(run_flags)
+    a, config = _train_settings([*flags, "--dtype", "bfloat16", "--device", "cpu", "--seed", "3",
+                                 "--out_dir", "runs/a b"])
     baseline = _train_baseline(a, config)
     assert baseline[:4] == ["python", "train.py", "--residual", "prenorm"]
     b, base = _train_settings(baseline[2:])  # no error: no routing field is left over
     routing = nanoroute.routing_fields(GPTConfig)
-    assert base.residual == "prenorm" and all(getattr(base, f) == getattr(GPTConfig(), f) for f in routing[1:])
+    assert base.residual == "prenorm"
+    assert all(getattr(base, f) == getattr(GPTConfig(), f) for f in routing[1:])
     assert {k: v for k, v in dataclasses.asdict(base).items() if k not in routing} == \
         {k: v for k, v in dataclasses.asdict(config).items() if k not in routing}
-    assert dataclasses.asdict(b) == dict(dataclasses.asdict(a), out_dir="runs/a b_prenorm", preset=None)
+    assert dataclasses.asdict(b) == dict(dataclasses.asdict(a), out_dir="runs/a b_prenorm",
+                                         preset=None)
 
 
-# a GPTConfig subclass that adds a routing field (setting(..., needs="attnres")): the baseline drops it too
+# a GPTConfig subclass adding a routing field (setting(..., needs="attnres")): the baseline drops it
 @dataclasses.dataclass
 class _TrainConfigWithGain(GPTConfig):
     read_gain: float = nanoroute.setting(1.0, "a made-up routing knob", needs="attnres")
 
 
 def test_printed_baseline_drops_a_routing_field_of_a_config_subclass():
-    a, config = _train_settings(["--residual", "attnres", "--read_gain", "2.0", "--seed", "3"], _TrainConfigWithGain)
-    assert config.read_gain == 2.0 and "--read_gain" in train.build_parser(_TrainConfigWithGain).format_help()
+    flags = ["--residual", "attnres", "--read_gain", "2.0", "--seed", "3"]
+    a, config = _train_settings(flags, _TrainConfigWithGain)
+    assert config.read_gain == 2.0
+    assert "--read_gain" in train.build_parser(_TrainConfigWithGain).format_help()
     baseline = _train_baseline(a, config)
-    b, base = _train_settings(baseline[2:], _TrainConfigWithGain)  # a kept --read_gain 2.0 would be an error
-    assert "--read_gain" not in baseline and base.read_gain == 1.0 and base.residual == "prenorm" and b.seed == 3
+    b, base = _train_settings(baseline[2:], _TrainConfigWithGain)  # --read_gain 2.0: an error
+    assert "--read_gain" not in baseline and base.read_gain == 1.0
+    assert base.residual == "prenorm" and b.seed == 3
 
 
 def test_prenorm_run_has_no_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):
@@ -2267,18 +2278,20 @@ def test_sample_prints_text_and_tokens_per_second(_train_runs, _train_one_thread
     assert code == 0 and "longer than sequence_len=32: using its last 32" in err
 
 
-# a run made in project/ with --data data/demo (the relative path train.py records), sampled from another
-# folder: the data folder is found from the run folder (not a nearer one of another dataset); once moved
-# away, the error names --data
-def test_sample_finds_the_data_of_a_run_from_another_folder(_train_data, _train_runs, _train_one_thread, tmp_path,
-                                                            monkeypatch, capsys):
+# a run made in project/ with --data data/demo (the relative path train.py records), sampled from
+# another folder: the data folder is found from the run folder (not a nearer one of another
+# dataset); once moved away, the error names --data
+def test_sample_finds_the_data_of_a_run_from_another_folder(_train_data, _train_runs,
+                                                            _train_one_thread, tmp_path, monkeypatch,
+                                                            capsys):
     demo, other = _train_data
     routed, _ = _train_runs
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     shutil.copytree(demo, project / "data" / "demo")
-    decoy = project / "runs" / "data" / "demo"  # another dataset (and vocabulary) under the same name
+    decoy = project / "runs" / "data" / "demo"  # another dataset (and vocabulary), the same name
     shutil.copytree(other, decoy)
-    (decoy / "meta.json").write_text(json.dumps(dict(json.loads((decoy / "meta.json").read_text()), dataset="x")))
+    meta = json.loads((decoy / "meta.json").read_text())
+    (decoy / "meta.json").write_text(json.dumps(dict(meta, dataset="x")))
     (project / "runs" / "r").mkdir(parents=True)
     elsewhere.mkdir()
     ckpt = torch.load(routed / "best.pt", weights_only=True)
@@ -2293,8 +2306,10 @@ def test_sample_finds_the_data_of_a_run_from_another_folder(_train_data, _train_
     shutil.move(project / "data", tmp_path / "moved")
     monkeypatch.chdir(project / "runs" / "r")
     code, _, err = _train_main(sample, ["--out_dir", ".", *flags], capsys)
-    assert code == 2 and err.count("\n") == 1 and "give --data DIR, the prepared demo dataset" in err, err
-    assert _train_main(sample, ["--out_dir", ".", "--data", tmp_path / "moved" / "demo", *flags], capsys)[0] == 0
+    assert code == 2 and err.count("\n") == 1, err
+    assert "give --data DIR, the prepared demo dataset" in err, err
+    moved = tmp_path / "moved" / "demo"
+    assert _train_main(sample, ["--out_dir", ".", "--data", moved, *flags], capsys)[0] == 0
 
 
 def test_sample_routes_view(_train_runs, _train_one_thread, capsys):
@@ -2624,22 +2639,25 @@ def test_foreign_checkpoint_is_reported_in_our_words_and_never_run(_train_bad_re
     assert not list(tmp_path_factory.getbasetemp().rglob("pwned"))
 
 
-# flags are never abbreviated (--max_iter is not taken as --max_iters) and a misspelt one is one line that
-# names the flag meant; the rest of each command line would run (a taken abbreviation shows as exit 0)
+# flags are never abbreviated (--max_iter is not taken as --max_iters) and a misspelt one is one
+# line that names the flag meant; the rest of each command would run (a taken abbreviation: exit 0)
 @pytest.mark.parametrize("script,argv,meant", [
     ("train", ["--max_iter", "5"], "--max_iters"), ("train", ["--lerning_rate", "1"], "--lr"),
     ("sample", ["--num_sample", "1"], "--num_samples"), ("bench", ["--iter", "1"], "--iters")])
-def test_flags_are_never_abbreviated_and_a_misspelling_names_the_flag(_train_data, _train_runs, _train_one_thread,
-                                                                      tmp_path, capsys, script, argv, meant):
+def test_flags_are_never_abbreviated_and_a_misspelling_names_the_flag(
+        _train_data, _train_runs, _train_one_thread, tmp_path, capsys, script, argv, meant):
     demo, _ = _train_data
     routed, _ = _train_runs
-    rest = {"train": ["--data", demo, "--out_dir", tmp_path / "run", *_TRAIN_TINY, "--max_iters", 1],
+    rest = {"train": ["--data", demo, "--out_dir", tmp_path / "run", *_TRAIN_TINY, "--max_iters",
+                      1],
             "sample": ["--out_dir", routed, "--max_new_tokens", 2],
             "bench": ["--shape", "tiny", "--device", "cpu", "--variants", "prenorm", "--warmup", 0,
                       "--gen_tokens", 0]}[script]
-    code, _, err = _train_main({"train": train, "sample": sample, "bench": bench}[script], [*argv, *rest], capsys)
-    assert code == 2 and err == f"error: unrecognized arguments: {' '.join(argv)} (did you mean {meant}?); " \
-                                "see --help\n"
+    module = {"train": train, "sample": sample, "bench": bench}[script]
+    code, _, err = _train_main(module, [*argv, *rest], capsys)
+    assert code == 2
+    wrong = " ".join(argv)
+    assert err == f"error: unrecognized arguments: {wrong} (did you mean {meant}?); see --help\n"
 
 
 # --help lists every flag with its help: each TrainSettings and GPTConfig field, one way
@@ -2650,7 +2668,8 @@ def test_train_help_lists_every_flag_with_its_help(capsys):
     assert code == 0 and len(fields) == 26 + len(dataclasses.fields(GPTConfig))
     for f in fields:
         assert f"--{f.name} " in flat and " ".join(f.metadata["help"].split()) in flat, f.name
-    assert "--max_tokens N token budget" in flat and "(default: 128 here; GPTConfig's is 384)" in flat
+    assert "--max_tokens N token budget" in flat
+    assert "(default: 128 here; GPTConfig's is 384)" in flat
 
 
 # -----------------------------------------------------------------------------
@@ -2981,8 +3000,8 @@ def test_exp_heatmap_of_a_corrupt_checkpoint_is_one_clear_line(tmp_path, monkeyp
     assert err.startswith("error: checkpoint ") and "corrupt or truncated" in err and err.count("\n") == 1
 
 
-# report --heatmap from another folder: the run's data (recorded relative to the folder train.py ran in)
-# is found from the run folder; once moved, the error names --data_root, which finds it
+# report --heatmap from another folder: the run's data (recorded relative to where train.py ran) is
+# found from the run folder; once moved, the error names --data_root, which finds it
 def test_exp_heatmap_finds_the_data_from_another_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # the data is read with or without plots
     runs_dir = _exp_routed_run(tmp_path, recorded="demo")
