@@ -40,6 +40,7 @@ Usage:
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import platform
@@ -218,6 +219,7 @@ def fmt(x, spec=".3f"):
 
 
 # -----------------------------------------------------------------------------
+# The benchmark, by job: parse, build, time the training step, report, time generation, profile
 
 
 def main(argv=None):
@@ -229,6 +231,28 @@ def main(argv=None):
 
 
 def run_bench(argv=None):
+    """Every measurement of one bench.py command; returns its numbers (and writes them: --json)."""
+    bench = setup(argv)
+    models = {name: build(bench, name) for name in bench.timed}
+    times = time_training(bench, models)
+    results = {name: variant_result(bench, *models[name], times[name]) for name in models}
+    add_ratios(bench, results, times)
+    print_training(bench, results)
+    generation = time_generation(bench, models) if bench.n_new > 0 else {}
+    if bench.args.profile:
+        profile(bench, models)
+    generation = dict(new_tokens=bench.n_new, prompt_len=1, repeats=bench.args.gen_repeats,
+                      variants=generation)
+    out = dict(machine=bench.machine, args=vars(bench.args), shape=bench.shape, iters=bench.iters,
+               variants=results, generation=generation)
+    if bench.args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(bench.args.json)), exist_ok=True)
+        write_json(bench.args.json, out)
+        print(f"\nwrote {bench.args.json}")
+    return out
+
+
+def build_parser():
     p = prepare_data.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", default="s12", choices=SHAPES)
     for f in (*MODEL_FIELDS, "batch_size"):
@@ -251,7 +275,41 @@ def run_bench(argv=None):
                    help="another nanoroute.py (or a folder holding one): time every variant from it too, in the"
                         " same rounds, and report this code / that code")
     p.add_argument("--json", default=None, help="write every number to this path")
-    args = p.parse_args(argv)
+    return p
+
+
+@dataclasses.dataclass
+class Bench:
+    """One benchmark, as its flags set it up: what every job below reads."""
+    args: argparse.Namespace
+    variants: list  # the timed variants of this code, in timing order
+    gen_variants: list
+    against: object  # the --against nanoroute module, or None
+    device: str
+    shape: dict  # SHAPES[--shape] with the flags' overrides
+    iters: int
+    machine: dict
+
+    def __post_init__(self):
+        self.device_type = torch.device(self.device).type
+        self.B, self.T = self.shape["batch_size"], self.shape["sequence_len"]
+        self.amp = contextlib.nullcontext()
+        if self.device_type == "cuda":
+            self.amp = torch.autocast(self.device_type, dtype=torch.bfloat16)
+        # the timed names: each variant, and VARIANT@against right after it with --against
+        versions = ("", "@against") if self.against else ("",)
+        self.timed = [name + version for name in self.variants for version in versions]
+        gen = torch.Generator().manual_seed(1)
+        data = torch.randint(self.shape["vocab_size"], (self.B, self.T + 1), generator=gen)
+        data = data.to(self.device)
+        # the same fixed batch for every variant and step
+        self.x, self.y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        self.n_new = min(256, self.T) if self.args.gen_tokens is None else self.args.gen_tokens
+
+
+def setup(argv):
+    """The flags, checked, as a Bench; prints the machine and the shape."""
+    args = build_parser().parse_args(argv)
     variants = parse_list(args.variants, "--variants")
     against = load_against(args.against) if args.against else None
     gen_variants = parse_list(args.gen_variants, "--gen_variants")
@@ -260,10 +318,7 @@ def run_bench(argv=None):
     device = str(pick_device(args.device))  # a clear error for a typo, or CUDA asked for where there is none
     device_type = torch.device(device).type
     shape = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in SHAPES[args.shape].items()}
-    B, T = shape["batch_size"], shape["sequence_len"]
     iters = args.iters or (20 if device_type == "cuda" else 10)
-    amp = torch.autocast(device_type, dtype=torch.bfloat16) if device_type == "cuda" else contextlib.nullcontext()
-
     machine = dict(torch=torch.__version__, python=platform.python_version(), device=device,
                    device_name=torch.cuda.get_device_name(device) if device_type == "cuda"
                    else cpu_name(),
@@ -274,44 +329,60 @@ def run_bench(argv=None):
           f"torch {machine['torch']}, {machine['dtype']}{', compiled' if args.compile else ''} | "
           f"{machine['command']}")
     print(f"shape {args.shape}: " + ", ".join(f"{k}={v}" for k, v in shape.items()))
+    return Bench(args, variants, gen_variants, against, device, shape, iters, machine)
 
-    def build(name):
-        module, variant = (against, name[:-len("@against")]) if name.endswith("@against") else (nanoroute, name)
-        torch.manual_seed(0)  # paired: every variant starts from the same shared weights
-        try:
-            model = module.GPT(module.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS}, **VARIANTS[variant]))
-        except Exception as e:
-            if module is nanoroute:  # a bug here: let it show
-                raise
-            # the other version may not have this variant's flags
-            raise UsageError(f"{name}: the --against version cannot build it: {type(e).__name__}: {e}")
-        model.to(device)
-        opt = model.configure_optimizers(0.1, 1e-3, device_type=device_type)
-        return model, (torch.compile(model) if args.compile else model), opt
 
-    gen = torch.Generator().manual_seed(1)
-    data = torch.randint(shape["vocab_size"], (B, T + 1), generator=gen).to(device)
-    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()  # the same fixed batch for every variant and step
+def build(bench, name):
+    """(model, the model the training step calls, its AdamW) of one variant; VARIANT@against from
+    the --against version of nanoroute.py."""
+    module, variant = (nanoroute, name)
+    if name.endswith("@against"):
+        module, variant = (bench.against, name[:-len("@against")])
+    torch.manual_seed(0)  # paired: every variant starts from the same shared weights
+    try:
+        config = module.GPTConfig(**{k: bench.shape[k] for k in MODEL_FIELDS}, **VARIANTS[variant])
+        model = module.GPT(config)
+    except Exception as e:
+        if module is nanoroute:  # a bug here: let it show
+            raise
+        # the other version may not have this variant's flags
+        raise UsageError(f"{name}: the --against version cannot build it: {type(e).__name__}: {e}")
+    model.to(bench.device)
+    opt = model.configure_optimizers(0.1, 1e-3, device_type=bench.device_type)
+    return model, (torch.compile(model) if bench.args.compile else model), opt
 
-    # ----- training step, interleaved ---------------------------------------------------
-    timed_names = [n for name in variants for n in (name, f"{name}@against")[:2 if against else 1]]
-    models = {name: build(name) for name in timed_names}
-    times = {name: [] for name in timed_names}
-    for r in range(args.warmup + iters):
+
+def time_training(bench, models):
+    """Seconds per training step of every model, {name: [per round]}: round-robin, A B C A B C ...,
+    after --warmup untimed rounds, so that machine noise falls on all variants alike."""
+    times = {name: [] for name in models}
+    for r in range(bench.args.warmup + bench.iters):
         for name, (_, step_model, opt) in models.items():
-            dt, _ = timed(lambda: train_step(step_model, opt, x, y, amp), device_type)
-            if r >= args.warmup:
+            step = lambda: train_step(step_model, opt, bench.x, bench.y, bench.amp)  # noqa: E731
+            dt, _ = timed(step, bench.device_type)
+            if r >= bench.args.warmup:
                 times[name].append(dt)
-    results = {}
-    for name, (model, step_model, opt) in models.items():
-        res = summarize(times[name], B * T)
-        res["params"] = model.get_num_params()
-        res["routing_block"] = model.config.routing_block if model.config.residual == "attnres" else None
-        # CPU: count on the eager model (saved-tensor hooks and compiled graphs do not mix)
-        res["memory_bytes"] = memory_bytes(model, step_model if device_type == "cuda" else model,
-                                           opt, x, y, amp, device_type)
-        res["mfu"] = model.estimate_mfu(B * T, res["ms_median"] / 1e3) if device_type == "cuda" else None
-        results[name] = res
+    return times
+
+
+def variant_result(bench, model, step_model, opt, times):
+    """One variant's record: its step times, parameters, routing block, memory and (CUDA) MFU."""
+    cuda = bench.device_type == "cuda"
+    res = summarize(times, bench.B * bench.T)
+    res["params"] = model.get_num_params()
+    routed = model.config.residual == "attnres"
+    res["routing_block"] = model.config.routing_block if routed else None
+    # CPU: count on the eager model (saved-tensor hooks and compiled graphs do not mix)
+    res["memory_bytes"] = memory_bytes(model, step_model if cuda else model, opt, bench.x, bench.y,
+                                       bench.amp, bench.device_type)
+    res["mfu"] = model.estimate_mfu(bench.B * bench.T, res["ms_median"] / 1e3) if cuda else None
+    return res
+
+
+def add_ratios(bench, results, times):
+    """The ratios of medians (time, memory) to PreNorm and Block AttnRes, and the per-round ratios,
+    within each version of the code; with --against, this code to that code, round by round."""
+    variants, against = bench.variants, bench.against
     medians = {k: v["ms_median"] for k, v in results.items()}
     mems = {k: v["memory_bytes"] for k, v in results.items()}
     bases = ("prenorm", "block")
@@ -327,110 +398,118 @@ def run_bench(argv=None):
                 results[name]["paired_ratio_against"] = paired_ratios(
                     {"this": times[name], "that": times[name + "@against"]}, "that")["this"]
 
-    mem_kind = "peak MB" if device_type == "cuda" else "counted MB"
+
+def print_training(bench, results):
+    """The training-step tables: every variant, per-round ratios, this code against --against."""
+    cuda = bench.device_type == "cuda"
+    mem_kind = "peak MB" if cuda else "counted MB"
     header = ["variant", "params", "median ms/step", "min ms", "tokens/s", "/ prenorm", "/ block",
-              f"memory ({mem_kind})", "memory / prenorm"] + (["MFU"] if device_type == "cuda" else [])
+              f"memory ({mem_kind})", "memory / prenorm"] + (["MFU"] if cuda else [])
     rows = [[name, f"{r['params'] / 1e6:.2f}M", f"{r['ms_median']:.1f}", f"{r['ms_min']:.1f}",
              f"{r['tokens_per_s']:.0f}", fmt(r["ratio_prenorm"]), fmt(r["ratio_block"]),
              f"{r['memory_bytes'] / 2**20:.1f}", fmt(r["memory_ratio_prenorm"])]
-            + ([f"{100 * r['mfu']:.1f}%"] if device_type == "cuda" else []) for name, r in results.items()]
-    print(f"\n### Training step: B={B}, T={T}, {iters} interleaved steps per variant after {args.warmup} warm-up"
-          f" rounds; ratios are of medians")
-    if device_type != "cuda":
+            + ([f"{100 * r['mfu']:.1f}%"] if cuda else []) for name, r in results.items()]
+    print(f"\n### Training step: B={bench.B}, T={bench.T}, {bench.iters} interleaved steps per "
+          f"variant after {bench.args.warmup} warm-up rounds; ratios are of medians")
+    if not cuda:
         print("memory (counted) = params + grads + AdamW state + tensors saved for backward (unique storages),"
               " not an allocator peak")
     print(md_table(header, rows))
-    run_bases = [base for base in bases if base in variants]
+    run_bases = [base for base in ("prenorm", "block") if base in bench.variants]
     if run_bases:
         print("\nper-round ratios (round i of each variant against round i of the baseline): median [quartiles]")
         print(md_table(["variant"] + [f"/ {base}" for base in run_bases],
                        [[name] + ["{:.3f} [{:.3f}, {:.3f}]".format(*r[f"paired_ratio_{base}"]) for base in run_bases]
                         for name, r in results.items()]))
-    if against:
-        print(f"\nthis code against --against {args.against}, per-round ratios (round i against round i): "
-              f"median [quartiles]; below 1 means this code is faster")
+    if bench.against:
+        print(f"\nthis code against --against {bench.args.against}, per-round ratios (round i "
+              f"against round i): median [quartiles]; below 1 means this code is faster")
         print(md_table(["variant", "this / against", "memory this / against"],
                        [[name, "{:.3f} [{:.3f}, {:.3f}]".format(*r["paired_ratio_against"]),
                          f"{r['memory_bytes'] / results[name + '@against']['memory_bytes']:.3f}"]
                         for name, r in results.items() if not name.endswith("@against")]))
 
-    # ----- generation: KV cache against full recompute ------------------------------------
-    n_new = min(256, T) if args.gen_tokens is None else args.gen_tokens
-    generation = {}
-    if n_new > 0:
-        if n_new > T:  # prompt (1) + n_new - 1 fed tokens exceed the context
-            print(f"\nnote: --gen_tokens={n_new} > sequence_len={T}: past the context both methods re-encode the"
-                  f" last {T} tokens at every step, so the KV-cache speed-up shrinks")
-        gen_models = {name: (models[name][0] if name in models else build(name)[0]).eval() for name in gen_variants}
-        prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
-        kv = lambda m, n: m.generate(prompt, n, top_k=1)  # noqa: E731  (top_k=1: greedy)
-        full = lambda m, n: generate_recompute(m, prompt, n)  # noqa: E731
-        gen_times = {name: ([], []) for name in gen_variants}
-        outputs = {}
-        with amp:
-            for model in gen_models.values():  # warm-up
-                kv(model, 2)
-                full(model, 2)
-            for _ in range(args.gen_repeats):
-                for name, model in gen_models.items():
-                    dt_kv, out_kv = timed(lambda: kv(model, n_new), device_type)
-                    dt_full, out_full = timed(lambda: full(model, n_new), device_type)
-                    gen_times[name][0].append(dt_kv)
-                    gen_times[name][1].append(dt_full)
-                    outputs[name] = (out_kv, out_full)
-        for name, (t_kv, t_full) in gen_times.items():
-            out_kv, out_full = outputs[name]
-            same = torch.equal(out_kv, out_full)
-            if not same:
-                first = (out_kv != out_full).nonzero()[0, 1].item()
-                print(f"WARNING: {name}: KV-cache and recompute tokens differ from position {first} "
-                      f"(near-tied logits or a cache bug)")
-            generation[name] = dict(kv_ms=1e3 * median(t_kv), recompute_ms=1e3 * median(t_full),
-                                    speedup=median(t_full) / median(t_kv), kv_tokens_per_s=n_new / median(t_kv),
-                                    same_tokens=same)
-        print(f"\n### Generation: {n_new} new tokens, B=1, 1-token prompt, greedy, median of {args.gen_repeats}")
-        print(md_table(["variant", "KV cache ms", "recompute ms", "speed-up", "KV tokens/s", "same tokens"],
-                       [[k, f"{g['kv_ms']:.1f}", f"{g['recompute_ms']:.1f}", f"{g['speedup']:.2f}x",
-                         f"{g['kv_tokens_per_s']:.0f}", "yes" if g["same_tokens"] else "NO"]
-                        for k, g in generation.items()]))
 
-    # ----- optional profile -------------------------------------------------------------
-    if args.profile:
-        model, step_model, opt = models[args.profile] if args.profile in models else build(args.profile)
-        model.train()
-        for _ in range(args.warmup):
-            train_step(step_model, opt, x, y, amp)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device_type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(3):
-                train_step(step_model, opt, x, y, amp)
-            sync(device_type)
-        sort_by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
-        print(f"\n### Profile: {args.profile}, 3 training steps, top ops by {sort_by}")
-        print(prof.key_averages().table(sort_by=sort_by, row_limit=20))
-        if n_new > 0:  # and a cached decode: what one generated token costs
-            model.eval()
-            prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
-            n = min(32, n_new)
-            with amp:
-                model.generate(prompt, n, top_k=1)  # warm-up
-                with torch.profiler.profile(activities=activities) as prof:
-                    model.generate(prompt, n, top_k=1)
-                    sync(device_type)
-            ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
-            print(f"\n### Profile: {args.profile}, KV-cache generation of {n} tokens: "
-                  f"{sum(e.count for e in ops) / n:.0f} aten calls per token, top ops by {sort_by}")
-            print(prof.key_averages().table(sort_by=sort_by, row_limit=12))
+def time_generation(bench, models):
+    """Greedy decoding of --gen_tokens tokens after a 1-token prompt: model.generate (KV cache)
+    against a full recompute, median of --gen_repeats rounds, checked to give the same tokens."""
+    n_new, T = bench.n_new, bench.T
+    if n_new > T:  # prompt (1) + n_new - 1 fed tokens exceed the context
+        print(f"\nnote: --gen_tokens={n_new} > sequence_len={T}: past the context both methods "
+              f"re-encode the last {T} tokens at every step, so the KV-cache speed-up shrinks")
+    gen_models = {name: (models[name][0] if name in models else build(bench, name)[0]).eval()
+                  for name in bench.gen_variants}
+    prompt = torch.zeros((1, 1), dtype=torch.long, device=bench.device)
+    kv = lambda m, n: m.generate(prompt, n, top_k=1)  # noqa: E731  (top_k=1: greedy)
+    full = lambda m, n: generate_recompute(m, prompt, n)  # noqa: E731
+    gen_times = {name: ([], []) for name in gen_models}
+    outputs = {}
+    with bench.amp:
+        for model in gen_models.values():  # warm-up
+            kv(model, 2)
+            full(model, 2)
+        for _ in range(bench.args.gen_repeats):
+            for name, model in gen_models.items():
+                dt_kv, out_kv = timed(lambda: kv(model, n_new), bench.device_type)
+                dt_full, out_full = timed(lambda: full(model, n_new), bench.device_type)
+                gen_times[name][0].append(dt_kv)
+                gen_times[name][1].append(dt_full)
+                outputs[name] = (out_kv, out_full)
+    generation = {name: generation_result(name, *gen_times[name], *outputs[name], n_new)
+                  for name in gen_models}
+    print(f"\n### Generation: {n_new} new tokens, B=1, 1-token prompt, greedy, median of "
+          f"{bench.args.gen_repeats}")
+    header = ["variant", "KV cache ms", "recompute ms", "speed-up", "KV tokens/s", "same tokens"]
+    print(md_table(header,
+                   [[k, f"{g['kv_ms']:.1f}", f"{g['recompute_ms']:.1f}", f"{g['speedup']:.2f}x",
+                     f"{g['kv_tokens_per_s']:.0f}", "yes" if g["same_tokens"] else "NO"]
+                    for k, g in generation.items()]))
+    return generation
 
-    out = dict(machine=machine, args=vars(args), shape=shape, iters=iters, variants=results,
-               generation=dict(new_tokens=n_new, prompt_len=1, repeats=args.gen_repeats, variants=generation))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        write_json(args.json, out)
-        print(f"\nwrote {args.json}")
-    return out
+
+def generation_result(name, t_kv, t_full, out_kv, out_full, n_new):
+    """One variant's generation record; a warning when the two methods' tokens differ."""
+    same = torch.equal(out_kv, out_full)
+    if not same:
+        first = (out_kv != out_full).nonzero()[0, 1].item()
+        print(f"WARNING: {name}: KV-cache and recompute tokens differ from position {first} "
+              f"(near-tied logits or a cache bug)")
+    return dict(kv_ms=1e3 * median(t_kv), recompute_ms=1e3 * median(t_full),
+                speedup=median(t_full) / median(t_kv), kv_tokens_per_s=n_new / median(t_kv),
+                same_tokens=same)
+
+
+def profile(bench, models):
+    """--profile VARIANT: the top ops of 3 training steps under torch.profiler, and of a cached
+    generation (what one generated token costs) unless --gen_tokens 0."""
+    name = bench.args.profile
+    model, step_model, opt = models[name] if name in models else build(bench, name)
+    model.train()
+    for _ in range(bench.args.warmup):
+        train_step(step_model, opt, bench.x, bench.y, bench.amp)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if bench.device_type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            train_step(step_model, opt, bench.x, bench.y, bench.amp)
+        sync(bench.device_type)
+    sort_by = "self_device_time_total" if bench.device_type == "cuda" else "self_cpu_time_total"
+    print(f"\n### Profile: {name}, 3 training steps, top ops by {sort_by}")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=20))
+    if bench.n_new > 0:  # and a cached decode: what one generated token costs
+        model.eval()
+        prompt = torch.zeros((1, 1), dtype=torch.long, device=bench.device)
+        n = min(32, bench.n_new)
+        with bench.amp:
+            model.generate(prompt, n, top_k=1)  # warm-up
+            with torch.profiler.profile(activities=activities) as prof:
+                model.generate(prompt, n, top_k=1)
+                sync(bench.device_type)
+        ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+        print(f"\n### Profile: {name}, KV-cache generation of {n} tokens: "
+              f"{sum(e.count for e in ops) / n:.0f} aten calls per token, top ops by {sort_by}")
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=12))
 
 
 if __name__ == "__main__":

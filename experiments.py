@@ -590,9 +590,10 @@ def markdown(runs_dir, runs, groups, baseline, notes=()):
 # Plots (optional: matplotlib)
 
 
-def route_matrix(run_dir, rows=16):
+def route_matrix(run_dir, rows=16, data_root=None):
     """Mean routing weights of a run's best.pt on `rows` val crops: (reads, sources, matrix) with
-    sources in pool order and None where a read cannot see a source."""
+    sources in pool order and None where a read cannot see a source. The val split is read from
+    the data folder the run was trained on (found from here, or as DATA_ROOT/NAME: --data_root)."""
     import numpy as np
     import torch
 
@@ -607,7 +608,10 @@ def route_matrix(run_dir, rows=16):
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     model.eval()
-    data, T = prepare_data.open_split(ckpt["train_args"]["data"], "val"), model.config.sequence_len
+    dataset = ckpt.get("meta", {}).get("dataset")
+    data_dir = train.find_data(ckpt["train_args"]["data"], run_dir,
+                               "give --data_root DIR, the folder that holds it", dataset, data_root)
+    data, T = prepare_data.open_split(data_dir, "val"), model.config.sequence_len
     x = torch.from_numpy(np.stack([data[o:o + T] for o in np.linspace(0, len(data) - T - 1, rows, dtype=int)])
                          .astype(np.int64))
     with torch.no_grad():
@@ -820,7 +824,7 @@ def routes_figure(name, reads, sources, matrix):
 # Command line
 
 
-def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
+def report(runs_dir, baseline=None, make_plots=False, heatmaps=(), data_root=None):
     notes = []
     runs = load_runs(runs_dir, notes)
     if not runs:
@@ -840,7 +844,7 @@ def report(runs_dir, baseline=None, make_plots=False, heatmaps=()):
         if config.get("residual", "attnres") != "attnres":
             raise UsageError(f"--heatmap {name}: a {run['variant']} run has no depth routes; choose an AttnRes run")
     # read the checkpoints now, with or without matplotlib: a damaged one is an error either way
-    heatmaps = {name: route_matrix(Path(runs_dir) / name) for name in heatmaps}
+    heatmaps = {name: route_matrix(Path(runs_dir) / name, data_root=data_root) for name in heatmaps}
     text = markdown(runs_dir, runs, summarize(runs, baseline), baseline, notes)
     print(text)
     for note in notes:
@@ -904,6 +908,9 @@ def build_parser():
     r.add_argument("--plots", action="store_true", help="also write val_loss.png (needs matplotlib)")
     r.add_argument("--heatmap", action="append", default=[], metavar="RUN",
                    help="also write routes_RUN.png for this run folder (implies --plots; repeatable)")
+    r.add_argument("--data_root", metavar="DIR",
+                   help="--heatmap: the folder of the prepared datasets, when a run's own --data "
+                   "is not found (default: from here or from the run folder)")
     return p
 
 
@@ -915,7 +922,8 @@ def main(argv=None):
         if args.command == "report":
             if extra:
                 raise UsageError(f"report takes no flags after -- (got {shlex.join(extra)})")
-            report(args.runs_dir, args.baseline, args.plots or bool(args.heatmap), args.heatmap)
+            report(args.runs_dir, args.baseline, args.plots or bool(args.heatmap), args.heatmap,
+                   args.data_root)
             return 0
         return sweep(args, extra)
     except UsageError as e:

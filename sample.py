@@ -20,7 +20,7 @@ import torch
 import prepare_data
 from nanoroute import GPT, GPTConfig, routing_stats
 from prepare_data import UsageError
-from train import load_checkpoint, pick_device
+from train import command, find_data, load_checkpoint, pick_device
 
 MIN_TEMPERATURE = 1e-6
 SHADES = " ░▒▓█"  # weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; blank: the read cannot see it
@@ -30,7 +30,8 @@ def build_parser():
     p = prepare_data.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--out_dir", default="out", help="train.py's output folder (default: out)")
     p.add_argument("--ckpt", default="best", choices=("best", "last"), help="best.pt or last.pt (default: best)")
-    p.add_argument("--data", help="dataset folder for meta.json (default: the one the checkpoint was trained on)")
+    p.add_argument("--data", metavar="DIR", help="dataset folder for meta.json (default: the one "
+                   "the checkpoint was trained on, found from here or from the run folder)")
     p.add_argument("--start", help="prompt text, or FILE:path to read it from a file (default: a newline for "
                    "char level, <|endoftext|> for GPT-2 tokens; with --routes: the first sequence_len tokens of val)")
     p.add_argument("--num_samples", type=int, default=3, help="samples to write (default: 3)")
@@ -67,7 +68,8 @@ def sample(a):
 
     # the checkpoint, its model and its dataset
     path = Path(a.out_dir) / f"{a.ckpt}.pt"
-    ckpt = load_checkpoint(path, f"no checkpoint at {path}: train one with python train.py --out_dir {a.out_dir}")
+    train_it = command("train.py", ["--out_dir", a.out_dir])
+    ckpt = load_checkpoint(path, f"no checkpoint at {path}: train one with {train_it}")
     try:
         config = GPTConfig(**ckpt["config"])
         model = GPT(config)
@@ -75,7 +77,9 @@ def sample(a):
     except (TypeError, ValueError, RuntimeError) as e:
         raise UsageError(f"checkpoint {path} does not hold a model of its own config: "
                          f"{str(e).strip().splitlines()[0][:160]}; delete it or retrain") from None
-    data_dir = a.data or ckpt["train_args"]["data"]
+    dataset = ckpt["meta"].get("dataset")
+    fix = f"give --data DIR, the prepared {dataset} dataset it was trained on"
+    data_dir = a.data or find_data(ckpt["train_args"]["data"], path.parent, fix, dataset)
     meta = prepare_data.load_meta(data_dir)
     if meta["vocab_size"] != config.vocab_size:
         raise UsageError(f"dataset {data_dir} has vocab_size {meta['vocab_size']} but {path} was trained with "
@@ -84,7 +88,27 @@ def sample(a):
     model.to(device).eval()
     decode = prepare_data.decoder(meta, data_dir)
 
-    # the prompt
+    ids = prompt_ids(a, meta, data_dir, config)
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+
+    if a.routes:
+        show_routes(model, idx, path, decode(ids))
+        return
+    torch.manual_seed(a.seed)
+    t0 = time.time()
+    out = model.generate(idx.expand(a.num_samples, -1), a.max_new_tokens, a.temperature, a.top_k)
+    dt = time.time() - t0
+    shown = 0 if a.start is not None else len(ids)  # a default prompt (<|endoftext|>, a newline) is not text
+    for row in out.tolist():
+        print(decode(row[shown:]))
+        print("-" * 40)
+    n = a.num_samples * a.max_new_tokens
+    print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
+
+
+def prompt_ids(a, meta, data_dir, config):
+    """The prompt's token ids: --start (or the file it names), else a default one; at most the
+    last sequence_len of them."""
     if a.start is None and a.routes:
         ids = prepare_data.open_split(data_dir, "val", meta)[:config.sequence_len].tolist()
     elif a.start is None and meta["level"] == "gpt2":
@@ -105,21 +129,7 @@ def sample(a):
         print(f"note: the prompt is {len(ids)} tokens, longer than sequence_len={config.sequence_len}: "
               f"using its last {config.sequence_len}", file=sys.stderr)
         ids = ids[-config.sequence_len:]
-    idx = torch.tensor([ids], dtype=torch.long, device=device)
-
-    if a.routes:
-        show_routes(model, idx, path, decode(ids))
-        return
-    torch.manual_seed(a.seed)
-    t0 = time.time()
-    out = model.generate(idx.expand(a.num_samples, -1), a.max_new_tokens, a.temperature, a.top_k)
-    dt = time.time() - t0
-    shown = 0 if a.start is not None else len(ids)  # a default prompt (<|endoftext|>, a newline) is not text
-    for row in out.tolist():
-        print(decode(row[shown:]))
-        print("-" * 40)
-    n = a.num_samples * a.max_new_tokens
-    print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
+    return ids
 
 
 @torch.no_grad()

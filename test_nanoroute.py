@@ -19,6 +19,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -1787,10 +1788,15 @@ def test_resume_is_bitwise_exact(_train_data, _train_one_thread, tmp_path, capsy
     flags = ["--data", demo, *_TRAIN_TINY, *_TRAIN_ROUTED, "--dropout", 0.1, "--grad_accum", 2, "--max_iters", 6,
              "--eval_interval", 4]
     assert _train_main(train, [*flags, "--out_dir", tmp_path / "a"])[0] == 0
-    assert _train_main(train, [*flags, "--out_dir", tmp_path / "b", "--stop_after", 3])[0] == 0
-    assert torch.load(tmp_path / "b" / "last.pt", weights_only=True)["step"] == 3
+    code, text, _ = _train_main(train, [*flags, "--out_dir", tmp_path / "b", "--stop_after", 3],
+                                capsys)
+    assert code == 0 and torch.load(tmp_path / "b" / "last.pt", weights_only=True)["step"] == 3
     assert not (tmp_path / "b" / "summary.json").exists()
-    assert _train_main(train, [*flags, "--out_dir", tmp_path / "b", "--resume"], capsys)[0] == 0
+    # the line --stop_after prints is the whole command that continues the run: run as printed
+    resume = shlex.split(text.split("(--stop_after); continue with: ")[1].splitlines()[0])
+    assert resume == ["python", "train.py", "--out_dir", str(tmp_path / "b"), "--resume",
+                      "--device", "cpu"]
+    assert _train_main(train, resume[2:], capsys)[0] == 0
     a, b = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in "ab")
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -2046,7 +2052,7 @@ def _train_check_stopped(out, err, signum, capsys):
     step = torch.load(out / "last.pt", weights_only=True)["step"]
     assert err.strip().splitlines() == [f"stopped by {signal.Signals(signum).name} after step {step}, "
                                         f"{out / 'last.pt'} saved; continue with: python train.py --out_dir {out} "
-                                        "--resume"], err
+                                        "--resume --device cpu"], err  # not restored by --resume
     assert step >= 1 and not list(out.glob("*.tmp")) and not (out / "train.lock").exists()
     assert max(r["step"] for r in _train_metrics(out)) == step
     assert _train_main(train, ["--out_dir", out, "--resume", "--max_iters", step + 1], capsys)[0] == 0
@@ -2157,7 +2163,7 @@ def test_train_notes_a_routing_block_other_than_the_parents(_train_data, _train_
 # the first run: no flags train Block AttnRes and end with the routing summary and the next commands
 def test_default_run_is_routed_and_ends_with_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):
     demo, _ = _train_data
-    out = tmp_path / "run"
+    out = tmp_path / "my run"  # a space: the printed commands must quote it
     code, text, _ = _train_main(train, ["--data", demo, "--out_dir", out, *_TRAIN_TINY, "--max_iters", 2], capsys)
     assert code == 0 and "residual attnres (block 2, wav False, rd off)" in text
     assert json.loads((out / "summary.json").read_text())["config"]["residual"] == "attnres"
@@ -2167,29 +2173,82 @@ def test_default_run_is_routed_and_ends_with_routing_summary(_train_data, _train
     assert lines[1].split() == ["layer0.attn", "emb", "1.00"]  # the first read sees only the embedding
     weights = [float(w) for w in lines[5].split()[2::2]]  # readout: emb, C0, C1 with their weights
     assert weights == sorted(weights, reverse=True) and sum(weights) == pytest.approx(1, abs=0.02)
-    nxt = [line.split("#")[0].split() for line in text.split("\nnext:\n")[1].splitlines()]
+    lines = text.split("\nnext:\n")[1].splitlines()
+    nxt = [shlex.split(line.rsplit("  # ", 1)[0]) for line in lines]
     assert nxt[:2] == [["python", "sample.py", "--out_dir", str(out)], ["python", "sample.py", "--out_dir", str(out),
                                                                          "--routes"]]
     assert nxt[2][:4] == ["python", "train.py", "--residual", "prenorm"] and nxt[2][-2:] == ["--out_dir",
                                                                                           f"{out}_prenorm"]
-    # the suggested baseline is paired with this run: the same settings but the routing
-    assert _train_main(train, [*nxt[2][2:], "--device", "cpu"])[0] == 0
+    # the suggested baseline, run as printed, is paired with this run: the same but the routing
+    assert _train_main(train, nxt[2][2:])[0] == 0
     routed, baseline = (json.loads((Path(d) / "summary.json").read_text()) for d in (out, f"{out}_prenorm"))
     assert baseline["config"] == dict(routed["config"], residual="prenorm")
     assert baseline["train"] == dict(routed["train"], out_dir=f"{out}_prenorm")
 
 
+def _train_settings(argv, config_class=GPTConfig, vocab_size=53, device=torch.device("cpu")):
+    """The settings a train.py run with these flags would have (its own steps, on no data): the
+    TrainSettings and the config."""
+    given = vars(train.build_parser(config_class).parse_args(argv))
+    a, model, _ = train.resolve_settings({k: v for k, v in given.items() if v is not None},
+                                         config_class=config_class)
+    config = train.model_config(model, vocab_size, a.data, config_class)
+    train.complete_settings(a, config, device)  # --eval_tokens's default, max_iters from max_tokens
+    return a, config
+
+
+def _train_baseline(a, config, device=torch.device("cpu")):
+    """The baseline command of the next: block, as a shell would split it."""
+    line = train.next_commands(a, config, True, device).splitlines()[-1]
+    return shlex.split(line.rsplit("  # ", 1)[0])
+
+
 def test_next_commands_baseline_repeats_only_the_settings_a_plain_run_would_not_get():
-    a = types.SimpleNamespace(**{**train.TRAIN_DEFAULTS, **{f.name: f.default for f in dataclasses.fields(
-        nanoroute.GPTConfig)}, **train.MODEL_DEFAULTS, "vocab_size": 53})
-    cpu = torch.device("cpu")
-    a.eval_tokens = train.default_eval_tokens(a.vocab_size, cpu)  # what train() fills in when not given
-    baseline = train.next_commands(a, True, cpu).splitlines()[-1].split("#")[0].split()
-    assert baseline == ["python", "train.py", "--residual", "prenorm", "--out_dir", "out_prenorm"]
+    a, config = _train_settings([])  # --eval_tokens filled in as a run does: not repeated
+    plain = ["python", "train.py", "--residual", "prenorm"]
+    assert _train_baseline(a, config) == [*plain, "--out_dir", "out_prenorm"]
     a.eval_tokens, a.seed = 1024, 7  # given by the user: the baseline repeats them
-    baseline = train.next_commands(a, True, cpu).splitlines()[-1].split("#")[0].split()
-    assert baseline == ["python", "train.py", "--residual", "prenorm", "--eval_tokens", "1024", "--seed", "7",
-                        "--out_dir", "out_prenorm"]
+    assert _train_baseline(a, config) == [*plain, "--eval_tokens", "1024", "--seed", "7",
+                                          "--out_dir", "out_prenorm"]
+
+
+# the printed baseline of every variant and preset, run through train.py's parser and GPTConfig, is
+# the run itself without the routing; the flags of how it runs (--dtype, --device) are repeated too
+_TRAIN_PAIRED = [[f"--{k}={v}" for k, v in values.items()] for values in nanoroute.VARIANTS.values()]
+_TRAIN_PAIRED += [["--preset", name] for name in train.PRESETS]
+
+
+@pytest.mark.parametrize("flags", _TRAIN_PAIRED, ids=[*nanoroute.VARIANTS, *train.PRESETS])
+def test_printed_baseline_is_the_same_run_without_routing(flags):
+    a, config = _train_settings([*flags, "--dtype", "bfloat16", "--device", "cpu", "--seed", "3",
+                                 "--out_dir", "runs/a b"])
+    baseline = _train_baseline(a, config)
+    assert baseline[:4] == ["python", "train.py", "--residual", "prenorm"]
+    b, base = _train_settings(baseline[2:])  # no error: no routing field is left over
+    routing = nanoroute.routing_fields(GPTConfig)
+    assert base.residual == "prenorm"
+    assert all(getattr(base, f) == getattr(GPTConfig(), f) for f in routing[1:])
+    assert {k: v for k, v in dataclasses.asdict(base).items() if k not in routing} == \
+        {k: v for k, v in dataclasses.asdict(config).items() if k not in routing}
+    assert dataclasses.asdict(b) == dict(dataclasses.asdict(a), out_dir="runs/a b_prenorm",
+                                         preset=None)
+
+
+# a GPTConfig subclass adding a routing field (setting(..., needs="attnres")): the baseline drops it
+@dataclasses.dataclass
+class _TrainConfigWithGain(GPTConfig):
+    read_gain: float = nanoroute.setting(1.0, "a made-up routing knob", needs="attnres")
+
+
+def test_printed_baseline_drops_a_routing_field_of_a_config_subclass():
+    flags = ["--residual", "attnres", "--read_gain", "2.0", "--seed", "3"]
+    a, config = _train_settings(flags, _TrainConfigWithGain)
+    assert config.read_gain == 2.0
+    assert "--read_gain" in train.build_parser(_TrainConfigWithGain).format_help()
+    baseline = _train_baseline(a, config)
+    b, base = _train_settings(baseline[2:], _TrainConfigWithGain)  # --read_gain 2.0: an error
+    assert "--read_gain" not in baseline and base.read_gain == 1.0
+    assert base.residual == "prenorm" and b.seed == 3
 
 
 def test_prenorm_run_has_no_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):
@@ -2418,6 +2477,40 @@ def test_sample_prints_text_and_tokens_per_second(_train_runs, _train_one_thread
     code, out, err = _train_main(sample, ["--out_dir", routed, "--num_samples", 1, "--max_new_tokens", 5,
                                           "--start", "x" * 50], capsys)  # sequence_len is 32
     assert code == 0 and "longer than sequence_len=32: using its last 32" in err
+
+
+# a run made in project/ with --data data/demo (the relative path train.py records), sampled from
+# another folder: the data folder is found from the run folder (not a nearer one of another
+# dataset); once moved away, the error names --data
+def test_sample_finds_the_data_of_a_run_from_another_folder(_train_data, _train_runs,
+                                                            _train_one_thread, tmp_path, monkeypatch,
+                                                            capsys):
+    demo, other = _train_data
+    routed, _ = _train_runs
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    shutil.copytree(demo, project / "data" / "demo")
+    decoy = project / "runs" / "data" / "demo"  # another dataset (and vocabulary), the same name
+    shutil.copytree(other, decoy)
+    meta = json.loads((decoy / "meta.json").read_text())
+    (decoy / "meta.json").write_text(json.dumps(dict(meta, dataset="x")))
+    (project / "runs" / "r").mkdir(parents=True)
+    elsewhere.mkdir()
+    ckpt = torch.load(routed / "best.pt", weights_only=True)
+    ckpt["train_args"]["data"] = "data/demo"
+    torch.save(ckpt, project / "runs" / "r" / "best.pt")
+    flags = ["--num_samples", 1, "--max_new_tokens", 5, "--start", "Once"]
+    for cwd, out_dir in ((elsewhere, project / "runs" / "r"), (project / "runs" / "r", "."),
+                         (project / "runs", "r")):
+        monkeypatch.chdir(cwd)
+        code, text, err = _train_main(sample, ["--out_dir", out_dir, *flags], capsys)
+        assert code == 0 and text.startswith("Once"), (cwd, err)
+    shutil.move(project / "data", tmp_path / "moved")
+    monkeypatch.chdir(project / "runs" / "r")
+    code, _, err = _train_main(sample, ["--out_dir", ".", *flags], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "give --data DIR, the prepared demo dataset" in err, err
+    moved = tmp_path / "moved" / "demo"
+    assert _train_main(sample, ["--out_dir", ".", "--data", moved, *flags], capsys)[0] == 0
 
 
 def test_sample_routes_view(_train_runs, _train_one_thread, capsys):
@@ -2745,6 +2838,39 @@ def test_foreign_checkpoint_is_reported_in_our_words_and_never_run(_train_bad_re
         assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
         assert "weights_only" not in stderr and "Re-running" not in stderr and "torch.load" not in stderr, stderr
     assert not list(tmp_path_factory.getbasetemp().rglob("pwned"))
+
+
+# flags are never abbreviated (--max_iter is not taken as --max_iters) and a misspelt one is one
+# line that names the flag meant; the rest of each command would run (a taken abbreviation: exit 0)
+@pytest.mark.parametrize("script,argv,meant", [
+    ("train", ["--max_iter", "5"], "--max_iters"), ("train", ["--lerning_rate", "1"], "--lr"),
+    ("sample", ["--num_sample", "1"], "--num_samples"), ("bench", ["--iter", "1"], "--iters")])
+def test_flags_are_never_abbreviated_and_a_misspelling_names_the_flag(
+        _train_data, _train_runs, _train_one_thread, tmp_path, capsys, script, argv, meant):
+    demo, _ = _train_data
+    routed, _ = _train_runs
+    rest = {"train": ["--data", demo, "--out_dir", tmp_path / "run", *_TRAIN_TINY, "--max_iters",
+                      1],
+            "sample": ["--out_dir", routed, "--max_new_tokens", 2],
+            "bench": ["--shape", "tiny", "--device", "cpu", "--variants", "prenorm", "--warmup", 0,
+                      "--gen_tokens", 0]}[script]
+    module = {"train": train, "sample": sample, "bench": bench}[script]
+    code, _, err = _train_main(module, [*argv, *rest], capsys)
+    assert code == 2
+    wrong = " ".join(argv)
+    assert err == f"error: unrecognized arguments: {wrong} (did you mean {meant}?); see --help\n"
+
+
+# --help lists every flag with its help: each TrainSettings and GPTConfig field, one way
+def test_train_help_lists_every_flag_with_its_help(capsys):
+    code, text, _ = _train_main(train, ["--help"], capsys)
+    flat = " ".join(text.split())  # argparse wraps the help text
+    fields = [*dataclasses.fields(train.TrainSettings), *dataclasses.fields(GPTConfig)]
+    assert code == 0 and len(fields) == 26 + len(dataclasses.fields(GPTConfig))
+    for f in fields:
+        assert f"--{f.name} " in flat and " ".join(f.metadata["help"].split()) in flat, f.name
+    assert "--max_tokens N token budget" in flat
+    assert "(default: 128 here; GPTConfig's is 384)" in flat
 
 
 # -----------------------------------------------------------------------------
@@ -3115,15 +3241,16 @@ def test_exp_terminal_ctrl_c_stops_the_sweep_and_its_runs_once(_train_data, tmp_
             os.kill(pid, 0)
 
 
-def _exp_routed_run(root):
-    """A run folder with a real best.pt of a tiny RD model (untrained) on a tiny demo corpus."""
+def _exp_routed_run(root, recorded=None):
+    """A run folder with a real best.pt of a tiny RD model (untrained) on a tiny demo corpus in
+    root/demo; the checkpoint records that folder as `recorded` (default: its absolute path)."""
     data = prepare_data.prepare("demo", root / "demo", demo_mb=0.05)
     config = dict(vocab_size=prepare_data.load_meta(data)["vocab_size"], sequence_len=16, n_layer=2, n_head=2,
                   n_embd=16, residual="attnres", rd="decoupled", attnres_block=2)
     d = _exp_run(root / "runs", "rd_L2_s0", "rd", 0, 3.0, depth=2)
     torch.manual_seed(0)
-    torch.save(dict(model=GPT(GPTConfig(**config)).state_dict(), config=config, train_args=dict(data=str(data))),
-               d / "best.pt")
+    torch.save(dict(model=GPT(GPTConfig(**config)).state_dict(), config=config,
+                    train_args=dict(data=str(recorded or data))), d / "best.pt")
     return root / "runs"
 
 
@@ -3161,6 +3288,25 @@ def test_exp_heatmap_of_a_corrupt_checkpoint_is_one_clear_line(tmp_path, monkeyp
     assert experiments.main(["report", str(runs_dir), "--heatmap", "rd_L2_s0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: checkpoint ") and "corrupt or truncated" in err and err.count("\n") == 1
+
+
+# report --heatmap from another folder: the run's data (recorded relative to where train.py ran) is
+# found from the run folder; once moved, the error names --data_root, which finds it
+def test_exp_heatmap_finds_the_data_from_another_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the data is read with or without plots
+    runs_dir = _exp_routed_run(tmp_path, recorded="demo")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert experiments.main(["report", str(runs_dir), "--heatmap", "rd_L2_s0"]) == 0
+    shutil.move(tmp_path / "demo", tmp_path / "store")
+    (tmp_path / "data_root").mkdir()
+    shutil.move(tmp_path / "store", tmp_path / "data_root" / "demo")
+    capsys.readouterr()
+    assert experiments.main(["report", str(runs_dir), "--heatmap", "rd_L2_s0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give --data_root DIR" in err, err
+    assert experiments.main(["report", str(runs_dir), "--heatmap", "rd_L2_s0", "--data_root",
+                             str(tmp_path / "data_root")]) == 0
 
 
 def test_exp_plots_without_matplotlib_print_the_message(tmp_path, monkeypatch, capsys):

@@ -5,13 +5,17 @@ Train a nanoroute GPT on a prepared dataset: one CPU or GPU, or several under to
     python train.py --residual prenorm --out_dir out_prenorm   # the same run without depth routing
     python train.py --residual attnres --rd decoupled --out_dir out/rd
     python train.py --preset rd_s --seed 1 --out_dir out/rd_s_seed1
-    torchrun --nproc_per_node=8 train.py --preset rd_s --rd off --out_dir out/rd_s_off
+    torchrun --nproc_per_node=8 train.py -- --preset rd_s --rd off --out_dir out/rd_s_off
 
 Every GPTConfig field is a flag of the same name (`python train.py --help`). The batches depend only
 on --seed and the step, never on the model or the number of processes, and the model is initialised
 right after torch.manual_seed(seed): runs with the same seed are paired across routing variants
 (SPEC: Paired experiments). Output in --out_dir: metrics.jsonl, last.pt, best.pt, summary.json (and
 train.lock while a run writes there). Ctrl-C or SIGTERM stops at the end of the step and saves last.pt.
+
+Read top to bottom: the settings (TrainSettings, presets, flags), the data, the model and the
+schedule, then the run: main, setup, the loop, evaluation, the end. Below the banner at the end:
+what keeps a run safe (the out_dir lock, signals, checkpoints, RNG states, metrics repair, wandb).
 """
 
 import argparse
@@ -21,11 +25,13 @@ import math
 import os
 import pickle
 import re
+import shlex
 import signal
 import sys
 import threading
 import time
-from contextlib import ExitStack, nullcontext
+import typing
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -38,33 +44,19 @@ from nanoroute import GPT, VARIANTS, GPTConfig, routing_fields, routing_stats
 from prepare_data import UsageError
 
 # -----------------------------------------------------------------------------
-# Settings: defaults, presets, flags
+# Settings: train.py's model, the papers' presets, the training settings, the flags
 
-# Training defaults: a run that learns on two CPU cores in a few minutes (the demo data, ~1.6M tokens).
-TRAIN_DEFAULTS = dict(
-    data="data/demo", out_dir="out", preset=None,
-    batch_size=16, grad_accum=1,  # sequences per micro-step (the global batch, split over processes)
-    lr=2e-3, min_lr=None, warmup_iters=20, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0,
-    max_iters=400, max_tokens=None, eval_interval=100, eval_tokens=None, milestones=None,
-    log_interval=20, seed=1337, device="auto", dtype="auto", compile=False, resume=False, stop_after=None,
-    wandb_project=None, wandb_run=None)
-# --eval_tokens when not given: 32K per split; 8K on CPU with a large vocabulary (GPT-2's 50,257 tokens),
-# where the output layer makes an evaluated token ~8x dearer than at char level with train.py's model
-# (128 x 50257 multiply-adds a token against ~0.9M for the 4 layers): 32K took ~30% of a CPU run there.
-EVAL_TOKENS, EVAL_TOKENS_CPU_LARGE_VOCAB, LARGE_VOCAB = 32768, 8192, 1024
 # train.py's small model; the other GPTConfig fields keep the dataclass defaults. Routed by default
 # (Block AttnRes): the first run shows what this project is about. Not WAV or RD: Block AttnRes is
 # the base both modify, its summary is the easiest to read, and each is one flag away (--wav, --rd).
 MODEL_DEFAULTS = dict(sequence_len=256, n_layer=4, n_head=4, n_embd=128, residual="attnres")
-# flags that say how this invocation runs, not what the run is: never taken from a checkpoint
-RUNTIME_ARGS = ("out_dir", "preset", "device", "dtype", "compile", "resume", "stop_after", "wandb_project",
-                "wandb_run")
 
 # The papers' set-ups (SPEC.md). Explicit flags override them. WAV v1 (char level, 12/24/48 layers):
 # SPEC.md does not give the paper's width or schedule, so these are our choices (head size 64).
 # Compare with --wav False (Block AttnRes), --residual rezero or --residual layerscale.
 _WAV = dict(VARIANTS["wav"], data="data/tinystories", n_embd=256, n_head=4, sequence_len=256,
-            batch_size=64, lr=1e-3, warmup_iters=500, max_iters=20000, eval_interval=1000, eval_tokens=1 << 20)
+            batch_size=64, lr=1e-3, warmup_iters=500, max_iters=20000, eval_interval=1000,
+            eval_tokens=1 << 20)
 # RD-AttnRes (FineWeb-Edu, GPT-2 tokens, 2.0B tokens, milestones as in the paper); batch 0.5M tokens.
 # Compare with --rd off (the parent), tied, average, frozen_v; pair with --seed.
 _RD = dict(VARIANTS["rd"], data="data/fineweb_edu", sequence_len=1024, batch_size=64,
@@ -79,36 +71,18 @@ PRESETS = {
     "rd_m": dict(_RD, n_layer=24, n_embd=832, n_head=13, lr=3e-4),
 }
 
-TRAIN_HELP = dict(
-    data="prepared dataset folder (python prepare_data.py NAME); data/demo is prepared automatically",
-    out_dir="output folder: metrics.jsonl, last.pt, best.pt, summary.json",
-    preset="named paper set-up: " + ", ".join(PRESETS) + "; explicit flags override it",
-    batch_size="sequences per micro-step, for all processes together (each takes batch_size/world)",
-    grad_accum="micro-steps per optimizer step; a step sees batch_size*grad_accum sequences",
-    lr="peak learning rate", min_lr="floor of the cosine decay, reached at the last step (default: lr/10)",
-    warmup_iters="steps of linear warmup", weight_decay="AdamW weight decay (matrices only)",
-    beta1="AdamW beta1", beta2="AdamW beta2", grad_clip="clip the gradient norm to this (0: off)",
-    max_iters="optimizer steps (the schedule length)",
-    max_tokens="token budget instead of --max_iters: 2B, 500M, 64K or an integer",
-    eval_interval="evaluate and write last.pt (best.pt if better) every this many steps",
-    eval_tokens=f"tokens per split (train, val) in each evaluation (default: {EVAL_TOKENS}; "
-                f"{EVAL_TOKENS_CPU_LARGE_VOCAB} on CPU with a vocabulary over {LARGE_VOCAB} tokens)",
-    milestones="also evaluate when the token count crosses these, e.g. 0.25B,0.5B,1B,2B",
-    log_interval="print and log the train loss every this many steps", seed="data order and init",
-    device="auto (cuda if available, else mps, else cpu), cpu, cuda, cuda:N, mps (Apple silicon)",
-    dtype="auto (bfloat16 autocast on CUDA, float32 elsewhere), float32, bfloat16",
-    compile="torch.compile the model", resume="continue from OUT_DIR/last.pt",
-    stop_after="stop after this step, saving last.pt (then --resume); the schedule still ends at --max_iters",
-    wandb_project="also log metrics.jsonl's numbers to this Weights & Biases project (pip install wandb)",
-    wandb_run="name of the wandb run (default: wandb's)")
+# --eval_tokens when not given: 32K per split; 8K on CPU with a large vocabulary (GPT-2's 50,257 tokens),
+# where the output layer makes an evaluated token ~8x dearer than at char level with train.py's model
+# (128 x 50257 multiply-adds a token against ~0.9M for the 4 layers): 32K took ~30% of a CPU run there.
+EVAL_TOKENS, EVAL_TOKENS_CPU_LARGE_VOCAB, LARGE_VOCAB = 32768, 8192, 1024
 
 
-def _bool(text):
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected True/False/1/0, got {text!r}")
+def option(default, help, parse=None, metavar=None, choices=None, runtime=False):
+    """A TrainSettings field and its --help text (nanoroute.setting makes GPTConfig's). parse and
+    metavar: for a flag whose text is not its type (--max_tokens 2B). runtime=True: the field says
+    how this invocation runs, not what the run is, so --resume never takes it from a checkpoint."""
+    return dataclasses.field(default=default, metadata=dict(help=help, parse=parse, metavar=metavar,
+                                                            choices=choices, runtime=runtime))
 
 
 def count(text):
@@ -125,58 +99,138 @@ def _milestones(text):
     return text
 
 
-METAVARS = {int: "N", float: "X", str: "S", count: "N", _milestones: "LIST"}
+@dataclasses.dataclass
+class TrainSettings:
+    """Every training flag, with its help; the model's flags are GPTConfig's fields. The defaults
+    make a run that learns on two CPU cores in a few minutes (the demo data, ~1.6M tokens)."""
+    data: str = option(
+        "data/demo", "prepared dataset folder (python prepare_data.py NAME); data/demo is prepared "
+        "automatically")
+    out_dir: str = option(
+        "out", "output folder: metrics.jsonl, last.pt, best.pt, summary.json", runtime=True)
+    preset: str | None = option(
+        None, "named paper set-up: " + ", ".join(PRESETS) + "; explicit flags override it",
+        metavar="NAME", choices=PRESETS, runtime=True)
+    batch_size: int = option(
+        16, "sequences per micro-step, for all processes together (each takes batch_size/world)")
+    grad_accum: int = option(
+        1, "micro-steps per optimizer step; a step sees batch_size*grad_accum sequences")
+    lr: float = option(2e-3, "peak learning rate")
+    min_lr: float | None = option(
+        None, "floor of the cosine decay, reached at the last step (default: lr/10)")
+    warmup_iters: int = option(20, "steps of linear warmup")
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices only)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the gradient norm to this (0: off)")
+    max_iters: int = option(400, "optimizer steps (the schedule length)")
+    max_tokens: int | None = option(
+        None, "token budget instead of --max_iters: 2B, 500M, 64K or an integer", parse=count)
+    eval_interval: int = option(
+        100, "evaluate and write last.pt (best.pt if better) every this many steps")
+    eval_tokens: int | None = option(
+        None, f"tokens per split (train, val) in each evaluation (default: {EVAL_TOKENS}; "
+        f"{EVAL_TOKENS_CPU_LARGE_VOCAB} on CPU with a vocabulary over {LARGE_VOCAB} tokens)",
+        parse=count)
+    milestones: str | None = option(
+        None, "also evaluate when the token count crosses these, e.g. 0.25B,0.5B,1B,2B",
+        parse=_milestones, metavar="LIST")
+    log_interval: int = option(20, "print and log the train loss every this many steps")
+    seed: int = option(1337, "data order and init")
+    device: str = option(
+        "auto", "auto (cuda if available, else mps, else cpu), cpu, cuda, cuda:N, mps "
+        "(Apple silicon)", runtime=True)
+    dtype: str = option(
+        "auto", "auto (bfloat16 autocast on CUDA, float32 elsewhere), float32, bfloat16",
+        runtime=True)
+    compile: bool = option(False, "torch.compile the model", runtime=True)
+    resume: bool = option(False, "continue from OUT_DIR/last.pt", runtime=True)
+    stop_after: int | None = option(
+        None, "stop after this step, saving last.pt (then --resume); the schedule still ends at "
+        "--max_iters", runtime=True)
+    wandb_project: str | None = option(
+        None, "also log metrics.jsonl's numbers to this Weights & Biases project (pip install "
+        "wandb)", runtime=True)
+    wandb_run: str | None = option(None, "name of the wandb run (default: wandb's)", runtime=True)
 
 
-def build_parser():
+def build_parser(config_class=GPTConfig):
+    """train.py's flags: one per TrainSettings field, then one per GPTConfig field (config_class: a
+    subclass's too)."""
     p = prepare_data.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
-                                epilog="Bool flags take True/False/1/0; alone they mean True.")
-    # default=None everywhere: then we know what was given, for presets and for --resume
-    g = p.add_argument_group("training")
-    types = dict(data=str, out_dir=str, preset=str, lr=float, min_lr=float, weight_decay=float, beta1=float,
-                 beta2=float, grad_clip=float, max_tokens=count, eval_tokens=count, milestones=_milestones,
-                 device=str, dtype=str, compile=_bool, resume=_bool, wandb_project=str, wandb_run=str)
-    for name, default in TRAIN_DEFAULTS.items():
-        kind = types.get(name, int)
-        extra = dict(nargs="?", const=True, metavar="BOOL") if kind is _bool else dict(metavar=METAVARS[kind])
-        if name == "preset":
-            extra = dict(choices=list(PRESETS), metavar="NAME")
-        shown = "" if default is None else f" (default: {default})"
-        g.add_argument(f"--{name}", type=kind, help=TRAIN_HELP[name] + shown, **extra)
-    g = p.add_argument_group("model (GPTConfig fields)")
-    for f in dataclasses.fields(GPTConfig):
-        if f.name == "vocab_size":
-            default = "the dataset's"
-        elif f.name in MODEL_DEFAULTS:
-            default = f"{MODEL_DEFAULTS[f.name]} here; GPTConfig's is {f.default}"
-        else:
-            default = f.default
-        extra = dict(type=_bool, nargs="?", const=True, metavar="BOOL") if f.type is bool else \
-            dict(type=f.type, metavar=METAVARS[f.type])
-        g.add_argument(f"--{f.name}", help=f"{f.metadata['help']} (default: {default})", **extra)
+                                    epilog="Bool flags take True/False/1/0; alone they mean True.")
+    add_flags(p, TrainSettings, "training")
+    shown = {f.name: f"{MODEL_DEFAULTS[f.name]} here; GPTConfig's is {f.default}"
+             for f in dataclasses.fields(config_class) if f.name in MODEL_DEFAULTS}
+    add_flags(p, config_class, "model (GPTConfig fields)", dict(shown, vocab_size="the dataset's"))
     return p
 
 
-def resolve_settings(explicit, ckpt, ckpt_path):
+def add_flags(parser, cls, title, shown=None):
+    """One --flag per field of the dataclass cls, in the --help group `title`: of the type in the
+    field's annotation (or the parse in its metadata), with the help in its metadata and its default
+    (shown: {name: text} where this script's default is not the field's). Every flag's argparse
+    default is None, so that what was given is known (for presets and --resume)."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind, meta = _flag_type(hints[f.name]), f.metadata
+        if kind is bool:
+            extra = dict(type=_bool, nargs="?", const=True, metavar="BOOL")
+        else:
+            metavar = meta.get("metavar") or {int: "N", float: "X"}.get(kind, "S")
+            extra = dict(type=meta.get("parse") or kind, metavar=metavar)
+        if meta.get("choices"):
+            extra["choices"] = list(meta["choices"])
+        default = (shown or {}).get(f.name, f.default)
+        shown_default = "" if default is None else f" (default: {default})"
+        group.add_argument(f"--{f.name}", help=meta["help"] + shown_default, **extra)
+
+
+def _flag_type(hint):
+    """int for `int` and for `int | None`."""
+    types = [t for t in typing.get_args(hint) if t is not type(None)]
+    return types[0] if types else hint
+
+
+def _bool(text):
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True/False/1/0, got {text!r}")
+
+
+def default_settings(config_class=GPTConfig):
+    """Every setting of a run given no flag: TrainSettings', then GPTConfig's with MODEL_DEFAULTS
+    over them; vocab_size None (the dataset's)."""
+    config = {f.name: f.default for f in dataclasses.fields(config_class)}
+    return {**dataclasses.asdict(TrainSettings()), **config, **MODEL_DEFAULTS, "vocab_size": None}
+
+
+def resolve_settings(explicit, ckpt=None, ckpt_path=None, config_class=GPTConfig):
     """defaults < checkpoint (--resume) < preset < explicit flags. With --resume the checkpoint's
-    config wins: a config flag (or preset value) that differs from it is an error."""
+    config wins: a config flag (or preset value) that differs from it is an error. Returns the
+    TrainSettings, the model's settings (a dict; vocab_size is the dataset's, known later) and the
+    preset's values."""
     preset = PRESETS.get(explicit.get("preset"), {})
     given = {**preset, **explicit}
-    config_defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    settings = {**TRAIN_DEFAULTS, **config_defaults, **MODEL_DEFAULTS, "vocab_size": None}
+    settings = default_settings(config_class)
     if ckpt is not None:
         for name, value in ckpt["config"].items():
             if name in given and given[name] != value:
                 raise UsageError(f"--{name} {given[name]} conflicts with {ckpt_path}'s {name}={value}: drop the "
                                  "flag to resume that run, or start a new one in another --out_dir")
-        restored = {k: v for k, v in ckpt["train_args"].items() if k not in RUNTIME_ARGS}
-        settings.update(restored, **ckpt["config"])
+        runtime = {f.name for f in dataclasses.fields(TrainSettings) if f.metadata["runtime"]}
+        settings.update({k: v for k, v in ckpt["train_args"].items() if k not in runtime})
+        settings.update(ckpt["config"])
     if "max_iters" in explicit and "max_tokens" in explicit:
         raise UsageError("give --max_iters or --max_tokens, not both")
     settings.update(given)
     if "max_iters" in explicit:
         settings["max_tokens"] = None  # an explicit step count beats a preset's or checkpoint's budget
-    return argparse.Namespace(**settings), preset
+    train = TrainSettings(**{f.name: settings[f.name] for f in dataclasses.fields(TrainSettings)})
+    return train, {f.name: settings[f.name] for f in dataclasses.fields(config_class)}, preset
 
 
 def check_settings(a, world):
@@ -199,6 +253,27 @@ def check_settings(a, world):
     if a.batch_size % world:
         raise UsageError(f"--batch_size {a.batch_size} is not divisible by the {world} processes: "
                          "each process takes an equal share of the batch")
+
+
+def model_config(model, vocab_size, data_dir, config_class=GPTConfig):
+    """The run's GPTConfig: the model settings, with the dataset's vocab_size."""
+    if model["vocab_size"] is not None and model["vocab_size"] != vocab_size:
+        raise UsageError(f"--vocab_size {model['vocab_size']} differs from dataset {data_dir}'s "
+                         f"vocab_size {vocab_size}: drop the flag (it defaults to the dataset's)")
+    try:
+        return config_class(**dict(model, vocab_size=vocab_size))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def complete_settings(a, config, device):
+    """What waits for the dataset and the device: --eval_tokens when not given, and --max_iters
+    from --max_tokens. Returns the tokens per step."""
+    if a.eval_tokens is None:
+        a.eval_tokens = default_eval_tokens(config.vocab_size, device)
+    tokens_per_step = a.batch_size * a.grad_accum * config.sequence_len
+    a.max_iters = math.ceil(a.max_tokens / tokens_per_step) if a.max_tokens else a.max_iters
+    return tokens_per_step
 
 
 def default_eval_tokens(vocab_size, device):
@@ -234,6 +309,47 @@ def pick_device(name, local_rank=0):
     return torch.device(name)
 
 
+def pick_dtype(name, device):
+    """--dtype auto: bfloat16 autocast on CUDA (where the GPU has it), float32 elsewhere."""
+    if name == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def read_settings(explicit, world, master):
+    """The settings, from the checkpoint too with --resume: (TrainSettings, the model's settings,
+    the checkpoint or None)."""
+    ckpt_path, ckpt = Path(explicit.get("out_dir", TrainSettings.out_dir)) / "last.pt", None
+    if explicit.get("resume"):
+        ckpt = load_checkpoint(ckpt_path, f"--resume: no checkpoint at {ckpt_path}; train without "
+                               "--resume first")
+    elif ckpt_path.exists():
+        raise UsageError(f"{ckpt_path.parent} already holds a run ({ckpt_path}): add --resume to "
+                         "continue it, or choose another --out_dir (or delete that folder)")
+    a, model_settings, preset = resolve_settings(explicit, ckpt, ckpt_path)
+    check_settings(a, world)
+    if a.wandb_project and master:
+        import_wandb()  # now: a missing package costs no training
+    if preset and master:
+        values = [f"{k}={v}" + (f" (overridden: {explicit[k]})" if k in explicit else "")
+                  for k, v in preset.items()]
+        print(f"preset {a.preset}: " + " ".join(values))
+    return a, model_settings, ckpt
+
+
+def start_processes(device_name):
+    """(rank, world, device). torchrun sets RANK, WORLD_SIZE and LOCAL_RANK: one process per GPU."""
+    ddp = "RANK" in os.environ
+    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) if ddp else (0, 1, 0)
+    device = pick_device(device_name, local_rank)
+    if ddp:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
 # -----------------------------------------------------------------------------
 # Data: random crops at offsets that depend only on (seed, step, micro-step)
 
@@ -249,6 +365,41 @@ def open_dataset(data_dir, master=True):
     meta = prepare_data.load_meta(data_dir)
     prepare_data.check_tokens(data_dir, meta, meta["splits"])  # ids < vocab_size; cached after the first run
     return meta
+
+
+def find_data(recorded, run_dir, fix, dataset=None, root=None):
+    """The data folder a run was trained on, found from any working folder. recorded: the run's
+    --data as given, relative to the folder train.py ran in. Tried as it is, then (when relative)
+    under the run folder and each folder above it, one of which train.py usually ran in; with
+    root, only root/NAME. The folder must hold a prepared dataset named `dataset` (when known).
+    Returns it (relative when recorded was); UsageError naming `fix` when there is none."""
+    path, run_dir = Path(recorded), Path(run_dir)
+    if root is not None:
+        tried = [Path(root) / path.name]
+    elif path.is_absolute():
+        tried = [path]
+    else:
+        here = run_dir.resolve()
+        tried = [path] + [folder / path for folder in (here, *here.parents)]
+    for folder in tried:
+        if _holds_dataset(folder, dataset):
+            return str(recorded) if folder == path else os.path.relpath(folder)
+    what = f"no prepared {dataset} dataset" if dataset else "no prepared dataset"
+    where = f"at {tried[0]}"
+    if len(tried) > 1:
+        where = f"at {recorded}, from here or from {run_dir} or a folder above it"
+    raise UsageError(f"the data folder of the run in {run_dir}: {what} {where}; {fix}")
+
+
+def _holds_dataset(folder, dataset):
+    """Whether folder has a meta.json of that dataset (of any, for None). A damaged one counts:
+    load_meta then says what is wrong with it."""
+    if not (folder / "meta.json").is_file():
+        return False
+    try:
+        return dataset in (None, json.loads((folder / "meta.json").read_text())["dataset"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
 
 
 def batch_offsets(seed, step, micro, n_tokens, T, rows):
@@ -274,8 +425,47 @@ def get_batch(data, offsets, T, device):
     return x, y
 
 
+def check_fits(a, T, train_data, val_data):
+    """A crop (and a batch of them) must fit in the splits."""
+    for split, data in (("train", train_data), ("val", val_data)):
+        if len(data) < T + 2:
+            raise UsageError(f"--sequence_len {T} is longer than the {split} split of {a.data} "
+                             f"({len(data)} tokens): lower --sequence_len")
+    if a.batch_size * T > len(train_data):
+        raise UsageError(f"a batch of --batch_size {a.batch_size} x sequence_len {T} = "
+                         f"{a.batch_size * T} tokens is larger than the training data "
+                         f"({len(train_data)} tokens): lower --batch_size")
+
+
+def open_data(a, ckpt, given, master):
+    """The dataset's meta.json and its train and val splits. With --resume and no --data, the data
+    folder the checkpoint names is found from any working folder (find_data)."""
+    ckpt_path = Path(a.out_dir) / "last.pt"
+    if ckpt is not None and not given:
+        fix = "give --data DIR, the dataset it was trained on"
+        found = find_data(a.data, ckpt_path.parent, fix, ckpt["meta"].get("dataset"))
+        if found != a.data and master:
+            print(f"note: the data folder {a.data} of {ckpt_path} is not here; found it at {found}")
+        a.data = found
+    meta = open_dataset(a.data, master)
+    if ckpt is not None and ckpt["config"]["vocab_size"] != meta["vocab_size"]:
+        raise UsageError(f"dataset {a.data} has vocab_size {meta['vocab_size']} but {ckpt_path} "
+                         f"was trained with {ckpt['config']['vocab_size']}: resume with the --data "
+                         "it was trained on")
+    splits = (prepare_data.open_split(a.data, split, meta) for split in ("train", "val"))
+    return meta, *splits
+
+
 # -----------------------------------------------------------------------------
-# Schedule, evaluation, checkpoints
+# Model and schedule
+
+
+def build_model(a, config, device):
+    """The GPT and its AdamW. torch.manual_seed right before GPT() gives paired runs (the same seed,
+    another routing) identical shared weights."""
+    torch.manual_seed(a.seed)
+    model = GPT(config).to(device)
+    return model, model.configure_optimizers(a.weight_decay, a.lr, (a.beta1, a.beta2), device.type)
 
 
 def get_lr(step, a, max_iters):
@@ -285,6 +475,210 @@ def get_lr(step, a, max_iters):
         return a.lr * (step + 1) / a.warmup_iters
     progress = min(1.0, (step - a.warmup_iters) / max(1, max_iters - 1 - a.warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (a.lr - min_lr)
+
+
+# -----------------------------------------------------------------------------
+# The run: setup, the loop, evaluation, the end
+
+
+def main(argv=None):
+    with run_safely() as cleanup:  # below the banner: one line for bad input, a full disk, Ctrl-C
+        train(setup(argv, cleanup))
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop shares with its parts: set up once, but for the progress at the end, which is
+    what a checkpoint records. __post_init__ adds the precision context (ctx), ddp, the fixed
+    evaluation crops of each split and the milestones as (label, tokens)."""
+    settings: TrainSettings
+    config: GPTConfig
+    meta: dict  # the dataset's meta.json
+    train_data: np.ndarray
+    val_data: np.ndarray
+    tokens_per_step: int
+    raw_model: GPT
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    dtype: torch.dtype
+    rank: int
+    world: int
+    out_dir: Path
+    model: torch.nn.Module = None  # what the loop calls: raw_model, compiled or in DDP as asked
+    stop_signals: list = None  # the signals received (catch_stop_signals)
+    wandb: object = None  # the wandb run, with --wandb_project
+    resumed: bool = False
+    # the progress
+    step: int = 0
+    tokens: int = 0
+    best_val: float = math.inf
+    last_eval: dict = None  # the last eval line of metrics.jsonl
+    reached: dict = dataclasses.field(default_factory=dict)  # {milestone: step, tokens, val_loss}
+    wall_before: float = 0.0  # seconds spent before --resume
+    t_start: float = 0.0  # time.time() when the loop started
+
+    def __post_init__(self):
+        a, T = self.settings, self.config.sequence_len
+        bf16 = self.dtype == torch.bfloat16
+        self.ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+        self.ddp = dist.is_initialized()
+        self.train_batches = eval_offsets(len(self.train_data), T, a.batch_size, a.eval_tokens, 0)
+        self.val_batches = eval_offsets(len(self.val_data), T, a.batch_size, a.eval_tokens, 1)
+        labels = a.milestones.split(",") if a.milestones else []
+        self.milestones = [(label.strip(), count(label)) for label in labels]
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    def log(self, *args, **kwargs):
+        if self.master:
+            print(*args, **kwargs)
+
+    def elapsed(self):
+        return self.wall_before + time.time() - self.t_start
+
+
+def setup(argv, cleanup):
+    """Everything before the first step: settings, processes, data, model and optimizer, the
+    out_dir lock, --resume; the Run. cleanup (an ExitStack) releases the lock and the signals."""
+    # a lone "--" is dropped: `torchrun train.py -- --rd off` keeps torchrun from reading --rd as
+    # one of its --rdzv_* flags
+    argv = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--"]
+    explicit = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
+    rank, world, device = start_processes(explicit.get("device", "auto"))
+    a, model_settings, ckpt = read_settings(explicit, world, master=rank == 0)
+    meta, train_data, val_data = open_data(a, ckpt, "data" in explicit, master=rank == 0)
+    config = model_config(model_settings, meta["vocab_size"], a.data)
+    check_fits(a, config.sequence_len, train_data, val_data)
+    tokens_per_step = complete_settings(a, config, device)
+
+    # the model, its optimizer and precision; then --out_dir becomes this run's, --resume restores
+    dtype = pick_dtype(a.dtype, device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    raw_model, optimizer = build_model(a, config, device)
+    if rank == 0:  # before anything is written there
+        prepare_data.writable_folder(Path(a.out_dir), "--out_dir")
+        lock_out_dir(Path(a.out_dir), cleanup)
+    run = Run(a, config, meta, train_data, val_data, tokens_per_step, raw_model, optimizer, device,
+              dtype, rank, world, Path(a.out_dir))
+    if ckpt is None:
+        start_fresh(run)
+    else:
+        resume(run, ckpt)
+    run.model = torch.compile(raw_model) if a.compile else raw_model
+    if run.ddp:
+        run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None)
+    print_header(run)
+    run.t_start, run.wandb = time.time(), start_wandb(run)
+    run.stop_signals = catch_stop_signals(cleanup)
+    return run
+
+
+def train(run):
+    """The loop: optimizer steps, a log line every --log_interval steps, an evaluation with its
+    checkpoints every --eval_interval steps and at each milestone, then the end (finish). It stops
+    early, with last.pt saved, after --stop_after or on Ctrl-C / SIGTERM."""
+    a = run.settings
+    if not run.resumed:  # a checkpoint, even of step 0, comes after its evaluation
+        evaluate_and_save(run, get_lr(0, a, a.max_iters))
+    train_time, steps_since_log = 0.0, 0  # time in training steps since the last log line (no evals)
+    while run.step < a.max_iters:
+        t0 = time.time()
+        lr = get_lr(run.step, a, a.max_iters)
+        loss = train_step(run, lr)
+        run.step, run.tokens = run.step + 1, run.tokens + run.tokens_per_step
+        train_time += time.time() - t0  # train_step's loss.item() waited for the GPU
+        steps_since_log += 1
+
+        if run.step % a.log_interval == 0 or run.step == 1:
+            log_step(run, loss, lr, train_time / steps_since_log)
+            train_time, steps_since_log = 0.0, 0
+        before, now = run.tokens - run.tokens_per_step, run.tokens
+        crossed = [label for label, n in run.milestones if before < n <= now]
+        if run.step % a.eval_interval == 0 or run.step == a.max_iters or crossed:
+            evaluate_and_save(run, lr, crossed)
+        if a.stop_after is not None and a.stop_after <= run.step < a.max_iters:
+            save_unless_saved(run)
+            run.log(f"stopped after step {run.step} (--stop_after); continue with: "
+                    f"{resume_command(run)}")
+            if run.wandb:
+                run.wandb.finish()
+            return
+        if stop_requested(run.stop_signals, run.ddp, run.device):
+            save_unless_saved(run)
+            raise interrupted(run)
+    finish(run)
+
+
+def train_step(run, lr):
+    """One optimizer step on the crops of (seed, step): --grad_accum micro-steps, the gradient of
+    their mean loss (all-reduced over the processes), clipped, AdamW. Returns that mean loss."""
+    a, T, model = run.settings, run.config.sequence_len, run.model
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(a.grad_accum):
+        rows = batch_offsets(a.seed, run.step, micro, len(run.train_data), T, a.batch_size)
+        x, y = get_batch(run.train_data, rows[run.rank::run.world], T, run.device)
+        # DDP: all-reduce the gradients only on the last micro-step
+        sync = model.no_sync() if run.ddp and micro < a.grad_accum - 1 else nullcontext()
+        with sync:
+            with run.ctx:
+                _, loss = model(x, y)
+            (loss / a.grad_accum).backward()
+        loss_sum += loss.detach().float()
+    loss = loss_sum / a.grad_accum
+    if run.ddp:
+        dist.all_reduce(loss)
+        loss /= run.world
+    loss = loss.item()
+    if not math.isfinite(loss):  # before the update, and no checkpoint is written after this
+        raise diverged(run, "loss", run.step + 1)
+    if a.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), a.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def log_step(run, loss, lr, dt):
+    """A train line (stdout, metrics.jsonl, wandb); dt: seconds per step since the last one."""
+    n = run.tokens_per_step
+    mfu = run.raw_model.estimate_mfu(n / run.world, dt) if run.device.type == "cuda" else None
+    if run.master:
+        record(run, dict(type="train", step=run.step, tokens=run.tokens, loss=loss, lr=lr,
+                         tok_per_s=round(n / dt, 1), ms_per_step=round(1000 * dt, 2), mfu=mfu))
+    run.log(f"step {run.step} | loss {loss:.4f} | lr {lr:.1e} | {n / dt / 1e3:.1f}k tok/s | "
+            f"{1000 * dt:.1f} ms/step" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""))
+
+
+def evaluate_and_save(run, lr, crossed=()):
+    """Train and val loss on the fixed evaluation crops, the routing diagnostics, an eval line, and
+    the checkpoints: last.pt, and best.pt first when the val loss improved."""
+    T, device, ctx, rank, world = run.config.sequence_len, run.device, run.ctx, run.rank, run.world
+    train_loss = evaluate(run.model, run.train_data, run.train_batches, T, device, ctx, rank, world)
+    val_loss = evaluate(run.model, run.val_data, run.val_batches, T, device, ctx, rank, world)
+    if not (math.isfinite(val_loss) and math.isfinite(train_loss)):
+        raise diverged(run, "validation loss", run.step)
+    routes = None
+    if run.master:
+        routes = routes_block(run.raw_model, run.val_data, run.val_batches[0], T, device, ctx)
+    for label in crossed:
+        run.reached[label] = dict(step=run.step, tokens=run.tokens, val_loss=val_loss)
+    char_level = run.meta["level"] == "char"
+    run.last_eval = dict(type="eval", step=run.step, tokens=run.tokens, train_loss=train_loss,
+                         val_loss=val_loss, val_bpc=val_loss / math.log(2) if char_level else None,
+                         lr=lr, elapsed_s=round(run.elapsed(), 3),
+                         milestone=",".join(crossed) or None, routes=routes)
+    if run.master:
+        record(run, run.last_eval)
+    run.log(f"eval step {run.step} | train {train_loss:.4f} | val {val_loss:.4f}"
+            + (f" | bpc {run.last_eval['val_bpc']:.4f}" if char_level else "")
+            + (f" | js_mean {routes['js_mean']:.4f}" if routes and routes["js_mean"] is not None else "")
+            + (f" | milestone {run.last_eval['milestone']}" if crossed else ""))
+    improved, run.best_val = val_loss < run.best_val, min(run.best_val, val_loss)
+    save_checkpoint(run, improved)
 
 
 @torch.no_grad()
@@ -328,6 +722,40 @@ def routes_block(model, data, offsets, T, device, ctx):
                 js_mean=stats["js_mean"])
 
 
+def finish(run):
+    """The end: an evaluation unless the last step had one, the test loss (when the dataset has a
+    test split), summary.json, then how the model routes and what to try next."""
+    a, config, meta, T = run.settings, run.config, run.meta, run.config.sequence_len
+    if run.last_eval is None or run.last_eval["step"] != run.step:
+        evaluate_and_save(run, get_lr(run.step - 1, a, a.max_iters))
+    test_loss = None
+    if meta["splits"].get("test", 0) >= T + 2:
+        test_data = prepare_data.open_split(a.data, "test", meta)
+        test_batches = eval_offsets(len(test_data), T, a.batch_size, a.eval_tokens, 2)
+        test_loss = evaluate(run.model, test_data, test_batches, T, run.device, run.ctx, run.rank,
+                             run.world)
+    bpc = (lambda v: v / math.log(2) if meta["level"] == "char" and v is not None else None)
+    val_loss = run.last_eval["val_loss"]
+    final = dict(val_loss=val_loss, val_bpc=bpc(val_loss), test_loss=test_loss,
+                 test_bpc=bpc(test_loss))
+    summary = dict(config=dataclasses.asdict(config), train=dataclasses.asdict(a), final=final,
+                   best_val_loss=run.best_val, step=run.step, tokens_seen=run.tokens,
+                   wall_time_s=round(run.elapsed(), 3), milestones=run.reached,
+                   routes=run.last_eval["routes"], dataset=meta["dataset"], level=meta["level"])
+    if run.master:
+        save_atomic(summary, run.out_dir / "summary.json")
+    run.log(f"done: {run.step} steps, {run.tokens:,} tokens, val {val_loss:.4f}"
+            + (f", test {test_loss:.4f}" if test_loss is not None else "")
+            + f", {summary['wall_time_s']:.0f} s; wrote {run.out_dir}/summary.json")
+    if run.wandb:
+        run.wandb.finish()
+    if run.master:
+        stats = batch_routing_stats(run.raw_model, run.val_data, run.val_batches[0], T, run.device,
+                                    run.ctx)
+        run.log("\n" + (routing_summary(stats) + "\n\n" if stats else "")
+                + next_commands(a, config, stats is not None, run.device, run.world))
+
+
 def routing_summary(stats, top=3):
     """A few lines for the end of a run: the sources each read leans on most (mean weight)."""
     lines = ["routing (mean weight per source, one val batch; emb: embedding, C<i>: completed block i, "
@@ -341,22 +769,183 @@ def routing_summary(stats, top=3):
     return "\n".join(lines)
 
 
-def next_commands(a, routed, device):
-    """What to try after a run, as commands for its --out_dir; the baseline repeats every setting
-    that is not a default (a preset's too) except the routing, so that it is paired with this run."""
-    at = "" if Path(a.out_dir) == Path(TRAIN_DEFAULTS["out_dir"]) else f" --out_dir {a.out_dir}"
-    commands = [(f"python sample.py{at}", "text from best.pt")]
+def next_commands(a, config, routed, device, world=1):
+    """What to try after a run, as commands to paste: text from it, how it routes, and the baseline
+    without routing that is paired with it."""
+    at = [] if Path(a.out_dir) == Path(TrainSettings.out_dir) else ["--out_dir", a.out_dir]
+    commands = [(command("sample.py", at), "text from best.pt")]
     if routed:
-        defaults = {**TRAIN_DEFAULTS, **{f.name: f.default for f in dataclasses.fields(GPTConfig)}, **MODEL_DEFAULTS,
-                    "eval_tokens": default_eval_tokens(a.vocab_size, device)}  # what the baseline gets when not given
-        same = "".join(f" --{k} {getattr(a, k)}" for k in defaults if k not in routing_fields() + RUNTIME_ARGS
-                       and k != "vocab_size" and getattr(a, k) != defaults[k]
-                       and not (k == "max_iters" and a.max_tokens))  # max_iters was computed from max_tokens
-        commands += [(f"python sample.py{at} --routes", "how each read routes over a val crop"),
-                      (f"python train.py --residual prenorm{same} --out_dir {a.out_dir}_prenorm",
-                       "the baseline without routing: same seed, same batches")]
-    width = min(60, max(len(command) for command, _ in commands))
-    return "\n".join(["next:"] + [f"  {command:<{width}}  # {why}" for command, why in commands])
+        commands += [(command("sample.py", [*at, "--routes"]),
+                      "how each read routes over a val crop"),
+                     (command("train.py", baseline_flags(a, config, device), world),
+                      "the baseline without routing: same seed, same batches")]
+    width = min(60, max(len(line) for line, _ in commands))
+    return "\n".join(["next:"] + [f"  {line:<{width}}  # {why}" for line, why in commands])
+
+
+def baseline_flags(a, config, device):
+    """train.py's flags for the run without routing paired with this one: --residual prenorm and
+    every setting of this run that train.py would not give it unasked (a preset's too), but the
+    routing fields (routing_fields: a GPTConfig subclass's too), and its own --out_dir."""
+    defaults = default_settings(type(config))
+    defaults["eval_tokens"] = default_eval_tokens(config.vocab_size, device)  # what it gets unasked
+    skip = {*routing_fields(type(config)), "vocab_size", "out_dir", "preset", "resume",
+            "stop_after", "wandb_run"}
+    if a.max_tokens:
+        skip.add("max_iters")  # computed from --max_tokens
+    flags = ["--residual", "prenorm"]
+    for name, value in {**dataclasses.asdict(a), **dataclasses.asdict(config)}.items():
+        if name not in skip and value != defaults[name]:
+            flags += [f"--{name}", value]
+    if a.wandb_run:
+        flags += ["--wandb_run", f"{a.wandb_run}_prenorm"]
+    return flags + ["--out_dir", f"{Path(a.out_dir)}_prenorm"]
+
+
+def resume_command(run):
+    """The command that continues this run: --resume takes the settings from last.pt, but not those
+    that say how an invocation runs (runtime), so the ones given are repeated."""
+    a, default = run.settings, TrainSettings()
+    flags = ["--out_dir", a.out_dir, "--resume"]
+    for f in dataclasses.fields(TrainSettings):
+        value = getattr(a, f.name)
+        if f.metadata["runtime"] and f.name not in ("out_dir", "preset", "resume", "stop_after") \
+                and value != getattr(default, f.name):
+            flags += [f"--{f.name}", value]
+    return command("train.py", flags, run.world)
+
+
+def command(script, flags, world=1):
+    """A command line that works when pasted into a shell: each argument quoted where needed."""
+    launcher = ["python", script]
+    if world > 1:
+        launcher = ["torchrun", f"--nproc_per_node={world}", script, "--"]
+    return shlex.join([*launcher, *map(str, flags)])
+
+
+
+def start_fresh(run):
+    """A new run: each process draws its own dropout stream; no metrics.jsonl of an earlier try."""
+    torch.manual_seed(run.settings.seed + run.rank)
+    if run.master:
+        (run.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+
+def print_header(run):
+    """What this run is: the data, the model, the schedule, the processes and the precision."""
+    a, config, meta, T = run.settings, run.config, run.meta, run.config.sequence_len
+    run.log(f"data: {a.data} ({meta['dataset']}, {meta['level']} level, vocab {config.vocab_size}; "
+            f"train {len(run.train_data):,} / val {len(run.val_data):,} tokens)")
+    routing = f" (block {config.routing_block}, wav {config.wav}, rd {config.rd})"
+    run.log(f"model: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
+            f"sequence_len {T}, residual {config.residual}"
+            + (routing if config.residual == "attnres" else "")
+            + f"; {run.raw_model.get_num_params() / 1e6:.2f}M parameters")
+    if block_note(config):
+        run.log(block_note(config))
+    min_lr = a.lr / 10 if a.min_lr is None else a.min_lr
+    run.log(f"training: {a.max_iters} steps x {run.tokens_per_step:,} tokens (batch "
+            f"{a.batch_size} x accum {a.grad_accum} x {T}) = "
+            f"{a.max_iters * run.tokens_per_step / 1e6:.1f}M tokens; "
+            f"lr {a.lr:g} warmup {a.warmup_iters} cosine to {min_lr:g}; {run.world} process(es) on "
+            f"{run.device}, {str(run.dtype).removeprefix('torch.')}; evaluation: {a.eval_tokens:,} "
+            f"tokens per split every {a.eval_interval} steps")
+
+
+# =============================================================================
+# Below this banner: keeping runs safe; nothing of training. How a run ends (one line and exit
+# code 2 for bad input or a full disk, 130 / 143 for Ctrl-C / SIGTERM), checkpoints (atomic,
+# weights_only), resume (RNG states, metrics.jsonl repair), the out_dir lock, stop signals, wandb.
+# =============================================================================
+
+
+@contextmanager
+def run_safely():
+    """The frame of a run: yields an ExitStack that releases the out_dir lock and the signal
+    handlers however the run ends, and turns each way it can fail into one line and an exit code."""
+    try:
+        with ExitStack() as cleanup:
+            yield cleanup
+        if dist.is_initialized():
+            dist.barrier()  # finish together: a process leaving early can abort the others' gloo threads
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # a full disk, a folder gone read-only: files written so far are whole (atomic)
+        print(f"error: {prepare_data.os_error_line(e, '--out_dir')} (with --resume if last.pt exists)",
+              file=sys.stderr)
+        sys.exit(2)
+    except Interrupted as e:
+        if str(e):
+            print(e, file=sys.stderr)
+        sys.exit(128 + e.signum)  # 130 for SIGINT, 143 for SIGTERM: what a shell reports for them
+    except KeyboardInterrupt:  # Ctrl-C before training starts, or a second one while last.pt is saved
+        print("error: interrupted; checkpoints saved before are whole (continue with --resume if last.pt exists)",
+              file=sys.stderr)
+        sys.exit(130)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived: training stopped at the end of a step, with last.pt saved."""
+
+    def __init__(self, signum, message):
+        super().__init__(message)
+        self.signum = signum
+
+
+def interrupted(run):
+    """The Interrupted to raise, after last.pt was saved; rank 0 says how to continue."""
+    signum = run.stop_signals[0] if run.stop_signals else signal.SIGTERM  # DDP: another one got it
+    message = (f"stopped by {signal.Signals(signum).name} after step {run.step}, "
+               f"{run.out_dir / 'last.pt'} saved; continue with: {resume_command(run)}")
+    return Interrupted(signum, message if run.master else "")
+
+
+def diverged(run, what, at_step):
+    path = run.out_dir / "last.pt"
+    kept = f"last good checkpoint kept at {path}" if path.exists() else "no checkpoint was written"
+    return UsageError(f"non-finite {what} at step {at_step}; {kept} (lower --lr or raise "
+                      "--warmup_iters)")
+
+
+CKPT_KEYS = ("model", "optimizer", "step", "tokens", "best_val_loss", "config", "train_args", "meta", "rng")
+
+
+def save_checkpoint(run, improved):
+    """last.pt, and best.pt first when improved: everything --resume needs. The step is the data
+    position: batches are a function of (seed, step)."""
+    if not all(p.isfinite().all() for p in run.raw_model.parameters()):
+        raise diverged(run, "weights", run.step)
+    meta = {k: run.meta[k] for k in ("dataset", "vocab_size", "level")}
+    state = dict(model=strip_prefixes(run.raw_model.state_dict()),
+                 optimizer=run.optimizer.state_dict(), step=run.step, tokens=run.tokens,
+                 best_val_loss=run.best_val, milestones=run.reached,
+                 last_eval=run.last_eval, rng=rng_states(run.device, run.world),
+                 wall_time_s=run.elapsed(), config=dataclasses.asdict(run.config),
+                 train_args=dataclasses.asdict(run.settings), meta=meta)
+    # best.pt first: last.pt then never counts a best that best.pt does not hold. A crash between
+    # the two renames leaves best.pt a step ahead, and --resume takes the lower best_val_loss of
+    # the two files, so summary.json's best_val_loss is always best.pt's.
+    if run.master:
+        last = run.out_dir / "last.pt"
+        try:
+            if improved:
+                save_atomic(state, run.out_dir / "best.pt")
+            save_atomic(state, last)
+        except OSError as e:
+            kept = f"the previous {last} is kept" if last.exists() else "no checkpoint was written"
+            why = prepare_data.os_error_line(e, "--out_dir")
+            raise UsageError(f"saving a checkpoint in {run.out_dir} failed: {why} "
+                             f"({kept}; continue with --resume)") from None
+
+
+def save_unless_saved(run):
+    """last.pt of this step, before stopping early (an evaluation at this step has written it)."""
+    if run.last_eval is None or run.last_eval["step"] != run.step:
+        save_checkpoint(run, improved=False)
 
 
 def save_atomic(obj, path):
@@ -366,9 +955,6 @@ def save_atomic(obj, path):
         prepare_data.write_atomic(path, lambda f: torch.save(obj, f))
     else:
         prepare_data.write_json(path, obj)
-
-
-CKPT_KEYS = ("model", "optimizer", "step", "tokens", "best_val_loss", "config", "train_args", "meta", "rng")
 
 
 def load_checkpoint(path, missing, keys=CKPT_KEYS, mmap=False):
@@ -393,6 +979,26 @@ def load_checkpoint(path, missing, keys=CKPT_KEYS, mmap=False):
     raise UsageError(f"checkpoint {path} is corrupt or truncated: {why}; delete it or retrain")
 
 
+def resume(run, ckpt):
+    """--resume: the weights, the optimizer, the progress and each process's RNG state from last.pt,
+    and metrics.jsonl cut back to its step."""
+    run.raw_model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.resumed, run.step, run.tokens = True, ckpt["step"], ckpt["tokens"]
+    run.best_val = ckpt["best_val_loss"]
+    if (run.out_dir / "best.pt").exists():  # a step ahead of last.pt after a crash between renames
+        best = load_checkpoint(run.out_dir / "best.pt", "", ("best_val_loss",), mmap=True)
+        run.best_val = min(run.best_val, best["best_val_loss"])
+    run.wall_before, run.reached = ckpt.get("wall_time_s", 0.0), ckpt.get("milestones", {})
+    run.last_eval = ckpt.get("last_eval")
+    restore_rng(run, ckpt["rng"])
+    metrics = run.out_dir / "metrics.jsonl"
+    if run.master and (unreadable := keep_metrics_until(metrics, run.step)):
+        run.log(f"note: dropped {unreadable} line(s) of {metrics} that do not parse (cut by an "
+                "interruption, or damaged)")
+    run.log(f"resuming {run.out_dir / 'last.pt'} at step {run.step} ({run.tokens:,} tokens)")
+
+
 def rng_states(device, world):
     """Each process's torch RNG state (dropout), gathered so rank 0 can save them all."""
     state = {"torch": torch.get_rng_state()}
@@ -405,39 +1011,20 @@ def rng_states(device, world):
     return [{k: v.cpu() for k, v in s.items()} for s in states]
 
 
+def restore_rng(run, states):
+    """Each process's RNG state from rng_states; reseeded when the number of processes changed."""
+    if len(states) == run.world:
+        torch.set_rng_state(states[run.rank]["torch"])
+        if "cuda" in states[run.rank] and run.device.type == "cuda":
+            torch.cuda.set_rng_state(states[run.rank]["cuda"], run.device)
+    else:
+        run.log(f"note: {run.out_dir / 'last.pt'} was written by {len(states)} processes, not "
+                f"{run.world}: dropout is reseeded (the data order is unaffected)")
+        torch.manual_seed(run.settings.seed + 1000 * run.step + run.rank)
+
+
 def strip_prefixes(state_dict):  # torch.compile adds _orig_mod., DDP adds module.
     return {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in state_dict.items()}
-
-
-def write_metrics(path, record):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def import_wandb():
-    """wandb, for --wandb_project; checked before any training, so a missing package costs nothing."""
-    try:
-        import wandb
-    except ImportError:
-        raise UsageError("--wandb_project needs the wandb package: pip install wandb (or drop the flag)") from None
-    return wandb
-
-
-def wandb_numbers(record):
-    """A metrics.jsonl record as wandb metrics: its numbers, named type/field (nested: type/field/key)."""
-    numbers = {}
-
-    def walk(name, value):
-        if isinstance(value, dict):
-            for key, v in value.items():
-                walk(f"{name}/{key}", v)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            numbers[name] = value
-
-    for key, value in record.items():
-        if key not in ("type", "step"):  # the step is wandb's own axis
-            walk(f"{record['type']}/{key}", value)
-    return numbers
 
 
 def keep_metrics_until(path, step):
@@ -455,6 +1042,49 @@ def keep_metrics_until(path, step):
     if path.exists():
         prepare_data.write_atomic(path, lambda f: f.write(b"".join(kept)))
     return unreadable
+
+
+def record(run, line):
+    """One line of metrics.jsonl; the same numbers to wandb with --wandb_project."""
+    with open(run.out_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    if run.wandb:
+        run.wandb.log(wandb_numbers(line), step=line["step"])
+
+
+def import_wandb():
+    """wandb, for --wandb_project; checked before any training, so a missing package costs nothing."""
+    try:
+        import wandb
+    except ImportError:
+        raise UsageError("--wandb_project needs the wandb package: pip install wandb (or drop the flag)") from None
+    return wandb
+
+
+def start_wandb(run):
+    """The wandb run of --wandb_project (on rank 0), its config every setting; else None."""
+    a = run.settings
+    if not (a.wandb_project and run.master):
+        return None
+    return import_wandb().init(project=a.wandb_project, name=a.wandb_run, dir=run.out_dir,
+                               config=dict(dataclasses.asdict(a), **dataclasses.asdict(run.config)))
+
+
+def wandb_numbers(record):
+    """A metrics.jsonl record as wandb metrics: its numbers, named type/field (nested: type/field/key)."""
+    numbers = {}
+
+    def walk(name, value):
+        if isinstance(value, dict):
+            for key, v in value.items():
+                walk(f"{name}/{key}", v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            numbers[name] = value
+
+    for key, value in record.items():
+        if key not in ("type", "step"):  # the step is wandb's own axis
+            walk(f"{record['type']}/{key}", value)
+    return numbers
 
 
 def lock_out_dir(out_dir, cleanup):
@@ -517,14 +1147,6 @@ def process_alive(pid):
     return True
 
 
-class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived: training stopped at the end of a step, with last.pt saved."""
-
-    def __init__(self, signum, message):
-        super().__init__(message)
-        self.signum = signum
-
-
 def stop_requested(received, ddp, device):
     """Whether to stop now; under DDP all processes stop at the same step if any got a signal."""
     if not ddp:
@@ -550,299 +1172,6 @@ def catch_stop_signals(cleanup):
         for sig in (signal.SIGINT, signal.SIGTERM):
             cleanup.callback(signal.signal, sig, signal.signal(sig, handler))
     return received
-
-
-# -----------------------------------------------------------------------------
-# The run
-
-
-def main(argv=None):
-    try:
-        with ExitStack() as cleanup:  # the out_dir lock and the signal handlers, released however train ends
-            train(argv, cleanup)
-        if dist.is_initialized():
-            dist.barrier()  # finish together: a process leaving early can abort the others' gloo threads
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:  # a full disk, a folder gone read-only: files written so far are whole (atomic)
-        print(f"error: {prepare_data.os_error_line(e, '--out_dir')} (with --resume if last.pt exists)",
-              file=sys.stderr)
-        sys.exit(2)
-    except Interrupted as e:
-        if str(e):
-            print(e, file=sys.stderr)
-        sys.exit(128 + e.signum)  # 130 for SIGINT, 143 for SIGTERM: what a shell reports for them
-    except KeyboardInterrupt:  # Ctrl-C before training starts, or a second one while last.pt is saved
-        print("error: interrupted; checkpoints saved before are whole (continue with --resume if last.pt exists)",
-              file=sys.stderr)
-        sys.exit(130)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def train(argv, cleanup):
-    """The run; cleanup (an ExitStack) releases the out_dir lock and the signal handlers when it ends."""
-    # a lone "--" is dropped: `torchrun train.py -- --rd off` keeps torchrun from reading --rd as its --rdzv_*
-    argv = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--"]
-    explicit = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
-
-    # processes: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK
-    ddp = "RANK" in os.environ
-    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) if ddp else (0, 1, 0)
-    master = rank == 0
-    log = print if master else (lambda *args, **kwargs: None)
-    device = pick_device(explicit.get("device", "auto"), local_rank)
-    if ddp:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-
-    # settings, from a checkpoint too with --resume
-    out_dir = Path(explicit.get("out_dir", TRAIN_DEFAULTS["out_dir"]))
-    ckpt_path, ckpt = out_dir / "last.pt", None
-    if explicit.get("resume"):
-        ckpt = load_checkpoint(ckpt_path, f"--resume: no checkpoint at {ckpt_path}; train without --resume first")
-    elif ckpt_path.exists():
-        raise UsageError(f"{out_dir} already holds a run ({ckpt_path}): add --resume to continue it, or choose "
-                         "another --out_dir (or delete that folder)")
-    a, preset = resolve_settings(explicit, ckpt, ckpt_path)
-    check_settings(a, world)
-    wandb = import_wandb() if a.wandb_project and master else None
-    if preset:
-        log(f"preset {a.preset}: " + " ".join(f"{k}={v}" + (f" (overridden: {explicit[k]})" if k in explicit else "")
-                                             for k, v in preset.items()))
-
-    # data and model config
-    meta = open_dataset(a.data, master)
-    train_data, val_data = prepare_data.open_split(a.data, "train", meta), prepare_data.open_split(a.data, "val", meta)
-    if ckpt is not None and ckpt["config"]["vocab_size"] != meta["vocab_size"]:
-        raise UsageError(f"dataset {a.data} has vocab_size {meta['vocab_size']} but {ckpt_path} was trained with "
-                         f"{ckpt['config']['vocab_size']}: resume with the --data it was trained on")
-    if a.vocab_size is not None and a.vocab_size != meta["vocab_size"]:
-        raise UsageError(f"--vocab_size {a.vocab_size} differs from dataset {a.data}'s vocab_size "
-                         f"{meta['vocab_size']}: drop the flag (it defaults to the dataset's)")
-    a.vocab_size = meta["vocab_size"]
-    if a.eval_tokens is None:
-        a.eval_tokens = default_eval_tokens(a.vocab_size, device)
-    try:
-        config = GPTConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(GPTConfig)})
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    T, char_level = config.sequence_len, meta["level"] == "char"
-    for split, data in (("train", train_data), ("val", val_data)):
-        if len(data) < T + 2:
-            raise UsageError(f"--sequence_len {T} is longer than the {split} split of {a.data} "
-                             f"({len(data)} tokens): lower --sequence_len")
-    if a.batch_size * T > len(train_data):
-        raise UsageError(f"a batch of --batch_size {a.batch_size} x sequence_len {T} = {a.batch_size * T} tokens "
-                         f"is larger than the training data ({len(train_data)} tokens): lower --batch_size")
-    tokens_per_step = a.batch_size * a.grad_accum * T
-    a.max_iters = math.ceil(a.max_tokens / tokens_per_step) if a.max_tokens else a.max_iters
-    milestones = [(m.strip(), count(m)) for m in a.milestones.split(",")] if a.milestones else []
-    has_test = meta["splits"].get("test", 0) >= T + 2
-
-    # model and optimizer: torch.manual_seed right before GPT() gives paired runs identical shared weights
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(a.seed)
-    raw_model = GPT(config).to(device)
-    optimizer = raw_model.configure_optimizers(a.weight_decay, a.lr, (a.beta1, a.beta2), device.type)
-    step, tokens, best_val, wall_before, reached = 0, 0, math.inf, 0.0, {}
-    if master:  # before anything is written there
-        prepare_data.writable_folder(out_dir, "--out_dir")
-        lock_out_dir(out_dir, cleanup)
-    if ckpt is None:
-        torch.manual_seed(a.seed + rank)  # dropout: a different stream per process
-        if master:
-            (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    else:
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        step, tokens, best_val = ckpt["step"], ckpt["tokens"], ckpt["best_val_loss"]
-        if (out_dir / "best.pt").exists():  # a step ahead of last.pt after a crash between the two renames
-            best_val = min(best_val, load_checkpoint(out_dir / "best.pt", "", ("best_val_loss",), mmap=True)
-                           ["best_val_loss"])
-        wall_before, reached = ckpt.get("wall_time_s", 0.0), ckpt.get("milestones", {})
-        if len(ckpt["rng"]) == world:
-            torch.set_rng_state(ckpt["rng"][rank]["torch"])
-            if "cuda" in ckpt["rng"][rank] and device.type == "cuda":
-                torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"], device)
-        else:
-            log(f"note: {ckpt_path} was written by {len(ckpt['rng'])} processes, not {world}: dropout is "
-                "reseeded (the data order is unaffected)")
-            torch.manual_seed(a.seed + 1000 * step + rank)
-        if master and (unreadable := keep_metrics_until(out_dir / "metrics.jsonl", step)):
-            log(f"note: dropped {unreadable} line(s) of {out_dir / 'metrics.jsonl'} that do not parse "
-                "(cut by an interruption, or damaged)")
-        log(f"resuming {ckpt_path} at step {step} ({tokens:,} tokens)")
-    model = torch.compile(raw_model) if a.compile else raw_model
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp else model
-
-    train_args = {k: getattr(a, k) for k in TRAIN_DEFAULTS}
-    val_batches = eval_offsets(len(val_data), T, a.batch_size, a.eval_tokens, 1)
-    train_batches = eval_offsets(len(train_data), T, a.batch_size, a.eval_tokens, 0)
-    log(f"data: {a.data} ({meta['dataset']}, {meta['level']} level, vocab {meta['vocab_size']}; "
-        f"train {len(train_data):,} / val {len(val_data):,} tokens)")
-    log(f"model: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, sequence_len {T}, residual "
-        f"{config.residual}" + (f" (block {config.routing_block}, wav {config.wav}, rd {config.rd})"
-                                if config.residual == "attnres" else "")
-        + f"; {raw_model.get_num_params() / 1e6:.2f}M parameters")
-    if block_note(config):
-        log(block_note(config))
-    log(f"training: {a.max_iters} steps x {tokens_per_step:,} tokens (batch {a.batch_size} x accum {a.grad_accum} "
-        f"x {T}) = {a.max_iters * tokens_per_step / 1e6:.1f}M tokens; lr {a.lr:g} warmup {a.warmup_iters} cosine "
-        f"to {a.lr / 10 if a.min_lr is None else a.min_lr:g}; {world} process(es) on {device}, "
-        f"{str(dtype).removeprefix('torch.')}; evaluation: {a.eval_tokens:,} tokens per split every "
-        f"{a.eval_interval} steps")
-
-    t_start, last_eval = time.time(), ckpt.get("last_eval") if ckpt else None
-    wandb_run = wandb.init(project=a.wandb_project, name=a.wandb_run, dir=out_dir,
-                           config=dict(train_args, **dataclasses.asdict(config))) if wandb else None
-
-    def record(line):  # one line of metrics.jsonl; the same numbers to wandb with --wandb_project
-        write_metrics(out_dir / "metrics.jsonl", line)
-        if wandb_run:
-            wandb_run.log(wandb_numbers(line), step=line["step"])
-
-    def checkpoint(improved):
-        if not all(p.isfinite().all() for p in raw_model.parameters()):
-            raise diverged("weights", step)
-        state = dict(model=strip_prefixes(raw_model.state_dict()), optimizer=optimizer.state_dict(), step=step,
-                     tokens=tokens, best_val_loss=best_val, milestones=reached, last_eval=last_eval,
-                     rng=rng_states(device, world),
-                     wall_time_s=wall_before + time.time() - t_start, config=dataclasses.asdict(config),
-                     train_args=train_args, meta=dict(dataset=meta["dataset"], vocab_size=meta["vocab_size"],
-                                                      level=meta["level"]))
-        # best.pt first: last.pt then never counts a best that best.pt does not hold. A crash between
-        # the two renames leaves best.pt a step ahead, and --resume takes the lower best_val_loss of
-        # the two files, so summary.json's best_val_loss is always best.pt's.
-        if master:  # the step is the data position: batches are a function of (seed, step)
-            try:
-                if improved:
-                    save_atomic(state, out_dir / "best.pt")
-                save_atomic(state, ckpt_path)
-            except OSError as e:
-                kept = f"the previous {ckpt_path} is kept" if ckpt_path.exists() else "no checkpoint was written"
-                why = prepare_data.os_error_line(e, "--out_dir")
-                raise UsageError(f"saving a checkpoint in {out_dir} failed: {why} "
-                                 f"({kept}; continue with --resume)") from None
-
-    def diverged(what, at_step):
-        kept = f"last good checkpoint kept at {ckpt_path}" if ckpt_path.exists() else "no checkpoint was written"
-        return UsageError(f"non-finite {what} at step {at_step}; {kept} (lower --lr or raise --warmup_iters)")
-
-    def eval_and_save(lr, crossed=()):
-        nonlocal best_val, last_eval
-        train_loss = evaluate(model, train_data, train_batches, T, device, ctx, rank, world)
-        val_loss = evaluate(model, val_data, val_batches, T, device, ctx, rank, world)
-        if not (math.isfinite(val_loss) and math.isfinite(train_loss)):
-            raise diverged("validation loss", step)
-        routes = routes_block(raw_model, val_data, val_batches[0], T, device, ctx) if master else None
-        for label in crossed:
-            reached[label] = dict(step=step, tokens=tokens, val_loss=val_loss)
-        last_eval = dict(type="eval", step=step, tokens=tokens, train_loss=train_loss, val_loss=val_loss,
-                         val_bpc=val_loss / math.log(2) if char_level else None, lr=lr,
-                         elapsed_s=round(wall_before + time.time() - t_start, 3),
-                         milestone=",".join(crossed) or None, routes=routes)
-        if master:
-            record(last_eval)
-        log(f"eval step {step} | train {train_loss:.4f} | val {val_loss:.4f}"
-            + (f" | bpc {last_eval['val_bpc']:.4f}" if char_level else "")
-            + (f" | js_mean {routes['js_mean']:.4f}" if routes and routes["js_mean"] is not None else "")
-            + (f" | milestone {last_eval['milestone']}" if crossed else ""))
-        improved, best_val = val_loss < best_val, min(best_val, val_loss)
-        checkpoint(improved)
-
-    stop_signals = catch_stop_signals(cleanup)
-    if ckpt is None:  # a checkpoint, even of step 0, comes after its evaluation
-        eval_and_save(get_lr(0, a, a.max_iters))
-    train_time, steps_since_log = 0.0, 0  # time in training steps since the last log line (no evals)
-    while step < a.max_iters:
-        t0 = time.time()
-        lr = get_lr(step, a, a.max_iters)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(a.grad_accum):
-            offsets = batch_offsets(a.seed, step, micro, len(train_data), T, a.batch_size)[rank::world]
-            x, y = get_batch(train_data, offsets, T, device)
-            # DDP: all-reduce the gradients only on the last micro-step
-            sync = model.no_sync() if ddp and micro < a.grad_accum - 1 else nullcontext()
-            with sync:
-                with ctx:
-                    _, loss = model(x, y)
-                (loss / a.grad_accum).backward()
-            loss_sum += loss.detach().float()
-        loss = loss_sum / a.grad_accum
-        if ddp:
-            dist.all_reduce(loss)
-            loss /= world
-        loss = loss.item()
-        if not math.isfinite(loss):  # before the update, and no checkpoint is written after this
-            raise diverged("loss", step + 1)
-        if a.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), a.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step, tokens, steps_since_log = step + 1, tokens + tokens_per_step, steps_since_log + 1
-        train_time += time.time() - t0  # loss.item() above waited for the GPU
-
-        if step % a.log_interval == 0 or step == 1:
-            dt = train_time / steps_since_log
-            mfu = raw_model.estimate_mfu(tokens_per_step / world, dt) if device.type == "cuda" else None
-            if master:
-                record(dict(
-                    type="train", step=step, tokens=tokens, loss=loss, lr=lr, tok_per_s=round(tokens_per_step / dt, 1),
-                    ms_per_step=round(1000 * dt, 2), mfu=mfu))
-            log(f"step {step} | loss {loss:.4f} | lr {lr:.1e} | {tokens_per_step / dt / 1e3:.1f}k tok/s | "
-                f"{1000 * dt:.1f} ms/step" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""))
-            train_time, steps_since_log = 0.0, 0
-        crossed = [label for label, n in milestones if tokens - tokens_per_step < n <= tokens]
-        if step % a.eval_interval == 0 or step == a.max_iters or crossed:
-            eval_and_save(lr, crossed)
-        if a.stop_after is not None and step >= a.stop_after and step < a.max_iters:
-            if last_eval is None or last_eval["step"] != step:
-                checkpoint(improved=False)
-            log(f"stopped after step {step} (--stop_after); continue with --resume")
-            if wandb_run:
-                wandb_run.finish()
-            return
-        if stop_requested(stop_signals, ddp, device):
-            if last_eval is None or last_eval["step"] != step:
-                checkpoint(improved=False)
-            signum = stop_signals[0] if stop_signals else signal.SIGTERM  # DDP: another process got it
-            raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} after step {step}, {ckpt_path} "
-                              f"saved; continue with: python train.py --out_dir {out_dir} --resume" if master else "")
-
-    # the end: final losses (val from the last evaluation, test if the dataset has one) and summary.json
-    if last_eval is None or last_eval["step"] != step:
-        eval_and_save(get_lr(step - 1, a, a.max_iters))
-    test_loss = None
-    if has_test:
-        test_data = prepare_data.open_split(a.data, "test", meta)
-        test_batches = eval_offsets(len(test_data), T, a.batch_size, a.eval_tokens, 2)
-        test_loss = evaluate(model, test_data, test_batches, T, device, ctx, rank, world)
-    bpc = (lambda v: v / math.log(2) if char_level and v is not None else None)
-    summary = dict(config=dataclasses.asdict(config), train=train_args,
-                   final=dict(val_loss=last_eval["val_loss"], val_bpc=bpc(last_eval["val_loss"]),
-                              test_loss=test_loss, test_bpc=bpc(test_loss)),
-                   best_val_loss=best_val, step=step, tokens_seen=tokens,
-                   wall_time_s=round(wall_before + time.time() - t_start, 3), milestones=reached,
-                   routes=last_eval["routes"], dataset=meta["dataset"], level=meta["level"])
-    if master:
-        save_atomic(summary, out_dir / "summary.json")
-    log(f"done: {step} steps, {tokens:,} tokens, val {last_eval['val_loss']:.4f}"
-        + (f", test {test_loss:.4f}" if test_loss is not None else "")
-        + f", {summary['wall_time_s']:.0f} s; wrote {out_dir}/summary.json")
-    if wandb_run:
-        wandb_run.finish()
-    if master:
-        stats = batch_routing_stats(raw_model, val_data, val_batches[0], T, device, ctx)
-        log("\n" + (routing_summary(stats) + "\n\n" if stats else "") + next_commands(a, stats is not None, device))
 
 
 if __name__ == "__main__":
