@@ -784,12 +784,34 @@ def prepare(name, out_dir=None, **options):
     new_folders = _missing_folders(out)  # out and the parents this call creates, deepest first
     writable_folder(out, "--out")
     try:
-        return _prepare_into(out, name, o, recorded)
+        with _one_at_a_time(out):
+            return _prepare_into(out, name, o, recorded)
     except BaseException:
         for folder in new_folders:
             with contextlib.suppress(OSError):  # not empty: a resumable download, or someone else's
                 folder.rmdir()
         raise
+
+
+@contextlib.contextmanager
+def _one_at_a_time(folder):
+    """One prepare() at a time in a folder (the train.py runs of a sweep may all prepare the demo at
+    once): an exclusive flock on the folder itself, so no lock file is left. No lock without fcntl."""
+    try:
+        import fcntl  # noqa: PLC0415 (POSIX only)
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another run preparing {folder}", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _prepare_into(out, name, o, recorded):
@@ -1082,9 +1104,11 @@ def _gpt2_table(data_dir):
                         f"{_command(Path(data_dir), 'fineweb_edu')}")
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
     vocab = _read_object(path)
-    if not (vocab and all(type(i) is int and all(c in byte_of for c in t) for t, i in vocab.items())):
-        raise UsageError(f"{path} is not GPT-2's encoder.json (an object of byte-level tokens and their "
-                         f"ids); prepare the folder again: {_command(Path(data_dir), 'fineweb_edu')}")
+    tokens_ok = vocab and all(type(i) is int and all(c in byte_of for c in t) for t, i in vocab.items())
+    if not (tokens_ok and EOT in vocab):
+        raise UsageError(f"{path} is not GPT-2's encoder.json (byte-level tokens and their ids, "
+                         f"{EOT} among them); prepare the folder again: "
+                         f"{_command(Path(data_dir), 'fineweb_edu')}")
     return {i: bytes(byte_of[c] for c in tok) for tok, i in vocab.items()}
 
 
@@ -1101,11 +1125,11 @@ def decoder(meta, data_dir):
 def encoder(meta, data_dir):
     """text -> ids. Char level: UsageError names characters outside the vocabulary."""
     if meta["level"] == "gpt2":
+        table = _gpt2_table(data_dir)
         try:
             import tiktoken
         except ImportError:
             raise UsageError("encoding a GPT-2 prompt needs tiktoken: pip install tiktoken") from None
-        table = _gpt2_table(data_dir)
         special = {EOT: next(i for i, b in table.items() if b == EOT.encode())}
         enc = tiktoken.Encoding(name="gpt2-local", pat_str=GPT2_PATTERN, special_tokens=special,
                                 mergeable_ranks={b: i for i, b in table.items() if i != special[EOT]})

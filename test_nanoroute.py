@@ -1738,6 +1738,32 @@ def test_data_a_failed_first_download_leaves_no_folder_and_says_each_retry(tmp_p
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["empty"]  # no data/; the user's folder stays
 
 
+def test_data_two_runs_preparing_one_folder_take_turns(tmp_path, capsys):
+    """The train.py runs of a sweep may all prepare the demo at once: the second waits for the first
+    (a lock on the folder), then finds it prepared, instead of deleting its files under it."""
+    import fcntl
+    out = tmp_path / "demo"
+    out.mkdir()
+    held = os.open(out, os.O_RDONLY)  # another run holds the folder
+    fcntl.flock(held, fcntl.LOCK_EX)
+    runs = concurrent.futures.ThreadPoolExecutor(1)
+    second = runs.submit(prepare_data.prepare, "demo", out, demo_mb=0.01)
+    printed = ""
+    for _ in range(3000):  # until it says it waits, or it finishes without waiting
+        printed += capsys.readouterr().out
+        if "waiting for another run" in printed or second.done():
+            break
+        time.sleep(0.01)
+    assert "waiting for another run preparing" in printed and not second.done()
+    prepare_data.prepare("demo", tmp_path / "first", demo_mb=0.01)  # what the other run writes
+    for name in ("train.bin", "val.bin", "test.bin", "meta.json"):
+        shutil.copy(tmp_path / "first" / name, out / name)
+    os.close(held)
+    second.result(timeout=120)
+    runs.shutdown()
+    assert "is already prepared" in capsys.readouterr().out
+
+
 def test_data_a_leftover_temporary_file_does_not_make_a_folder_foreign(tmp_path):
     """A run killed inside its first write leaves only a temporary file: the folder is still taken."""
     (tmp_path / "d").mkdir()
@@ -1939,10 +1965,12 @@ def test_data_meta_json_of_the_wrong_types_is_one_line_naming_the_field(tmp_path
 
 def test_data_damaged_encoder_json_is_one_line(tmp_path):
     meta = dict(level="gpt2", vocab_size=prepare_data.GPT2_VOCAB)
-    for damage in (b"\xff\xfe not json", b"[1, 2]", b'{"a": "1"}', b'{"\\u0100\\u3042": 5}'):
+    for damage in (b"\xff\xfe not json", b"[1, 2]", b'{"a": "1"}', b'{"\\u0100\\u3042": 5}', b'{"a": 1}'):
         (tmp_path / "encoder.json").write_bytes(damage)
         with pytest.raises(prepare_data.UsageError, match="is not GPT-2's encoder.json"):
             prepare_data.decoder(meta, tmp_path)
+        with pytest.raises(prepare_data.UsageError, match="is not GPT-2's encoder.json"):
+            prepare_data.encoder(meta, tmp_path)  # sample.py's prompt (with or without tiktoken)
 
 
 # checked.json: a train.bin replaced by another file with the same size and modification time (cp -p,

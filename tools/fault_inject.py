@@ -215,8 +215,10 @@ FAULTS = [
      "a partial file longer than the remote one is taken as whole"),
     ("prepare_data.py", 'if r.status_code == 206 and not r.headers.get("Content-Range", "").startswith(f"bytes {have}-"):',
      "if False:", "a 206 of another range than asked is appended"),
-    ("prepare_data.py", "if not (vocab and all(type(i) is int and all(c in byte_of for c in t) for t, i in vocab.items())):",
-     "if not vocab:", "a damaged encoder.json fails with a traceback"),
+    ("prepare_data.py", "with _one_at_a_time(out):", "with contextlib.nullcontext():",
+     "two runs preparing one folder at once delete each other's files (a sweep's first runs on the demo)"),
+    ("prepare_data.py", "tokens_ok = vocab and all(type(i) is int and all(c in byte_of for c in t) for t, i in vocab.items())",
+     "tokens_ok = vocab", "a damaged encoder.json fails with a traceback"),
 
     # --- experiments.py: statistics of the report, the sweep
     ("experiments.py", "wins=sum(d < 0 for d in diffs)", "wins=sum(d <= 0 for d in diffs)", "a tie counts as a win"),
