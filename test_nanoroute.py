@@ -1965,8 +1965,10 @@ def test_data_meta_json_of_the_wrong_types_is_one_line_naming_the_field(tmp_path
 
 def test_data_damaged_encoder_json_is_one_line(tmp_path):
     meta = dict(level="gpt2", vocab_size=prepare_data.GPT2_VOCAB)
-    for damage in (b"\xff\xfe not json", b"[1, 2]", b'{"a": "1"}', b'{"\\u0100\\u3042": 5}', b'{"a": 1}'):
-        (tmp_path / "encoder.json").write_bytes(damage)
+    eot = '"<|endoftext|>": 50256'
+    for damage in (b"\xff\xfe not json", b"[1, 2]", b'{"a": 1}', '{%s, "a": "1"}' % eot,  # no EOT; an id a string
+                   '{%s, "\\u0100\\u3042": 5}' % eot):  # a character that is no byte of GPT-2's table
+        (tmp_path / "encoder.json").write_bytes(damage if isinstance(damage, bytes) else damage.encode())
         with pytest.raises(prepare_data.UsageError, match="is not GPT-2's encoder.json"):
             prepare_data.decoder(meta, tmp_path)
         with pytest.raises(prepare_data.UsageError, match="is not GPT-2's encoder.json"):
