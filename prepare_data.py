@@ -19,24 +19,28 @@ Output contract: a prepared dataset is a folder (default data/NAME/) holding
                                     "generated (seed S)", "format_version": 1, "options": {...}}
     encoder.json, vocab.bpe        gpt2 level only: GPT-2's BPE files, to turn ids back into text.
     checked.json                   written by train.py: the largest token id of each split, a cache
-                                   of its data check (keyed by each file's size and time).
+                                   of its data check (keyed by each file's size, times, inode and
+                                   a hash of its first and last 64 KiB).
 
 meta.json is written last, atomically: a folder with a valid meta.json is finished. Each .bin and
-.json is written as NAME.tmp, flushed to the disk and renamed when complete (write_atomic); each
-download goes to NAME.part and is renamed only once verified. So an interrupted run never leaves a
-file that looks complete, and re-running the same command resumes it (finished downloads and splits
-are kept; progress.json tracks them).
+.json is written to a new temporary file next to it, flushed to the disk and renamed when complete
+(write_atomic); each download goes to NAME.part and is renamed only once verified. So an interrupted
+run never leaves a file that looks complete, and re-running the same command resumes it (finished
+downloads and splits are kept; progress.json tracks them and the downloads this script made).
+Only what these records name is ever deleted, a folder holding files this script did not make is
+never written into, and no write follows a symbolic link.
 Never pickle. With --base_url URL or $NANOROUTE_BASE_URL, every file is fetched as URL/<filename>.
 """
 
 import argparse
+import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import random
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -45,9 +49,9 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-import requests
-import urllib3
-from tqdm import tqdm
+
+# requests, urllib3 and tqdm are imported in _fetch, when something is downloaded: training and
+# sampling import this module too, and need only numpy from it.
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -82,6 +86,15 @@ DATASETS = {
                     "huggingface.co/datasets/kjj0/finewebedu10B-gpt2", {"shards": 20}),
 }
 RUN_OPTIONS = {"base_url": None, "retries": 5, "backoff": None, "keep_downloads": False}  # how, not what
+# every number a user can give (flag or API): (type, lowest, highest, unit). backoff also comes from
+# $NANOROUTE_RETRY_BACKOFF; each retry waits backoff * 2**attempt seconds, at most MAX_WAIT.
+LIMITS = {"seed": (int, 0, 2 ** 63 - 1, ""),
+          "demo_mb": (float, 0.001, 100, " million characters"),  # 100: 45 s, 0.9 GB of memory
+          "retries": (int, 0, 100, ""),
+          "backoff": (float, 0, 600, " seconds"),
+          "shards": (int, 1, 99, ""),  # the dataset has 99 train shards
+          "min_per_million": (float, 0, 1_000_000, " per million characters")}
+MAX_WAIT = 600
 
 
 class UsageError(Exception):
@@ -140,22 +153,34 @@ def _write(f, data):
 
 
 def download(url, dest, retries=5, backoff=1.0, verify=None):
-    """Fetch url to dest via dest.part; verify(part) returns None or why the file is bad."""
+    """Fetch url to dest via dest.part; verify(path) returns None or why the file is bad. A dest that
+    exists is checked again (it was verified before its rename, but may be damaged since): a bad one
+    is deleted and fetched again. Each retry prints a line; the wait doubles from `backoff` seconds."""
     dest = Path(dest)
+    check = lambda path: _check_known(path, url) or (verify(path) if verify else None)
     if dest.exists():
-        return dest  # only a verified download is ever renamed to its final name
+        why = check(dest)
+        if why is None:
+            return dest
+        print(f"{dest} is damaged ({why}); downloading it again", flush=True)
+        dest.unlink()
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
+    if part.is_symlink():
+        raise UsageError(f"{part} is a symbolic link, not a partial download; remove it and re-run")
     for attempt in range(retries + 1):
         try:
             _fetch(url, part)
             break
         except _Transient as e:
             if attempt == retries:
-                raise UsageError(f"download of {url} failed after {retries + 1} tries ({e}); check the "
-                                "network or the mirror, then re-run (the download resumes)") from None
-            time.sleep(backoff * 2 ** attempt)
-    why = _check_known(part, url) or (verify(part) if verify else None)
+                raise UsageError(f"download of {url} failed after {retries + 1} tries ({e}); "
+                                 f"{_mirror_hint(url)}, then re-run (the download resumes)") from None
+            wait = min(backoff * 2 ** attempt, MAX_WAIT)
+            print(f"{dest.name}: {e}; try {attempt + 2} of {retries + 1} in {wait:.3g} s "
+                  f"({_mirror_hint(url)})", flush=True)
+            time.sleep(wait)
+    why = check(part)
     if why:
         part.unlink()
         raise UsageError(f"{dest.name} from {url} is corrupt or truncated ({why}); it was deleted, "
@@ -164,7 +189,16 @@ def download(url, dest, retries=5, backoff=1.0, verify=None):
     return dest
 
 
+def _mirror_hint(url):
+    if any(url.startswith(u) for u in (TEXT8_URL, TINYSTORIES_URL, FINEWEB_URL, GPT2_URL)):
+        return "check the network, or fetch the same files from a mirror with --base_url URL"
+    return "check the network and the mirror given by --base_url / NANOROUTE_BASE_URL"
+
+
 def _fetch(url, part):
+    import requests  # noqa: PLC0415 (here, not on top: see the imports)
+    import urllib3  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
     have = part.stat().st_size if part.exists() else 0
     headers = {"Accept-Encoding": "identity"}  # bytes as stored: sizes and Range offsets must agree
     headers.update({"Range": f"bytes={have}-"} if have else {})
@@ -187,7 +221,7 @@ def _fetch(url, part):
             if r.status_code == 200:
                 have = 0  # the server ignored our Range: start over rather than append a second copy
             length = int(r.headers.get("Content-Length", -1))
-            with open(part, "ab" if have else "wb") as f, tqdm(
+            with _open_part(part, append=have > 0) as f, tqdm(
                     total=have + length if length >= 0 else None, initial=have, unit="B",
                     unit_scale=True, desc=part.name[:-5], disable=None) as bar:
                 # read1 hands over whatever arrived, so a cut connection loses nothing already received
@@ -196,8 +230,18 @@ def _fetch(url, part):
                     bar.update(len(chunk))
             if length >= 0 and part.stat().st_size != have + length:
                 raise _Transient("connection closed early")
-    except (requests.ConnectionError, requests.Timeout, urllib3.exceptions.HTTPError) as e:
+    except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+            urllib3.exceptions.HTTPError) as e:
         raise _Transient(f"{type(e).__name__} talking to {url.split('/')[2]}") from None
+    except requests.RequestException as e:  # a URL requests cannot fetch (InvalidURL, ...)
+        raise UsageError(f"download of {url} failed ({type(e).__name__}: {e}); check --base_url / "
+                         "NANOROUTE_BASE_URL") from None
+
+
+def _open_part(part, append):
+    """part opened to append (or truncated): never through a symbolic link (O_NOFOLLOW)."""
+    flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    return open(part, "ab" if append else "wb", opener=lambda path, _: os.open(path, flags, 0o666))
 
 
 def _check_known(path, url):
@@ -241,13 +285,16 @@ class _Sink:
 
 def write_atomic(path, write):
     """Write path so that a crash, a full disk or Ctrl-C never leaves a partial file under its name:
-    write(f) fills path.tmp, which is flushed to the disk (fsync) before it is renamed over path, and
-    the folder is fsynced after, so that the rename itself survives a power cut. On any failure
-    path.tmp is deleted and path is left as it was."""
+    write(f) fills a new temporary file next to path, which is flushed to the disk (fsync) before it
+    is renamed over path, and the folder is fsynced after, so that the rename itself survives a power
+    cut. On any failure the temporary file is deleted and path is left as it was. The temporary file
+    has a fresh name and is created with O_EXCL | O_NOFOLLOW: a symbolic link or a leftover file
+    under any name is never written through (a link at path itself is replaced, not followed)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    f = _new_temp_file(path)
+    tmp = Path(f.name)
     try:
-        with open(tmp, "wb") as f:
+        with f:
             sink = _Sink(f)
             try:
                 write(sink)
@@ -266,6 +313,26 @@ def write_atomic(path, write):
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # 0 where the system has no symbolic links to refuse
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_BINARY", 0)
+
+
+def _new_temp_file(path):
+    """A new file tmpXXXXXXXX.NAME.tmp next to path, open for writing. O_EXCL never opens a name that
+    exists (a file or a link); mode 0o666 less the umask is any new file's (mkstemp's is 0600)."""
+    for _ in range(100):
+        tmp = path.with_name(f"tmp{os.urandom(4).hex()}.{path.name}.tmp")
+        try:
+            return open(tmp, "wb", opener=lambda name, _: os.open(name, _NEW_FILE, 0o666))
+        except FileExistsError:
+            continue  # taken (a leftover of a killed run, or a planted link): draw another name
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(tmp))
+
+
+def _is_temp(name):
+    return re.fullmatch(r"tmp[0-9a-f]{8}\..+\.tmp", name) is not None
 
 
 def write_json(path, obj):
@@ -287,18 +354,6 @@ def _write_bin(path, chunks, dtype):
     return n
 
 
-def _load_progress(out, name, recorded):
-    """progress.json of an unfinished folder (it names the dataset: load_meta's error tells it)."""
-    try:
-        state = json.loads((out / "progress.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        state = {}
-    if state.get("options") != recorded:  # other options: nothing done so far is reusable
-        state = {"options": recorded, "splits": {}}
-    state["dataset"] = name
-    return state
-
-
 def _todo(out, state, splits, dtype):
     """The splits still to write: done means listed in progress.json with a file of that length."""
     def done(split):
@@ -310,6 +365,132 @@ def _todo(out, state, splits, dtype):
 def _finish_split(out, state, split, chunks, dtype):
     state["splits"][split] = _write_bin(out / f"{split}.bin", chunks, dtype)
     write_json(out / "progress.json", state)
+
+
+# -----------------------------------------------------------------------------
+# The records of what this project made in a folder (meta.json, progress.json). Nothing else is ever
+# deleted, and a folder without them is written into only if it is empty.
+
+def _read_object(path):
+    """The JSON object in path; None if it is missing, unreadable or not an object."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _is_progress(state):
+    return (isinstance(state, dict) and state.get("dataset") in DATASETS
+            and isinstance(state.get("options"), dict) and isinstance(state.get("splits"), dict))
+
+
+def _made_as(out):
+    """The dataset a folder was prepared (or started) as, by this project's records; None without any."""
+    meta = _read_object(out / "meta.json")
+    if meta is not None and meta.get("dataset") in DATASETS and "format_version" in meta:
+        return meta["dataset"]
+    progress = _read_object(out / "progress.json")
+    return progress["dataset"] if _is_progress(progress) else None
+
+
+def _claim(out, name):
+    """UsageError unless out may be prepared as `name`: empty, or recorded as `name` (finished or not).
+    So someone else's files are never overwritten or deleted, and another dataset is never replaced."""
+    made_as = _made_as(out)
+    if made_as is None and any(not _is_temp(p.name) for p in out.iterdir()):
+        raise UsageError(f"{out} is not empty and holds no dataset of prepare_data.py (no meta.json or "
+                         "progress.json of one): nothing is written there, so that none of its files is "
+                         "overwritten or deleted; give a new or empty folder")
+    if made_as not in (None, name):
+        raise UsageError(f"{out} holds the {made_as} dataset; prepare {name} in another folder (or "
+                         f"delete {out} first if it is no longer needed)")
+
+
+def _load_progress(out, name, recorded):
+    """progress.json of an unfinished folder: the splits done (reused if the options are the same) and
+    "made", the downloads this project made there, which only clean-up deletes (kept whatever the
+    options). A finished folder prepared again brings the downloads its meta.json records as kept."""
+    path = out / "progress.json"
+    state = _read_object(path)
+    if path.exists() and not _is_progress(state):
+        raise UsageError(f"{path} was not written by prepare_data.py; move it away (it is never "
+                         "overwritten) and re-run")
+    if state is None:
+        made = (_read_object(out / "meta.json") or {}).get("made")
+    else:
+        made = state["made"] if "made" in state else _made_before_records(out)
+    if state is None or state["options"] != recorded or not _progress_ok(state):
+        state = {"options": recorded, "splits": {}}  # nothing done so far is reusable
+    return {**state, "dataset": name, "made": _valid_made(made)}
+
+
+def _valid_made(made):
+    """The entries of a "made" record that name downloads/ or a file in it (nothing else is deleted)."""
+    pattern = r"downloads(/[\w+-][\w.+-]*)?"  # no "..", no subfolder
+    if not isinstance(made, list):
+        return []
+    return [m for m in made if isinstance(m, str) and re.fullmatch(pattern, m)]
+
+
+def _progress_ok(state):
+    """Whether what progress.json records has the types this script writes (else it starts over)."""
+    strings = lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v)
+    ok = all(s in SPLITS and type(n) is int and n >= 0 for s, n in state["splits"].items())
+    if "chars" in state:  # tinystories' vocabulary, from its first pass
+        ok = ok and strings(state["chars"]) and strings(state.get("replaced"))
+        ok = ok and isinstance(state.get("replaced_share"), (int, float))
+    return ok
+
+
+def _made_before_records(out):
+    """The downloads of a progress.json written before "made" was recorded: that version always made
+    downloads/ and put only its downloads there."""
+    folder = out / "downloads"
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    return ["downloads"] + [f"downloads/{p.name.removesuffix('.part')}" for p in folder.iterdir()]
+
+
+def _download(out, state, o, name, url, verify=None):
+    """download() into out/downloads/, recorded in progress.json before its first byte: clean-up deletes
+    only recorded downloads, and a file there that is not recorded is not this project's to use."""
+    rel, folder = f"downloads/{name}", out / "downloads"
+    dest = out / rel
+    if folder.is_symlink():
+        raise UsageError(f"{folder} is a symbolic link; downloads are written only into a real folder: "
+                         "remove the link and re-run")
+    if rel not in state["made"]:
+        if any(p.exists() or p.is_symlink() for p in (dest, dest.with_name(name + ".part"))):
+            raise UsageError(f"{dest} was not downloaded by prepare_data.py (progress.json does not "
+                             "list it); move it away and re-run")
+        state["made"] += ([] if folder.exists() else ["downloads"]) + [rel]
+        write_json(out / "progress.json", state)
+    folder.mkdir(exist_ok=True)
+    return download(url, dest, o["retries"], o["backoff"], verify)
+
+
+def _remove_downloads(out, made):
+    """Delete the downloads progress.json records (with their .part), then downloads/ if this project
+    made it and it is empty now: nothing else."""
+    for rel in made:
+        if rel != "downloads":
+            (out / rel).unlink(missing_ok=True)
+            (out / (rel + ".part")).unlink(missing_ok=True)
+    if "downloads" in made:
+        with contextlib.suppress(OSError):  # not empty: it holds something else
+            (out / "downloads").rmdir()
+
+
+def _tidy_after_failure(out, state):
+    """A failed run leaves no empty downloads/ this project made, nor a progress.json alone in its
+    folder (it records nothing worth keeping then); prepare() then removes the folders it made, if
+    they are empty."""
+    if "downloads" in state["made"]:
+        with contextlib.suppress(OSError):
+            (out / "downloads").rmdir()
+    if [p.name for p in out.iterdir()] == ["progress.json"]:
+        (out / "progress.json").unlink()
 
 
 def _chunks(a, n=None):
@@ -441,7 +622,7 @@ def _prepare_text8(out, o, state):
     url, chars = _url(TEXT8_URL, o["base_url"]), list(" abcdefghijklmnopqrstuvwxyz")
     todo = _todo(out, state, SPLITS, "uint8")
     if todo:
-        path = download(url, out / "downloads" / "text8.zip", o["retries"], o["backoff"], _check_zip("text8"))
+        path = _download(out, state, o, "text8.zip", url, _check_zip("text8"))
         with zipfile.ZipFile(path) as z:
             data = np.frombuffer(z.read("text8"), dtype=np.uint8)
         ids = _char_lut(chars, 255)[:256].astype(np.uint8)[data]
@@ -486,7 +667,7 @@ def _prepare_tinystories(out, o, state):
     prefix = "TinyStories-" if o["v1"] else "TinyStoriesV2-GPT4-"
     names = dict(train=prefix + "train.txt", val=prefix + "valid.txt")
     urls = {s: _url(TINYSTORIES_URL + n, o["base_url"]) for s, n in names.items()}
-    get = lambda s: download(urls[s], out / "downloads" / names[s], o["retries"], o["backoff"])
+    get = lambda s: _download(out, state, o, names[s], urls[s])
     if "chars" not in state:  # first pass over train: character frequencies
         counts = np.zeros(0x110000, dtype=np.int64)
         for text in _read_chunks(get("train")):
@@ -563,15 +744,14 @@ def _check_vocab_bpe(path):
 
 
 def _prepare_fineweb(out, o, state):
-    get = lambda name, url, check: download(url, name, o["retries"], o["backoff"], check)
     sources = []
     for name, check in (("encoder.json", _check_encoder_json), ("vocab.bpe", _check_vocab_bpe)):
         sources.append(_url(GPT2_URL + name, o["base_url"]))
-        get(out / name, sources[-1], check)
+        download(sources[-1], out / name, o["retries"], o["backoff"], check)  # kept: part of the dataset
     names = ["finewebedu_val_000000.bin"]
     names += [f"finewebedu_train_{i:06d}.bin" for i in range(1, o["shards"] + 1)]
     urls = [_url(FINEWEB_URL + n, o["base_url"]) for n in names]
-    shard = lambda i: _shard_tokens(get(out / "downloads" / names[i], urls[i], _check_shard))
+    shard = lambda i: _shard_tokens(_download(out, state, o, names[i], urls[i], _check_shard))
     todo = _todo(out, state, SPLITS, "uint16")
     if "val" in todo or "test" in todo:
         # SPEC's deterministic split: the official val shard, cut at the first document boundary at
@@ -596,7 +776,89 @@ BUILDERS = dict(demo=_prepare_demo, text8=_prepare_text8, tinystories=_prepare_t
 # The API train.py and sample.py use.
 
 def prepare(name, out_dir=None, **options):
-    """Prepare dataset `name` into out_dir (default data/NAME); a finished folder is left as is."""
+    """Prepare dataset `name` into out_dir (default data/NAME); a finished folder is left as is. A folder
+    that holds files this project did not make, or another dataset, is refused (UsageError). After a
+    failure, the folders this call made are removed again if nothing worth keeping is in them."""
+    o, recorded = _options(name, options)
+    out = Path(out_dir) if out_dir else Path("data") / name
+    new_folders = _missing_folders(out)  # out and the parents this call creates, deepest first
+    writable_folder(out, "--out")
+    try:
+        with _one_at_a_time(out):
+            return _prepare_into(out, name, o, recorded)
+    except BaseException:
+        for folder in new_folders:
+            with contextlib.suppress(OSError):  # not empty: a resumable download, or someone else's
+                folder.rmdir()
+        raise
+
+
+@contextlib.contextmanager
+def _one_at_a_time(folder):
+    """One prepare() at a time in a folder (the train.py runs of a sweep may all prepare the demo at
+    once): an exclusive flock on the folder itself, so no lock file is left. No lock without fcntl."""
+    try:
+        import fcntl  # noqa: PLC0415 (POSIX only)
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another run preparing {folder}", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _prepare_into(out, name, o, recorded):
+    _claim(out, name)
+    if _finished(out, name, recorded):
+        _tidy_finished(out, o["keep_downloads"])
+        print(f"{out} is already prepared (delete its meta.json to prepare it again)")
+        return out
+    state = _load_progress(out, name, recorded)
+    write_json(out / "progress.json", state)  # first: the folder is this dataset's before any file
+    (out / "meta.json").unlink(missing_ok=True)  # unfinished from here until meta.json is rewritten
+    try:
+        meta = {"dataset": name, **BUILDERS[name](out, o, state)}
+    except BaseException:
+        _tidy_after_failure(out, state)
+        raise
+    if not o["keep_downloads"]:
+        _remove_downloads(out, state["made"])  # before meta.json: a finished folder has none left
+    meta["splits"] = {s: state["splits"][s] for s in SPLITS if s in state["splits"]}
+    meta.update(format_version=FORMAT_VERSION, options=recorded)
+    if o["keep_downloads"] and state["made"]:
+        meta["made"] = state["made"]  # so that a later run may reuse them, or delete them
+    write_json(out / "meta.json", meta)  # from now on the folder is finished
+    (out / "progress.json").unlink()
+    counts = ", ".join(f"{s} {n:,}" for s, n in meta["splits"].items())
+    print(f"wrote {out}: {counts} tokens ({meta['level']}, vocab {meta['vocab_size']}, {meta['dtype']})")
+    return out
+
+
+def _tidy_finished(out, keep_downloads):
+    """A finished folder keeps no downloads unless --keep_downloads (meta.json records those it
+    keeps), nor the progress.json of a run killed right after its meta.json."""
+    meta, progress = load_meta(out), _read_object(out / "progress.json")
+    progress = progress if _is_progress(progress) else None
+    if not keep_downloads:
+        _remove_downloads(out, _valid_made(meta.get("made")) + _valid_made((progress or {}).get("made")))
+        if "made" in meta:
+            del meta["made"]
+            write_json(out / "meta.json", meta)
+            print(f"deleted the downloads kept in {out / 'downloads'} (--keep_downloads keeps them)")
+    if progress is not None:
+        (out / "progress.json").unlink()
+
+
+def _options(name, options):
+    """Every option of a run, checked where it enters (flags, API, environment): (options, the ones
+    that decide the data, recorded in meta.json)."""
     if name not in DATASETS:
         raise UsageError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
     defaults = DATASETS[name][1]
@@ -606,30 +868,42 @@ def prepare(name, out_dir=None, **options):
             raise UsageError(f"option --{k} does not apply to {name} (its own options: {allowed})")
     o = {**RUN_OPTIONS, **defaults, **{k: v for k, v in options.items() if v is not None}}
     o["base_url"] = o["base_url"] or os.environ.get("NANOROUTE_BASE_URL") or None
-    if o["base_url"] and not re.match(r"https?://", o["base_url"]):
+    if o["base_url"] and not (isinstance(o["base_url"], str) and re.match(r"https?://", o["base_url"])):
         raise UsageError(f"--base_url / NANOROUTE_BASE_URL must start with http:// or https:// "
                         f"(got '{o['base_url']}')")
     if o["backoff"] is None:
-        o["backoff"] = float(os.environ.get("NANOROUTE_RETRY_BACKOFF", "1"))
-    for k, low in (("retries", 0), ("shards", 1), ("min_per_million", 0), ("demo_mb", 0.001)):
-        if k in o and o[k] < low:
-            raise UsageError(f"--{k} must be at least {low} (got {o[k]})")
-    recorded = {k: o[k] for k in defaults}
-    out = writable_folder(Path(out_dir) if out_dir else Path("data") / name, "--out")
-    if _finished(out, name, recorded):
-        _clean_up(out, o["keep_downloads"])  # a run killed right after meta.json left them
-        print(f"{out} is already prepared (delete its meta.json to prepare it again)")
-        return out
-    (out / "meta.json").unlink(missing_ok=True)  # unfinished from here until meta.json is rewritten
-    state = _load_progress(out, name, recorded)
-    meta = {"dataset": name, **BUILDERS[name](out, o, state)}
-    meta["splits"] = {s: state["splits"][s] for s in SPLITS if s in state["splits"]}
-    meta.update(format_version=FORMAT_VERSION, options=recorded)
-    write_json(out / "meta.json", meta)  # last: from now on the folder is finished
-    _clean_up(out, o["keep_downloads"])
-    counts = ", ".join(f"{s} {n:,}" for s, n in meta["splits"].items())
-    print(f"wrote {out}: {counts} tokens ({meta['level']}, vocab {meta['vocab_size']}, {meta['dtype']})")
-    return out
+        o["backoff"] = _seconds_from_env("NANOROUTE_RETRY_BACKOFF", 1.0)
+    for k, (kind, low, high, unit) in LIMITS.items():
+        v = o.get(k)
+        number = isinstance(v, int) or kind is float and isinstance(v, float)
+        number = number and not isinstance(v, bool)
+        if k in o and not (number and low <= v <= high):  # nan and inf fail the range too
+            raise UsageError(f"--{k} {v}: must be {'an integer' if kind is int else 'a number'} from "
+                             f"{low} to {high}{unit}")
+    for k in ("v1", "keep_downloads"):
+        if k in o and not isinstance(o[k], bool):
+            raise UsageError(f"--{k} is a switch: True or False (got {o[k]!r})")
+    return o, {k: o[k] for k in defaults}
+
+
+def _missing_folders(path):
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _seconds_from_env(name, default):
+    text = os.environ.get(name) or str(default)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= LIMITS["backoff"][2]:  # nan and inf fail too
+        raise UsageError(f"{name}={text}: must be a number of seconds from 0 to {LIMITS['backoff'][2]} "
+                         "(the wait before the first retry of a download; it doubles at each retry)")
+    return value
 
 
 def os_error_line(e, flag):
@@ -640,12 +914,6 @@ def os_error_line(e, flag):
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{what}; choose a writable folder with {flag}"
     return f"{what}; fix that and re-run"
-
-
-def _clean_up(out, keep_downloads):
-    (out / "progress.json").unlink(missing_ok=True)
-    if not keep_downloads:
-        shutil.rmtree(out / "downloads", ignore_errors=True)
 
 
 def writable_folder(path, flag):
@@ -684,10 +952,9 @@ def _command(data_dir, name=None):
 def _started_as(data_dir):
     """The dataset an unfinished folder was being prepared as: its progress.json's, else the one its
     downloads are from; None if neither says."""
-    try:
-        return json.loads((data_dir / "progress.json").read_text(encoding="utf-8"))["dataset"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    progress = _read_object(data_dir / "progress.json")
+    if _is_progress(progress):
+        return progress["dataset"]
     downloads = [p.name for p in (data_dir / "downloads").glob("*")]  # whole or .part
     for name, prefix in (("text8", "text8.zip"), ("tinystories", "TinyStories"), ("fineweb_edu", "finewebedu_")):
         if any(d.startswith(prefix) for d in downloads):
@@ -706,15 +973,48 @@ def load_meta(data_dir):
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot read {path} ({e}); prepare it again: {_command(d)}") from None
-    keys = ("dataset", "level", "dtype", "vocab_size", "splits", "source", "format_version")
-    ok = (isinstance(meta, dict) and all(k in meta for k in keys)
-          and meta["format_version"] == FORMAT_VERSION and meta["dtype"] in ("uint8", "uint16")
-          and meta["level"] in ("char", "gpt2")
-          and (meta["level"] == "gpt2" or len(meta.get("chars", ())) == meta["vocab_size"]))
-    if not ok:
-        raise UsageError(f"{path} is not a nanoroute dataset (format {FORMAT_VERSION}); prepare it "
-                        f"again: {_command(d, meta.get('dataset') if isinstance(meta, dict) else None)}")
+    problem = _meta_problem(meta)
+    if problem:  # prepare() takes the folder back only if its records name one of the datasets
+        name = _made_as(d)
+        fix = "prepare it again" if name else f"if {d} holds nothing else of value, delete it and run"
+        raise UsageError(f"{path} is not a nanoroute dataset (format {FORMAT_VERSION}): {problem}; "
+                         f"{fix}: {_command(d, name)}")
     return meta
+
+
+def _strings(v):
+    return isinstance(v, list) and all(isinstance(c, str) and c for c in v)
+
+
+# what each field of meta.json must be: (test, the words for the error); "chars" is checked below
+_META_FIELDS = {
+    "format_version": (lambda v: type(v) is int and v == FORMAT_VERSION, str(FORMAT_VERSION)),
+    "dataset": (lambda v: isinstance(v, str), "a dataset name"),
+    "level": (lambda v: v in ("char", "gpt2"), '"char" or "gpt2"'),
+    "dtype": (lambda v: v in ("uint8", "uint16"), '"uint8" or "uint16"'),
+    "vocab_size": (lambda v: type(v) is int and 1 <= v <= 65536, "an integer from 1 to 65536"),
+    "splits": (lambda v: isinstance(v, dict) and all(s in SPLITS and type(n) is int and n >= 0
+                                                     for s, n in v.items()),
+               'the token count of each split, e.g. {"train": 900, "val": 50}'),
+    "source": (lambda v: isinstance(v, (str, list)), "the URLs or the generator it came from"),
+}
+_META_OPTIONAL = {"options": (lambda v: isinstance(v, dict), "an object"),
+                  "replaced": (_strings, "a list of characters"), "made": (_strings, "a list of paths")}
+
+
+def _meta_problem(meta):
+    """What is wrong with a parsed meta.json, naming the field; None if nothing."""
+    if not isinstance(meta, dict):
+        return f"it holds a JSON {type(meta).__name__}, not an object"
+    for field, (ok, want) in {**_META_FIELDS, **_META_OPTIONAL}.items():
+        if field not in meta and field in _META_FIELDS:
+            return f'field "{field}" is missing'
+        if field in meta and not ok(meta[field]):
+            return f'field "{field}" must be {want} (it is {json.dumps(meta[field])[:40]})'
+    chars = meta.get("chars")
+    if meta["level"] == "char" and not (_strings(chars) and len(chars) == meta["vocab_size"]):
+        return 'field "chars" must list the character (a string) of each of the vocab_size ids'
+    return None
 
 
 def open_split(data_dir, split, meta=None):
@@ -739,7 +1039,7 @@ def check_tokens(data_dir, meta, splits):
     """UsageError unless every token id of these splits is below meta's vocab_size (a wrong dtype in
     meta.json, or a .bin from another dataset, shows up as ids out of range). The scan reads each file
     once, in chunks (bounded memory, seconds per GB); its result is cached in checked.json next to
-    the files, keyed by each file's size and modification time, so later runs skip it."""
+    the files, keyed by each file's _fingerprint, so later runs skip it."""
     d = Path(data_dir)
     want = "uint8" if meta["vocab_size"] <= 256 else "uint16"
     if meta["dtype"] != want:
@@ -754,8 +1054,7 @@ def check_tokens(data_dir, meta, splits):
     changed = False
     for split in splits:
         tokens, path = open_split(d, split, meta), d / f"{split}.bin"
-        stat = path.stat() if path.exists() else None
-        key = [stat.st_size, stat.st_mtime_ns] if stat else None
+        key = _fingerprint(path)
         entry = cache.get(split)
         if not (isinstance(entry, dict) and entry.get("file") == key and isinstance(entry.get("max_id"), int)):
             entry = dict(file=key, max_id=max((int(c.max()) for c in _chunks(tokens) if c.size), default=-1))
@@ -770,6 +1069,19 @@ def check_tokens(data_dir, meta, splits):
         except OSError:
             pass  # a read-only dataset folder: the check still ran, it is only not cached
     return cache
+
+
+def _fingerprint(path):
+    """What tells a file's content apart cheaply: its size, modification and change times, inode, and
+    a hash of its first and last 64 KiB. A copy made with cp -p or rsync -t keeps the size and the
+    modification time, but gets a new change time (which no tool can set) or inode; the hash also
+    catches a rewrite within the change time's tick."""
+    stat, h, part = path.stat(), hashlib.sha256(), 1 << 16
+    with open(path, "rb") as f:
+        h.update(f.read(part))
+        f.seek(max(part, stat.st_size - part))
+        h.update(f.read(part))
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, h.hexdigest()[:16]]
 
 
 def _bytes_to_unicode():
@@ -791,7 +1103,12 @@ def _gpt2_table(data_dir):
         raise UsageError(f"{path} is missing; prepare the folder again: "
                         f"{_command(Path(data_dir), 'fineweb_edu')}")
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
-    vocab = json.loads(path.read_text(encoding="utf-8"))
+    vocab = _read_object(path)
+    tokens_ok = vocab and all(type(i) is int and all(c in byte_of for c in t) for t, i in vocab.items())
+    if not (tokens_ok and EOT in vocab):
+        raise UsageError(f"{path} is not GPT-2's encoder.json (byte-level tokens and their ids, "
+                         f"{EOT} among them); prepare the folder again: "
+                         f"{_command(Path(data_dir), 'fineweb_edu')}")
     return {i: bytes(byte_of[c] for c in tok) for tok, i in vocab.items()}
 
 
@@ -808,11 +1125,11 @@ def decoder(meta, data_dir):
 def encoder(meta, data_dir):
     """text -> ids. Char level: UsageError names characters outside the vocabulary."""
     if meta["level"] == "gpt2":
+        table = _gpt2_table(data_dir)
         try:
             import tiktoken
         except ImportError:
             raise UsageError("encoding a GPT-2 prompt needs tiktoken: pip install tiktoken") from None
-        table = _gpt2_table(data_dir)
         special = {EOT: next(i for i, b in table.items() if b == EOT.encode())}
         enc = tiktoken.Encoding(name="gpt2-local", pat_str=GPT2_PATTERN, special_tokens=special,
                                 mergeable_ranks={b: i for i, b in table.items() if i != special[EOT]})
@@ -826,9 +1143,11 @@ def encoder(meta, data_dir):
         missing = sorted({c for p in pieces if p not in reserved for c in p if c not in index})
         replaced = [c for c in missing if c in meta.get("replaced", ())]
         if replaced:  # in the text, but rarer than --min_per_million when the folder was prepared
+            threshold = meta.get("options", {}).get("min_per_million")
+            threshold = f"{threshold:g}" if isinstance(threshold, (int, float)) else "it had"
             raise UsageError(f"characters not in the {meta['dataset']} vocabulary: {' '.join(map(repr, missing))}; "
                             f"{' '.join(map(repr, replaced))} became {REPLACEMENT!r} in the training data "
-                            f"(rarer than --min_per_million {meta['options']['min_per_million']:g}): remove them, "
+                            f"(rarer than --min_per_million {threshold}): remove them, "
                             f"or prepare the data again with a lower --min_per_million")
         if missing:
             raise UsageError(f"characters not in the {meta['dataset']} vocabulary: "
@@ -852,19 +1171,21 @@ def _parser():
     p.add_argument("name", help="dataset: " + ", ".join(DATASETS))
     p.add_argument("--out", help="output folder (default: data/NAME)")
     p.add_argument("--base_url", help="mirror holding the files by name (env: NANOROUTE_BASE_URL)")
-    p.add_argument("--retries", type=int, help="retries per download (default 5); backoff doubles from "
-                   "NANOROUTE_RETRY_BACKOFF seconds (default 1)")
+    p.add_argument("--retries", type=int, help="retries per download, 0 to 100 (default 5); the wait "
+                   "doubles from NANOROUTE_RETRY_BACKOFF seconds (default 1)")
     p.add_argument("--keep_downloads", action="store_true", default=None,
-                   help="keep raw downloads in OUT/downloads/ after preparing")
+                   help="keep raw downloads in OUT/downloads/ after preparing (a later run without it "
+                   "deletes them)")
     p.add_argument("--seed", type=int, help="demo: generator seed (default 1337)")
-    p.add_argument("--demo_mb", type=float, help="demo: corpus size in millions of characters (default 2)")
+    p.add_argument("--demo_mb", type=float, help="demo: corpus size in millions of characters, 0.001 to "
+                   "100 (default 2)")
     p.add_argument("--v1", action="store_true", default=None,
                    help="tinystories: the V1 files (GPT-3.5 and GPT-4 stories) instead of V2 (GPT-4)")
     p.add_argument("--min_per_million", type=float, help="tinystories: characters rarer than this many per "
                    "million characters of train become the replacement symbol (default 0.5: on the full V2 "
                    "train file ~1,100 occurrences; on a 2M-character file every character seen; 0 keeps all)")
     p.add_argument("--shards", type=int,
-                   help="fineweb_edu: 100M-token train shards to fetch (default 20, official max 99)")
+                   help="fineweb_edu: 100M-token train shards to fetch, 1 to 99 (default 20)")
     return p
 
 
@@ -878,8 +1199,6 @@ def main(argv=None):
         msg = "interrupted; re-run the same command to resume (finished downloads and splits are kept)"
     except UsageError as e:
         msg = str(e)
-    except requests.RequestException as e:  # before OSError, which it subclasses
-        msg = f"download failed: {e}; check the network and --base_url"
     except OSError as e:
         msg = os_error_line(e, "--out")
     print("error: " + " ".join(msg.split()), file=sys.stderr)

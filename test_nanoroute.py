@@ -14,6 +14,7 @@ import hashlib
 import http.server
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -1135,6 +1136,7 @@ _DATA_SCRIPT = str(Path(prepare_data.__file__).resolve())
 
 class _DataHandler(http.server.BaseHTTPRequestHandler):
     files, log, status, cut_once, ignore_range = {}, [], {}, set(), False  # replaced per server
+    wrong_range = False  # answer a Range request with 206 from byte 0 (another range than asked)
 
     def log_message(self, *args):
         pass
@@ -1147,7 +1149,7 @@ class _DataHandler(http.server.BaseHTTPRequestHandler):
             return
         data, start = self.files[name], 0
         if rng and not self.ignore_range:
-            start = int(rng.removeprefix("bytes=").split("-")[0])
+            start = 0 if self.wrong_range else int(rng.removeprefix("bytes=").split("-")[0])
             if start >= len(data):
                 self.send_response(416)
                 self.send_header("Content-Range", f"bytes */{len(data)}")
@@ -1231,6 +1233,19 @@ def _data_one_error_line(stderr):
 
 def _data_fast(**kw):
     return dict(retries=2, backoff=0.001, **kw)
+
+
+def _data_cut_text8(out, server, zipped):
+    """The folder a cut text8 download leaves: progress.json records the download, and
+    downloads/text8.zip.part holds its first half. Returns the .part file."""
+    server.files["text8.zip"] = zipped
+    server.cut_once.add("text8.zip")
+    with pytest.raises(prepare_data.UsageError, match="failed after 1 tries"):
+        prepare_data.prepare("text8", out, base_url=server.url, retries=0, backoff=0.001)
+    server.log.clear()
+    part = out / "downloads" / "text8.zip.part"
+    assert 0 < part.stat().st_size < len(zipped)
+    return part
 
 
 # -----------------------------------------------------------------------------
@@ -1329,9 +1344,8 @@ def test_data_cut_download_resumes_with_range(tmp_path, _data_server):
 def test_data_server_ignoring_range_restarts_from_zero(tmp_path, _data_server):
     text, zipped = _data_text8()
     _data_server.files["text8.zip"] = zipped
+    _data_cut_text8(tmp_path / "t8", _data_server, zipped).write_bytes(b"junk" * 50)
     _data_server.ignore_range = True
-    (tmp_path / "t8" / "downloads").mkdir(parents=True)
-    (tmp_path / "t8" / "downloads" / "text8.zip.part").write_bytes(b"junk" * 50)
     out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, keep_downloads=True,
                                **_data_fast())
     assert _data_server.log[0][1] == "bytes=200-"  # it did ask to resume; the server sent it all
@@ -1341,9 +1355,8 @@ def test_data_server_ignoring_range_restarts_from_zero(tmp_path, _data_server):
 
 def test_data_whole_part_file_is_finished_not_refetched(tmp_path, _data_server):
     text, zipped = _data_text8()
-    _data_server.files["text8.zip"] = zipped
-    (tmp_path / "t8" / "downloads").mkdir(parents=True)  # killed after the last byte, before the rename
-    (tmp_path / "t8" / "downloads" / "text8.zip.part").write_bytes(zipped)
+    # killed after the last byte, before the rename
+    _data_cut_text8(tmp_path / "t8", _data_server, zipped).write_bytes(zipped)
     out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
     assert _data_server.log == [("text8.zip", f"bytes={len(zipped)}-")]  # answered 416: nothing left
     _data_check_text8(out, text, _data_server.url)
@@ -1404,30 +1417,54 @@ def test_data_full_disk_and_ctrl_c_leave_nothing_complete(tmp_path, _data_server
     shutil.rmtree(out)
 
     def ctrl_c(f, data):  # Ctrl-C once the first 1000 bytes of the download have landed
-        real(f, data[:1000])
-        raise KeyboardInterrupt
+        real(f, data[:1000] if f.name.endswith(".part") else data)
+        if f.name.endswith(".part"):
+            raise KeyboardInterrupt
     monkeypatch.setattr(prepare_data, "_write", ctrl_c)
     assert prepare_data.main(args) == 2
     assert "interrupted" in _data_one_error_line(capsys.readouterr().err)
-    assert [p.name for p in out.rglob("*") if p.is_file()] == ["text8.zip.part"]
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["progress.json", "text8.zip.part"]
     monkeypatch.undo()
     assert prepare_data.main(args) == 0
     assert any(r == "bytes=1000-" for _, r in _data_server.log)
     _data_check_text8(out, text, _data_server.url)
 
 
-# issue 12: a run killed right after meta.json leaves nothing behind for good; writes reach the disk
-def test_data_leftovers_of_a_run_killed_after_meta_json_are_cleaned(tmp_path, capsys):
-    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.01)
-    (out / "downloads").mkdir()
-    (out / "downloads" / "big.zip").write_bytes(b"x" * 1000)
-    (out / "progress.json").write_text("{}")  # what the killed run had not deleted yet
-    prepare_data.prepare("demo", out, demo_mb=0.01, keep_downloads=True)
+# issue 12: a run killed right after meta.json leaves nothing behind for good; issue 21: clean-up
+# deletes only the downloads the records (progress.json, meta.json) name, never a file it did not make
+def test_data_leftovers_of_a_run_killed_after_meta_json_are_cleaned(tmp_path, _data_server, monkeypatch, capsys):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    out, real = tmp_path / "t8", prepare_data.write_json
+
+    def killed_after_meta_json(path, obj):
+        real(path, obj)
+        if path.name == "meta.json":
+            raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_data, "write_json", killed_after_meta_json)
+    for keep in (False, True):
+        with pytest.raises(KeyboardInterrupt):
+            prepare_data.prepare("text8", out, base_url=_data_server.url, keep_downloads=keep, **_data_fast())
+        left = sorted(p.name for p in out.rglob("*"))
+        assert left == sorted(["meta.json", "progress.json", "test.bin", "train.bin", "val.bin",
+                               *(["downloads", "text8.zip"] if keep else [])])
+        monkeypatch.setattr(prepare_data, "write_json", real)
+        if not keep:
+            prepare_data.prepare("text8", out, base_url=_data_server.url, **_data_fast())
+            assert "already prepared" in capsys.readouterr().out
+            assert sorted(p.name for p in out.iterdir()) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+            shutil.rmtree(out)
+            monkeypatch.setattr(prepare_data, "write_json", killed_after_meta_json)
+    (out / "downloads" / "notes.txt").write_text("the user's")  # not the project's: never deleted
+    prepare_data.prepare("text8", out, keep_downloads=True, **_data_fast())
     assert "already prepared" in capsys.readouterr().out
-    assert not (out / "progress.json").exists() and (out / "downloads" / "big.zip").exists()
-    prepare_data.prepare("demo", out, demo_mb=0.01)
-    assert not (out / "downloads").exists() and sorted(p.name for p in out.iterdir()) == [
-        "meta.json", "test.bin", "train.bin", "val.bin"]
+    assert not (out / "progress.json").exists() and (out / "downloads" / "text8.zip").read_bytes() == zipped
+    prepare_data.prepare("text8", out, **_data_fast())  # without --keep_downloads: the kept ones go
+    assert "deleted the downloads kept" in capsys.readouterr().out
+    assert sorted(p.name for p in out.rglob("*")) == ["downloads", "meta.json", "notes.txt", "test.bin",
+                                                        "train.bin", "val.bin"]
+    assert "made" not in prepare_data.load_meta(out)
+    _data_check_text8(out, text, _data_server.url)
 
 
 def test_writes_that_matter_fsync_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
@@ -1438,7 +1475,7 @@ def test_writes_that_matter_fsync_the_file_before_the_rename_and_the_folder_afte
         real_fsync(fd)
 
     def replace(src, dst):
-        events.append(("replace", str(dst)))
+        events.append(("replace", str(src), str(dst)))
         real_replace(src, dst)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
@@ -1448,8 +1485,10 @@ def test_writes_that_matter_fsync_the_file_before_the_rename_and_the_folder_afte
     written = [out / "train.bin", out / "val.bin", out / "test.bin", out / "meta.json", tmp_path / "last.pt",
                tmp_path / "summary.json"]
     for path in written:
-        i = events.index(("replace", str(path)))
-        assert events[i - 1] == ("fsync", f"{path}.tmp") and events[i + 1] == ("fsync", str(path.parent)), path
+        i = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(path))
+        tmp = Path(events[i][1])  # a fresh name next to path
+        assert tmp.parent == path.parent and tmp.name.endswith(f".{path.name}.tmp") and not tmp.exists()
+        assert events[i - 1] == ("fsync", str(tmp)) and events[i + 1] == ("fsync", str(path.parent)), path
 
 
 # a file from a pinned official URL whose size or sha256 is not the pinned one is rejected
@@ -1488,7 +1527,7 @@ def test_data_ctrl_c_during_verification_leaves_nothing_a_rerun_trusts(tmp_path,
     monkeypatch.setattr(prepare_data.hashlib, "sha256", Interrupted)
     assert prepare_data.main(args) == 2
     assert "interrupted" in _data_one_error_line(capsys.readouterr().err)
-    assert [p.name for p in out.rglob("*") if p.is_file()] == ["text8.zip.part"]
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["progress.json", "text8.zip.part"]
     monkeypatch.setattr(prepare_data.hashlib, "sha256", sha256)
     assert prepare_data.main(args) == 2
     assert "sha256 differs" in _data_one_error_line(capsys.readouterr().err)
@@ -1667,6 +1706,521 @@ def test_data_cli_base_url_env_and_help(tmp_path, _data_server):
     r = _data_cli("--help")
     assert r.returncode == 0 and all(name in r.stdout for name in prepare_data.DATASETS)
     assert "NANOROUTE_BASE_URL" in r.stdout and "huggingface.co" in r.stdout
+
+
+# -----------------------------------------------------------------------------
+# download edges (issue 22): a longer partial file, another range, a truncated split, chunk boundaries
+
+def test_data_partial_file_longer_than_the_remote_one_restarts(tmp_path, _data_server):
+    text, zipped = _data_text8()
+    _data_cut_text8(tmp_path / "t8", _data_server, zipped).write_bytes(zipped + b"stale tail")
+    out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
+    assert _data_server.log == [("text8.zip", f"bytes={len(zipped) + 10}-"), ("text8.zip", None)]  # 416, then all
+    _data_check_text8(out, text, _data_server.url)
+
+
+def test_data_server_answering_another_range_restarts(tmp_path, _data_server, capsys):
+    text, zipped = _data_text8()
+    have = _data_cut_text8(tmp_path / "t8", _data_server, zipped).stat().st_size
+    _data_server.wrong_range = True  # 206, but from byte 0: appending it would corrupt the file
+    out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
+    assert _data_server.log == [("text8.zip", f"bytes={have}-"), ("text8.zip", None)]
+    assert "another range than asked" in capsys.readouterr().out  # the retry line says why
+    _data_check_text8(out, text, _data_server.url)
+
+
+# issue 22: a resumed run must not count a split as done when its file was truncated (or grew)
+@pytest.mark.parametrize("damage", ["truncated", "longer"])
+def test_data_resume_redoes_a_damaged_finished_split(tmp_path, _data_server, monkeypatch, damage):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    out, real = tmp_path / "t8", prepare_data.write_json
+
+    def crash(path, obj):  # every split is done, meta.json is not written
+        if path.name == "meta.json":
+            raise OSError(errno.EIO, "I/O error")
+        real(path, obj)
+    monkeypatch.setattr(prepare_data, "write_json", crash)
+    with pytest.raises(OSError):
+        prepare_data.prepare("text8", out, base_url=_data_server.url, **_data_fast())
+    monkeypatch.setattr(prepare_data, "write_json", real)
+    stamps = {s: (out / f"{s}.bin").stat().st_mtime_ns for s in ("val", "test")}
+    with open(out / "train.bin", "r+b") as f:
+        f.truncate(f.seek(0, 2) + (-7 if damage == "truncated" else 7))
+    prepare_data.prepare("text8", out, base_url=_data_server.url, **_data_fast())
+    _data_check_text8(out, text, _data_server.url)  # train.bin made again, whole
+    assert {s: (out / f"{s}.bin").stat().st_mtime_ns for s in ("val", "test")} == stamps  # the others kept
+
+
+# the end-of-text marker is one symbol wherever a chunk boundary falls inside it (tinystories reads in CHUNKs)
+def test_data_chunk_boundary_inside_the_end_of_text_marker(tmp_path, monkeypatch):
+    eot = prepare_data.EOT
+    text = "ab" + eot + "cd" + eot + "e<|f|>"  # '<' and '|' also appear outside the marker
+    path = tmp_path / "train.txt"
+    path.write_text(text, encoding="utf-8")
+    chars = sorted(set(text.replace(eot, ""))) + [eot, "\ufffd"]
+    lut = prepare_data._char_lut(chars, len(chars) - 1)
+    want = [chars.index(c) for c in "ab"] + [len(chars) - 2] + [chars.index(c) for c in "cd"] + \
+        [len(chars) - 2] + [chars.index(c) for c in "e<|f|>"]
+    for cut in range(1, len(eot)):  # the first boundary falls `cut` characters into the first marker
+        monkeypatch.setattr(prepare_data, "CHUNK", 2 + cut)
+        pieces = list(prepare_data._read_chunks(path))
+        assert "".join(pieces) == text and sum(p.count(eot) for p in pieces) == text.count(eot), cut
+        ids = np.concatenate(list(prepare_data._encode_stream(path, lut, len(chars) - 2)))
+        assert ids.tolist() == want, cut
+
+
+def test_data_fineweb_cut_found_across_chunks(tmp_path, _data_server, monkeypatch):
+    files, _, train = _data_fineweb_files()
+    val = [50256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 50256, 12, 13, 14]  # middle 8, first EOT after it: 12
+    files["finewebedu_val_000000.bin"] = _data_shard(val)
+    _data_server.files.update(files)
+    monkeypatch.setattr(prepare_data, "CHUNK", 3)  # the search reads [8:11], then [11:14]
+    out = prepare_data.prepare("fineweb_edu", tmp_path / "fw", base_url=_data_server.url, shards=2,
+                               **_data_fast())
+    assert prepare_data.open_split(out, "val").tolist() == val[:12]
+    assert prepare_data.open_split(out, "test").tolist() == val[12:]
+    assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]  # shards read in chunks
+
+
+# -----------------------------------------------------------------------------
+# only what the project made is deleted or overwritten (issue 21)
+
+def _data_foreign(folder):
+    """A user's folder: files the project did not make, named like the ones it writes."""
+    files = {"train.bin": b"my tokens", "progress.json": b'{"mine": 1}', "downloads/photo.jpg": b"jpeg",
+             "notes.txt": b"notes"}
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    return files
+
+
+def _data_unchanged(folder, files):
+    assert {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()} == files
+
+
+@pytest.mark.parametrize("contents", ["user files", "downloads only", "another dataset"])
+def test_data_a_folder_the_project_did_not_make_is_never_prepared_into(tmp_path, _data_server, capsys, contents):
+    _, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    out = tmp_path / "x"
+    if contents == "another dataset":
+        prepare_data.prepare("demo", out, demo_mb=0.01)
+    else:
+        _data_foreign(out)
+        if contents == "downloads only":
+            for name in ("train.bin", "progress.json", "notes.txt"):
+                (out / name).unlink()
+    files = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for name in ("text8",) if contents == "another dataset" else ("demo", "text8"):
+        args = [name, "--out", str(out), "--base_url", _data_server.url, "--retries", "0"]
+        assert prepare_data.main(args if name == "text8" else args[:3] + ["--demo_mb", "0.01"]) == 2, name
+        line = _data_one_error_line(capsys.readouterr().err)
+        want = "holds the demo dataset" if contents == "another dataset" else "not empty and holds no dataset"
+        assert want in line and str(out) in line, line
+        _data_unchanged(out, files)
+    assert _data_server.log == []
+
+
+# train.py prepares a missing demo itself (prepare_data.prepare("demo", DIR)): never into someone's folder
+def test_train_does_not_prepare_the_demo_into_a_foreign_folder(tmp_path, capsys):
+    folder = tmp_path / "X" / "demo"
+    files = _data_foreign(folder)
+    code, _, err = _train_main(train, ["--data", folder, "--out_dir", tmp_path / "run", *_TRAIN_TINY,
+                                       "--max_iters", 1], capsys)
+    assert code == 2 and "not empty and holds no dataset" in _data_one_error_line(err)
+    _data_unchanged(folder, files)
+
+
+@pytest.mark.parametrize("case", ["success", "failure"])
+def test_data_clean_up_deletes_only_recorded_downloads(tmp_path, _data_server, capsys, case):
+    """A user's files inside a folder the project made survive its clean-up after a finished run and
+    after a failed one; the recorded download and its folder go (the folder only when emptied)."""
+    text, zipped = _data_text8()
+    out = tmp_path / "t8"
+    _data_cut_text8(out, _data_server, zipped)
+    mine = {"downloads/photo.jpg": b"jpeg", "notes.txt": b"notes"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    if case == "failure":
+        _data_server.files["text8.zip"] = b"not a zip"  # the resumed download fails its check
+        _data_server.ignore_range = True
+    rc = prepare_data.main(["text8", "--out", str(out), "--base_url", _data_server.url, "--retries", "0"])
+    assert rc == (0 if case == "success" else 2), capsys.readouterr().err
+    left = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    assert set(mine) <= left and "downloads/text8.zip" not in left and "downloads/text8.zip.part" not in left
+    if case == "success":
+        _data_check_text8(out, text, _data_server.url)
+
+
+def test_data_a_download_the_records_do_not_name_is_not_used_or_deleted(tmp_path, _data_server, capsys):
+    _, zipped = _data_text8()
+    out = tmp_path / "t8"
+    _data_cut_text8(out, _data_server, zipped)
+    progress = json.loads((out / "progress.json").read_text())
+    progress["made"] = []  # as if the download under its name were someone else's
+    (out / "progress.json").write_text(json.dumps(progress))
+    files = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    del files["progress.json"]
+    assert prepare_data.main(["text8", "--out", str(out), "--base_url", _data_server.url]) == 2
+    assert "was not downloaded by prepare_data.py" in _data_one_error_line(capsys.readouterr().err)
+    assert json.loads((out / "progress.json").read_text()) == progress  # still recording none of them
+    (out / "progress.json").unlink()
+    _data_unchanged(out, files)
+    assert _data_server.log == []
+
+
+def test_data_records_name_nothing_outside_downloads(tmp_path, _data_server):
+    """A forged "made" record cannot make clean-up delete anything but a download in downloads/."""
+    text, zipped = _data_text8()
+    out = tmp_path / "t8"
+    _data_cut_text8(out, _data_server, zipped)
+    progress = json.loads((out / "progress.json").read_text())
+    forged = ["../outside.txt", "notes.txt", "downloads/../notes.txt", "downloads/.hidden", "/etc/hostname"]
+    progress["made"] += forged
+    (out / "progress.json").write_text(json.dumps(progress))
+    for path in (tmp_path / "outside.txt", out / "notes.txt", out / "downloads" / ".hidden"):
+        path.write_text("keep")
+    prepare_data.prepare("text8", out, base_url=_data_server.url, **_data_fast())
+    _data_check_text8(out, text, _data_server.url)
+    assert all(p.read_text() == "keep" for p in (tmp_path / "outside.txt", out / "notes.txt",
+                                                  out / "downloads" / ".hidden"))
+    assert not (out / "downloads" / "text8.zip").exists()
+
+
+def test_data_a_downloads_folder_that_is_a_link_is_refused(tmp_path, _data_server, capsys):
+    _, zipped = _data_text8()
+    out = tmp_path / "t8"
+    _data_cut_text8(out, _data_server, zipped)
+    (out / "downloads").rename(tmp_path / "elsewhere")
+    (out / "downloads").symlink_to(tmp_path / "elsewhere")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "elsewhere").iterdir()}
+    assert prepare_data.main(["text8", "--out", str(out), "--base_url", _data_server.url]) == 2
+    assert "downloads is a symbolic link" in _data_one_error_line(capsys.readouterr().err)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "elsewhere").iterdir()} == before
+    assert _data_server.log == []
+
+
+def test_data_progress_json_of_the_wrong_types_starts_over(tmp_path, _data_server):
+    train = "Once upon a time.<|endoftext|>Tom ran.<|endoftext|>"
+    _data_server.files.update({"TinyStoriesV2-GPT4-train.txt": train.encode(),
+                               "TinyStoriesV2-GPT4-valid.txt": b"Tom ran.<|endoftext|>"})
+    out = tmp_path / "ts"
+    out.mkdir()
+    options = dict(v1=False, min_per_million=0.5)
+    (out / "progress.json").write_text(json.dumps(dict(dataset="tinystories", options=options, made=[],
+                                                       splits={}, chars=5, replaced=[], replaced_share=0.0)))
+    prepare_data.prepare("tinystories", out, base_url=_data_server.url, **_data_fast())
+    meta = prepare_data.load_meta(out)
+    assert meta["chars"] == sorted(set(train.replace("<|endoftext|>", ""))) + ["<|endoftext|>", "\ufffd"]
+    assert prepare_data.decoder(meta, out)(prepare_data.open_split(out, "val")) == "Tom ran.<|endoftext|>"
+
+
+def test_data_a_failed_first_download_leaves_no_folder_and_says_each_retry(tmp_path, monkeypatch, capsys):
+    """issue 24: no network: a line per retry (what failed, the wait, --base_url), a last line naming
+    --base_url, and no empty data/NAME/downloads/, data/NAME/ or data/ left behind."""
+    with socket.socket() as s:  # a port nobody listens on: like having no network
+        s.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "0.001")
+    monkeypatch.setattr(prepare_data, "TEXT8_URL", refused + "/text8.zip")  # plays the official site
+    (tmp_path / "empty").mkdir()
+    for args, hint in ((["text8", "--retries", "2"], "from a mirror with --base_url URL"),
+                       (["text8", "--base_url", refused + "/mirror", "--retries", "2", "--out", "empty"],
+                        "the mirror given by --base_url")):
+        assert prepare_data.main(args) == 2
+        out, err = capsys.readouterr()
+        retries = [line for line in out.splitlines() if line.startswith("text8.zip: ConnectionError")]
+        assert len(retries) == 2 and all(hint in line for line in retries), out
+        assert "try 2 of 3 in 0.001 s" in retries[0] and "try 3 of 3 in 0.002 s" in retries[1]
+        line = _data_one_error_line(err)
+        assert "failed after 3 tries" in line and hint in line and "re-run" in line
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["empty"]  # no data/; the user's folder stays
+
+
+def test_data_two_runs_preparing_one_folder_take_turns(tmp_path, capsys):
+    """The train.py runs of a sweep may all prepare the demo at once: the second waits for the first
+    (a lock on the folder), then finds it prepared, instead of deleting its files under it."""
+    import fcntl
+    out = tmp_path / "demo"
+    out.mkdir()
+    held = os.open(out, os.O_RDONLY)  # another run holds the folder
+    fcntl.flock(held, fcntl.LOCK_EX)
+    runs = concurrent.futures.ThreadPoolExecutor(1)
+    second = runs.submit(prepare_data.prepare, "demo", out, demo_mb=0.01)
+    printed = ""
+    for _ in range(3000):  # until it says it waits, or it finishes without waiting
+        printed += capsys.readouterr().out
+        if "waiting for another run" in printed or second.done():
+            break
+        time.sleep(0.01)
+    assert "waiting for another run preparing" in printed and not second.done()
+    prepare_data.prepare("demo", tmp_path / "first", demo_mb=0.01)  # what the other run writes
+    for name in ("train.bin", "val.bin", "test.bin", "meta.json"):
+        shutil.copy(tmp_path / "first" / name, out / name)
+    os.close(held)
+    second.result(timeout=120)
+    runs.shutdown()
+    assert "is already prepared" in capsys.readouterr().out
+
+
+def test_data_a_leftover_temporary_file_does_not_make_a_folder_foreign(tmp_path):
+    """A run killed inside its first write leaves only a temporary file: the folder is still taken."""
+    (tmp_path / "d").mkdir()
+    leftover = tmp_path / "d" / "tmp0a1b2c3d.progress.json.tmp"
+    leftover.write_bytes(b'{"dataset": "de')
+    out = prepare_data.prepare("demo", tmp_path / "d", demo_mb=0.01)
+    assert prepare_data.load_meta(out)["dataset"] == "demo" and leftover.read_bytes() == b'{"dataset": "de'
+
+
+# -----------------------------------------------------------------------------
+# no write follows a link (issue 21): for every kind of file prepare_data writes
+
+@pytest.fixture
+def _data_victim(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    yield victim
+    assert victim.read_bytes() == b"precious"  # whatever the test did, the link's target is untouched
+
+
+def _data_plant(victim, folder, names):
+    for name in names:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).unlink(missing_ok=True)
+        (folder / name).symlink_to(victim)
+
+
+def _data_predictable_temp_names(monkeypatch):
+    """The random part of write_atomic's temporary names cycles through 00000000, 00000001, 00000002:
+    with links planted at the first two, every write meets two taken names before a free one."""
+    real, counter = os.urandom, itertools.cycle(range(3))
+    monkeypatch.setattr(prepare_data.os, "urandom", lambda n: next(counter).to_bytes(4, "big") if n == 4 else real(n))
+
+
+def _data_taken_temp_names(names):
+    return [f"tmp{i:08x}.{n}.tmp" for i in range(2) for n in names] + [n + ".tmp" for n in names]  # and the old ones
+
+
+@pytest.mark.parametrize("where", ["splits and temporary names", "meta.json", "progress.json"])
+def test_data_planted_links_at_every_name_a_dataset_is_written_to(tmp_path, monkeypatch, capsys, _data_victim,
+                                                                   where):
+    """Links at the temporary names are skipped, a link at a final name is replaced by a real file, and
+    a link where the records should be (progress.json) stops the run with one line."""
+    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.01)
+    written = ["train.bin", "val.bin", "test.bin", "meta.json", "progress.json"]
+    _data_predictable_temp_names(monkeypatch)
+    if where == "splits and temporary names":
+        links = written[:3] + _data_taken_temp_names(written)
+    else:
+        links = [where]
+    if where == "meta.json":  # an unfinished folder: progress.json is the record
+        (out / "progress.json").write_text(json.dumps(dict(dataset="demo", options={}, splits={}, made=[])))
+    _data_plant(_data_victim, out, links)
+    rc = prepare_data.main(["demo", "--out", str(out), "--demo_mb", "0.02"])  # other options: written again
+    if where == "progress.json":
+        assert rc == 2 and "progress.json was not written by prepare_data.py" in _data_one_error_line(
+            capsys.readouterr().err)
+        assert (out / "progress.json").is_symlink()
+        return
+    assert rc == 0, capsys.readouterr().err
+    assert prepare_data.load_meta(out)["options"]["demo_mb"] == 0.02
+    for name in written[:4]:
+        assert (out / name).is_file() and not (out / name).is_symlink(), name  # a real file replaced the link
+    assert all((out / n).is_symlink() for n in links if n not in written)  # taken: skipped, not followed
+    assert len(prepare_data.open_split(out, "train")) > 10000
+
+
+def test_data_planted_link_at_checked_json(tmp_path, monkeypatch, _data_victim):
+    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.01)
+    _data_predictable_temp_names(monkeypatch)
+    _data_plant(_data_victim, out, ["checked.json"] + _data_taken_temp_names(["checked.json"]))
+    meta = prepare_data.load_meta(out)
+    cache = prepare_data.check_tokens(out, meta, meta["splits"])
+    assert not (out / "checked.json").is_symlink() and json.loads((out / "checked.json").read_text()) == cache
+
+
+@pytest.mark.parametrize("where", ["part", "download", "encoder.json"])
+def test_data_planted_links_at_download_names(tmp_path, _data_server, capsys, _data_victim, where):
+    """A link at NAME.part stops the run with one line; a link at a download's final name is not a
+    download (it fails its check): it is replaced by the real file, its target untouched."""
+    files, _, train = _data_fineweb_files()
+    _data_server.files.update(files)
+    out = tmp_path / "fw"
+    _data_server.status["finewebedu_train_000002.bin"] = 404  # a first run stops after shard 1
+    args = ["fineweb_edu", "--shards", "2", "--out", str(out), "--base_url", _data_server.url, "--retries", "0"]
+    assert prepare_data.main(args) == 2
+    assert "HTTP 404" in _data_one_error_line(capsys.readouterr().err)
+    del _data_server.status["finewebedu_train_000002.bin"]
+    assert "downloads/finewebedu_train_000002.bin" in json.loads((out / "progress.json").read_text())["made"]
+    name = {"part": "downloads/finewebedu_train_000002.bin.part", "download": "downloads/finewebedu_train_000001.bin",
+            "encoder.json": "encoder.json"}[where]
+    _data_plant(_data_victim, out, [name])
+    rc = prepare_data.main(args)
+    if where == "part":
+        assert rc == 2 and "is a symbolic link" in _data_one_error_line(capsys.readouterr().err)
+        assert (out / name).is_symlink()
+        (out / name).unlink()
+        assert prepare_data.main(args) == 0
+    else:
+        assert rc == 0 and "is damaged" in capsys.readouterr().out
+        assert not (out / name).is_symlink()
+    assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_write_atomic_makes_an_ordinary_file_and_leaves_no_temporary_file(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        prepare_data.write_atomic(tmp_path / "a.json", lambda f: f.write(b"{}"))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+    def fails(f):
+        f.write(b"half")
+        raise ValueError("the writer failed")
+    with pytest.raises(ValueError, match="the writer failed"):
+        prepare_data.write_atomic(tmp_path / "a.json", fails)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"] and (tmp_path / "a.json").read_bytes() == b"{}"
+
+
+# -----------------------------------------------------------------------------
+# every input checked where it enters (issue 21): one line, exit 2, nothing written
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["demo", "--demo_mb", "nan"], {}, "--demo_mb nan: must be a number from 0.001 to 100"),
+    (["demo", "--demo_mb", "inf"], {}, "--demo_mb inf: must be a number"),
+    (["demo", "--demo_mb", "1e9"], {}, "--demo_mb 1000000000.0: must be a number from 0.001 to 100"),
+    (["demo", "--demo_mb", "0"], {}, "--demo_mb 0.0: must be"),
+    (["demo", "--seed", "-1"], {}, "--seed -1: must be an integer from 0"),
+    (["text8", "--retries", "-1"], {}, "--retries -1: must be an integer from 0 to 100"),
+    (["text8", "--retries", "1000000"], {}, "--retries 1000000: must be an integer from 0 to 100"),
+    (["fineweb_edu", "--shards", "0"], {}, "--shards 0: must be an integer from 1 to 99"),
+    (["fineweb_edu", "--shards", "100"], {}, "--shards 100: must be an integer from 1 to 99"),
+    (["tinystories", "--min_per_million", "nan"], {}, "--min_per_million nan: must be a number"),
+    (["tinystories", "--min_per_million", "-1"], {}, "--min_per_million -1.0: must be a number from 0"),
+    (["text8"], {"NANOROUTE_RETRY_BACKOFF": "abc"}, "NANOROUTE_RETRY_BACKOFF=abc: must be a number of seconds"),
+    (["text8"], {"NANOROUTE_RETRY_BACKOFF": "-1"}, "NANOROUTE_RETRY_BACKOFF=-1: must be a number of seconds"),
+    (["text8"], {"NANOROUTE_RETRY_BACKOFF": "nan"}, "NANOROUTE_RETRY_BACKOFF=nan: must be"),
+    (["text8"], {"NANOROUTE_RETRY_BACKOFF": "inf"}, "NANOROUTE_RETRY_BACKOFF=inf: must be"),
+    (["text8"], {"NANOROUTE_BASE_URL": "ftp://mirror"}, "must start with http:// or https://"),
+])
+def test_data_bad_numbers_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, argv, env,
+                                                                  message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(prepare_data, "writable_folder", _data_tripwire)  # a value let through stops here
+    assert prepare_data.main(argv + ["--out", str(tmp_path / "d")]) == 2
+    assert message in _data_one_error_line(capsys.readouterr().err)
+
+
+def _data_tripwire(*args):
+    raise AssertionError("a bad value was let through: preparing would start now (--demo_mb inf never ends)")
+
+
+@pytest.mark.parametrize("option", [dict(demo_mb="2"), dict(seed=1.5), dict(seed=True), dict(demo_mb=10 ** 400),
+                                    dict(keep_downloads="yes"), dict(retries=2.0)])
+def test_data_api_options_of_the_wrong_type_are_refused(tmp_path, monkeypatch, option):
+    monkeypatch.setattr(prepare_data, "writable_folder", _data_tripwire)
+    with pytest.raises(prepare_data.UsageError, match=f"--{next(iter(option))}"):
+        prepare_data.prepare("demo", tmp_path / "d", **option)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("vocab_size", "53", 'field "vocab_size" must be an integer'), ("vocab_size", True, '"vocab_size"'),
+    ("vocab_size", 70000, '"vocab_size" must be an integer from 1 to 65536'),
+    ("splits", [1, 2], 'field "splits" must be the token count of each split'),
+    ("splits", {"train": -5}, '"splits"'), ("splits", {"train": "9"}, '"splits"'),
+    ("splits", {"other": 9}, '"splits"'), ("chars", "ids", 'field "chars" must list'),
+    ("dtype", 8, 'field "dtype" must be "uint8" or "uint16"'), ("level", ["char"], 'field "level"'),
+    ("format_version", "1", 'field "format_version" must be 1'), ("format_version", True, '"format_version"'),
+    ("dataset", 5, 'field "dataset" must be a dataset name'), ("options", [1], 'field "options"'),
+    ("replaced", 5, 'field "replaced"'), ("source", None, 'field "source"'), ("made", "downloads", '"made"'),
+    (None, None, "it holds a JSON list, not an object"), ("splits", "delete", 'field "splits" is missing'),
+])
+def test_data_meta_json_of_the_wrong_types_is_one_line_naming_the_field(tmp_path, field, value, words):
+    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.01)
+    meta = json.loads((out / "meta.json").read_text())
+    if field is None:
+        meta = [meta]
+    elif value == "delete":
+        del meta[field]
+    elif value == "ids":  # integers, as many as vocab_size says
+        meta[field] = list(range(meta["vocab_size"]))
+    else:
+        meta[field] = value
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(prepare_data.UsageError) as e:
+        prepare_data.load_meta(out)
+    assert str(out / "meta.json") in str(e.value) and words in str(e.value)
+    ours = field not in (None, "dataset")  # the records still name the demo: prepare() takes the folder back
+    fix = "prepare it again: " if ours else f"if {out} holds nothing else of value, delete it and run: "
+    assert fix + f"python prepare_data.py demo --out {out}" in str(e.value)
+    if not ours:
+        shutil.rmtree(out)
+    prepare_data.prepare("demo", out, demo_mb=0.01)  # the command it names repairs the folder
+    assert prepare_data.load_meta(out)["vocab_size"] == len(prepare_data.load_meta(out)["chars"])
+
+
+def test_data_damaged_encoder_json_is_one_line(tmp_path):
+    meta = dict(level="gpt2", vocab_size=prepare_data.GPT2_VOCAB)
+    eot = '"<|endoftext|>": 50256'
+    for damage in (b"\xff\xfe not json", b"[1, 2]", b'{"a": 1}', '{%s, "a": "1"}' % eot,  # no EOT; an id a string
+                   '{%s, "\\u0100\\u3042": 5}' % eot):  # a character that is no byte of GPT-2's table
+        (tmp_path / "encoder.json").write_bytes(damage if isinstance(damage, bytes) else damage.encode())
+        with pytest.raises(prepare_data.UsageError, match="is not GPT-2's encoder.json"):
+            prepare_data.decoder(meta, tmp_path)
+        with pytest.raises(prepare_data.UsageError, match="is not GPT-2's encoder.json"):
+            prepare_data.encoder(meta, tmp_path)  # sample.py's prompt (with or without tiktoken)
+
+
+# checked.json: a train.bin replaced by another file with the same size and modification time (cp -p,
+# rsync -t) is scanned again, not trusted
+@pytest.mark.parametrize("how", ["in place, like cp -p", "a new file renamed over it, like rsync -t"])
+def test_data_check_cache_is_not_fooled_by_an_equal_size_and_mtime(tmp_path, how):
+    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.2)
+    meta = prepare_data.load_meta(out)
+    assert prepare_data.check_tokens(out, meta, meta["splits"])["train"]["max_id"] < meta["vocab_size"]
+    path = out / "train.bin"
+    stat, raw = path.stat(), bytearray(path.read_bytes())
+    if how.startswith("in place"):
+        raw[10] = meta["vocab_size"]  # an id out of range, where the cheap hash reads
+        path.write_bytes(bytes(raw))
+    else:
+        assert 65536 < len(raw) // 2 < len(raw) - 65536  # between the hashed head and tail
+        raw[len(raw) // 2] = meta["vocab_size"]  # so only the inode (and change time) tell the files apart
+        (out / "copy").write_bytes(bytes(raw))
+        os.replace(out / "copy", path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the same size and mtime as when cached
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    with pytest.raises(prepare_data.UsageError, match=f"holds token id {meta['vocab_size']}"):
+        prepare_data.check_tokens(out, meta, meta["splits"])
+
+
+# issue 20: training and sampling import only torch and numpy; requests, urllib3 and tqdm only download
+def test_training_and_sampling_import_without_the_download_packages(tmp_path):
+    code = f"""
+import sys
+BLOCKED = ("requests", "urllib3", "tqdm")
+sys.modules.update(dict.fromkeys(BLOCKED))  # as if not installed: import raises ImportError
+sys.path.insert(0, {str(Path(train.__file__).parent)!r})
+import train, sample, prepare_data
+try:
+    train.main(["--data", {str(tmp_path / "demo")!r}, "--out_dir", {str(tmp_path / "run")!r},
+                *{_TRAIN_TINY!r}, "--max_iters", "1"])
+except SystemExit as e:
+    assert not e.code, e.code
+assert prepare_data.load_meta({str(tmp_path / "demo")!r})["dataset"] == "demo"
+print("loaded:", sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED and sys.modules[m]))
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=300)
+    assert r.returncode == 0 and "loaded: []" in r.stdout, r.stderr[-3000:]
+    assert (tmp_path / "run" / "last.pt").exists()
 
 
 # -----------------------------------------------------------------------------
