@@ -3883,7 +3883,8 @@ def test_exp_real_sweep_through_train_py(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     for i, name in enumerate(("prenorm_L2_s0", "rd_L2_s0"), 1):
         mine = [line.split(": ", 1)[1] for line in lines if line.startswith(f"[{i}/2] {tmp_path / 'runs' / name}: ")]
-        assert mine[0] == "started" and mine[-1].startswith("done in ") and len(mine) == 5, lines
+        started = "started" + " OMP_NUM_THREADS=1" * ("OMP_NUM_THREADS" not in os.environ)  # tiny's
+        assert mine[0] == started and mine[-1].startswith("done in ") and len(mine) == 5, lines
         assert [re.sub(r"[\d.]+\d", "X", m) for m in mine[1:-1]] == [
             f"eval step {step}/3 | train X | val X | bpc X" for step in (0, 2, 3)], lines
     assert experiments.main(["report", str(tmp_path / "runs"), "--baseline", "prenorm"]) == 0
@@ -4301,6 +4302,51 @@ def test_exp_val_loss_plot_of_many_groups_wraps_into_rows(tmp_path):
     assert tuple(fig.get_size_inches()) == (24.0, 12.0) and len(fig.axes) == 12
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titles == [f"{d}, {n} layers" for d in ("text8", "tinystories") for n in (12, 24, 48)]
+
+
+def _exp_without_train_seed(d):  # a summary.json without train.seed (hand-made, or an old one)
+    summary = json.loads((d / "summary.json").read_text())
+    (d / "summary.json").write_text(json.dumps(dict(summary, train={})))
+
+
+# sweep tiny under --jobs: each run keeps tiny's one thread (not its slot's cores/N), and its
+# started line and run.json's command say what it got
+def test_exp_tiny_under_jobs_keeps_one_thread_and_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(experiments, "_cores", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake, calls = tmp_path / "fake_train.py", tmp_path / "calls.jsonl"
+    fake.write_text(_EXP_FAKE_TRAIN)
+    monkeypatch.setenv("EXP_CALLS", str(calls))
+    runs = experiments.plan("tiny", tmp_path / "out", seeds="0", variants="prenorm,block")
+    slots = experiments.job_slots(2)
+    assert slots == [{"OMP_NUM_THREADS": "4"}] * 2  # what a sweep without its own setting gives
+    assert experiments.run_sweep(runs, [sys.executable, str(fake)], slots=slots) == []
+    assert [json.loads(line)["threads"] for line in calls.read_text().splitlines()] == ["1", "1"]
+    out = capsys.readouterr().out
+    assert out.count(": started OMP_NUM_THREADS=1\n") == 2 and "OMP_NUM_THREADS=4" not in out
+    for r in runs:
+        command = json.loads((r["dir"] / "run.json").read_text())["command"]
+        assert command.startswith("OMP_NUM_THREADS=1 ")
+
+
+# report --plots while a sweep has just begun (its runs have only their step-0 evaluation): no
+# traceback, no val_loss.png yet. Runs without a seed are each drawn and pair with none (as in the
+# table).
+@pytest.mark.skipif(not _EXP_HAS_MPL, reason="needs matplotlib (optional: pip install matplotlib)")
+def test_exp_plots_of_a_sweep_just_begun_and_of_runs_without_a_seed(tmp_path, capsys):
+    _exp_run(tmp_path / "begun", "block_L4_s0", "block", 0, evals=((0, 4.0),))
+    assert experiments.main(["report", str(tmp_path / "begun"), "--plots"]) == 0
+    assert "no evaluation past step 0 in any run yet: no val_loss.png" in capsys.readouterr().out
+    assert not (tmp_path / "begun" / "val_loss.png").exists()
+    for name, variant, val in (("a", "block", 2.0), ("b", "block", 2.2), ("c", "rd", 1.9)):
+        d = _exp_run(tmp_path / "seedless", name, variant, None, val, evals=((100, 3.0), (200, val)))
+        _exp_without_train_seed(d)
+    fig = experiments.val_loss_figure(experiments.load_runs(tmp_path / "seedless"), "block")
+    top, bottom = fig.axes[:2]
+    legend = [t.get_text() for t in top.get_legend().get_texts()]
+    assert legend == ["block (2 seeds)", "rd (1 seed)"]
+    assert len(bottom.get_lines()) == 1  # the zero line alone: nothing pairs
 
 
 # -----------------------------------------------------------------------------
