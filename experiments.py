@@ -636,7 +636,7 @@ def plots(runs_dir, runs, heatmaps, baseline=None):
     written = []
     for filename, fig in figures.items():
         if fig is None:
-            print(f"no evaluation in any run yet: no {filename}")
+            print(f"no evaluation past step 0 in any run yet: no {filename}")
             continue
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=PLOT_DPI)
@@ -653,11 +653,12 @@ def val_loss_figure(runs, baseline):
     variant's val loss over tokens (mean over seeds, min–max band), below its paired difference to
     the baseline (same seed; diff_axis). A variant's curve is that of its finished runs, as in the
     table (of its unfinished ones while none has finished), in the same colour in every panel and
-    figure. Returns a matplotlib Figure, None without evaluations."""
+    figure. Returns a matplotlib Figure, None while no run has an evaluation past step 0 (a curve
+    starts after it)."""
     from matplotlib.figure import Figure
     groups = {}
     for r in runs:
-        if r["evals"]:
+        if any(e["tokens"] > 0 for e in r["evals"]):
             groups.setdefault((str(r["dataset"]), r["depth"] or 0), {}).setdefault(r["variant"], []).append(r)
     if not groups:
         return None
@@ -677,21 +678,23 @@ PANELS_PER_ROW = 3  # (dataset, depth) groups side by side in val_loss.png; more
 
 
 def _draw_group(ax, dax, by_variant, baseline):
-    """val_loss_figure's two panels of one (dataset, depth) group, {variant: its runs}."""
-    curves = {v: {r["seed"]: {e["tokens"]: e["val_loss"] for e in r["evals"] if e["tokens"] > 0} for r in rs}
-              for v, rs in by_variant.items()}
-    base, late, spans = curves.get(baseline, {}), [], {}
+    """val_loss_figure's two panels of one (dataset, depth) group, {variant: its runs}. As in the
+    table, runs pair by seed value, and a run without a seed is drawn but pairs with none."""
+    curves = {v: [(r["seed"], {e["tokens"]: e["val_loss"] for e in r["evals"] if e["tokens"] > 0})
+                  for r in rs] for v, rs in by_variant.items()}
+    base = {s: c for s, c in curves.get(baseline, []) if s is not None}
+    late, spans = [], {}
     for variant in sorted(curves, key=_variant_rank):
         color, seeds = _variant_color(variant), len(curves[variant])
         finished = by_variant[variant][0]["summary"] is not None
         label = f"{variant} ({seeds} seed{'s' * (seeds > 1)}{'' if finished else ', unfinished'})"
-        late += _band(ax, list(curves[variant].values()), color, label)
-        diffs = [{t: y - base[s][t] for t, y in c.items() if t in base[s]} for s, c in curves[variant].items()
-                 if s in base]
+        late += _band(ax, [c for _, c in curves[variant]], color, label)
+        diffs = [{t: y - base[s][t] for t, y in c.items() if t in base[s]}
+                 for s, c in curves[variant] if s in base]
         if variant != baseline and diffs:
             _band(dax, diffs, color)
             spans[variant] = [d for c in diffs for d in c.values()]
-    lo = min(y for v in curves.values() for c in v.values() for y in c.values())
+    lo = min(y for v in curves.values() for _, c in v for y in c.values())
     if late and max(late) > lo:  # zoom on the last 80% of training, where the variants differ
         ax.set_ylim(lo - 0.05 * (max(late) - lo), max(late) + 0.05 * (max(late) - lo))
     ax.set(ylabel="val loss (nats/token)")
@@ -1075,7 +1078,7 @@ class Sweep:
                                            env={"PYTHONUNBUFFERED": "1", **os.environ, **env})
             self.running[label] = process
         self.progress.say(f"{label}{' (resuming from last.pt)' if resume else ''}: started"
-                          + "".join(f" {k}={v}" for k, v in slot.items()))
+                          + "".join(f" {k}={v}" for k, v in env.items()))
         self.progress.watch(label, tail)  # after the line that names the run
         return process
 

@@ -3705,6 +3705,10 @@ def test_exp_sweep_skips_finished_runs_resumes_interrupted_and_reports_failures(
     out = capsys.readouterr().out
     assert not calls.exists() and out.count("skip ") == 4 + 4
     assert out.count("WARNING: it ran with other flags") == 1  # a changed sweep does not silently reuse runs
+    (tmp_path / "out/rd_L4_s0/run.json").unlink()  # finished, its flags unknown: no warning
+    experiments.run_sweep([r for r in runs if r["variant"] == "rd"], launcher)
+    out = capsys.readouterr().out
+    assert out.count("skip ") == 2 and "WARNING" not in out and not calls.exists()
 
 
 # a sweep stops when a run it started ends by SIGINT or SIGTERM (sent to that run alone, as `kill PID`
@@ -3718,9 +3722,14 @@ argv = sys.argv[1:]
 out = Path(argv[argv.index("--out_dir") + 1])
 with open(os.environ["EXP_CALLS"], "a") as f:
     f.write(out.name + "\\n")
-if os.environ["EXP_CATCH"] == "1":  # as train.py does: stop after the step, save, exit 128 + signum
+def stop(signum, frame):  # as train.py does: stop after the step, save last.pt, exit 128 + signum
+    (out / "last.pt").write_bytes(b"")
+    sys.exit(128 + signum)
+
+
+if os.environ["EXP_CATCH"] == "1":  # train.py saves on these two (SIGHUP: the sweep sends SIGTERM)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(sig, stop)
 (out / "ready.tmp").write_text(str(os.getpid()))
 (out / "ready.tmp").rename(out / "ready")
 time.sleep(120)  # until a signal ends it
@@ -3756,8 +3765,9 @@ def test_exp_sweep_stops_when_a_run_ends_by_a_signal(_train_data, tmp_path, monk
     captured = capsys.readouterr()
     rc = 128 + sig if catch == "1" else -sig
     name = signal.Signals(sig).name
+    again = "resumes it from its last.pt" if catch == "1" else "starts it again"  # saved, or killed
     for run in ("prenorm_L2_s0", "block_L2_s0"):
-        assert f"{run}: stopped by {name} (exit {rc}); the same command starts it again\n" in captured.out
+        assert f"{run}: stopped by {name} (exit {rc}); the same command {again}\n" in captured.out
     assert "FAILED" not in captured.out + captured.err and "failed" not in captured.err
     assert "0 done, 0 failed, 2 stopped" in captured.out
     assert captured.err.splitlines() == ["interrupted: run the same command again to resume (finished runs are "
@@ -3822,7 +3832,7 @@ def test_exp_route_matrix_rows_reads_columns_pool_order(tmp_path):
 def test_exp_plots_headless(tmp_path, capsys):
     runs_dir = _exp_routed_run(tmp_path)
     _exp_run(runs_dir, "rd_L2_s1", "rd", 1, 2.5, depth=2, evals=((0, 4.0), (100, 3.1), (200, 2.5)))
-    assert experiments.main(["report", str(runs_dir), "--plots", "--heatmap", "rd_L2_s0"]) == 0
+    assert experiments.main(["report", str(runs_dir), "--heatmap", "rd_L2_s0"]) == 0  # and --plots
     sizes = {}
     for png in ("val_loss.png", "routes_rd_L2_s0.png"):
         data = (runs_dir / png).read_bytes()
@@ -3883,7 +3893,8 @@ def test_exp_real_sweep_through_train_py(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     for i, name in enumerate(("prenorm_L2_s0", "rd_L2_s0"), 1):
         mine = [line.split(": ", 1)[1] for line in lines if line.startswith(f"[{i}/2] {tmp_path / 'runs' / name}: ")]
-        assert mine[0] == "started" and mine[-1].startswith("done in ") and len(mine) == 5, lines
+        started = "started" + " OMP_NUM_THREADS=1" * ("OMP_NUM_THREADS" not in os.environ)  # tiny's
+        assert mine[0] == started and mine[-1].startswith("done in ") and len(mine) == 5, lines
         assert [re.sub(r"[\d.]+\d", "X", m) for m in mine[1:-1]] == [
             f"eval step {step}/3 | train X | val X | bpc X" for step in (0, 2, 3)], lines
     assert experiments.main(["report", str(tmp_path / "runs"), "--baseline", "prenorm"]) == 0
@@ -3984,6 +3995,9 @@ def test_exp_job_slots_share_cores_or_give_each_run_its_gpus(monkeypatch):
     assert experiments.job_slots(1) == [{}]  # one run: the environment as it is
     assert experiments.job_slots(2) == [{"OMP_NUM_THREADS": "4"}] * 2
     assert experiments.job_slots(3, per_run=2) == [{"OMP_NUM_THREADS": "1"}] * 3
+    monkeypatch.setattr(experiments, "_cores", lambda: 2)
+    assert experiments.job_slots(4) == [{"OMP_NUM_THREADS": "1"}] * 4  # more runs than cores: not 0
+    monkeypatch.setattr(experiments, "_cores", lambda: 8)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert experiments.job_slots(2) == [{}, {}]  # the user's setting stands
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -4269,7 +4283,8 @@ def test_exp_val_loss_plot_ticks_are_plain_numbers_and_rows_sit_close(tmp_path, 
     assert ymin < -0.03 and ymax > max(offsets.values())  # every variant's difference is in view
     gap = top.get_position().y0 - bottom.get_position().y1
     assert 0 < gap < 0.06 and fig.get_figheight() <= 6.5  # compact: no empty band between the rows
-    assert [t.get_text() for t in bottom.get_xticklabels() if t.get_text()][-1].endswith("K")  # 5K, not 5000
+    labels = [t.get_text() for t in bottom.get_xticklabels() if t.get_text()]
+    assert labels[-1].endswith("K") and "1K" in labels  # 5K, not 5000; 1K, not 1000
 
 
 @pytest.mark.skipif(not _EXP_HAS_MPL, reason="needs matplotlib (optional: pip install matplotlib)")
@@ -4301,6 +4316,222 @@ def test_exp_val_loss_plot_of_many_groups_wraps_into_rows(tmp_path):
     assert tuple(fig.get_size_inches()) == (24.0, 12.0) and len(fig.axes) == 12
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titles == [f"{d}, {n} layers" for d in ("text8", "tinystories") for n in (12, 24, 48)]
+
+
+# the report's groups: depths in numeric order (8 before 12); variants in VARIANTS order, any other
+# (a plain train.py run of a config no variant names: "custom") after them; the same variant, depth
+# and seed on two datasets (wav_paper's tinystories and text8) are two groups, not an ambiguous pair
+def test_exp_report_orders_groups_and_variants_and_keeps_datasets_apart(tmp_path):
+    for dataset in ("tinystories", "text8"):
+        for depth in (12, 8):
+            for variant, val in (("wav", 1.9), ("block", 2.0)):
+                _exp_run(tmp_path, f"{dataset}/{variant}_L{depth}_s0", variant, 0, val, depth=depth,
+                         dataset=dataset)
+    d = _exp_run(tmp_path, "text8/mine", "wav", 0, 1.8, depth=8, dataset="text8")
+    (d / "run.json").unlink()  # a plain train.py --out_dir: read from its summary.json
+    summary = json.loads((d / "summary.json").read_text())
+    summary["config"].update(rd="decoupled")  # WAV and RD together: no variant of VARIANTS
+    (d / "summary.json").write_text(json.dumps(summary))
+    groups = experiments.summarize(experiments.load_runs(tmp_path), "block")
+    assert [(g["dataset"], g["depth"]) for g in groups] == [
+        ("text8", 8), ("text8", 12), ("tinystories", 8), ("tinystories", 12)]
+    assert [row["variant"] for row in groups[0]["rows"]] == ["block", "wav", "custom"]
+    assert groups[0]["rows"][2]["delta"]["mean"] == pytest.approx(-0.2)
+    for g in groups:  # each pairs within its own dataset
+        rows = {row["variant"]: row for row in g["rows"]}
+        assert rows["wav"]["delta"] == pytest.approx(dict(mean=-0.1, std=None, wins=1, ties=0, n=1))
+    assert experiments.main(["report", str(tmp_path)]) == 0
+    headers = re.findall(r"^## (.+)$", (tmp_path / "report.md").read_text(), re.M)
+    assert headers == ["text8, 8 layers", "text8, 12 layers", "tinystories, 8 layers",
+                       "tinystories, 12 layers"]
+
+
+# a damaged line of metrics.jsonl is noted wherever it is, also as the last complete line; only a
+# cut last line (no newline: an interrupted run's, which train.py repairs on resume) goes silently
+def test_exp_report_notes_a_damaged_last_metrics_line_but_not_a_cut_one(tmp_path):
+    good = json.dumps(dict(type="eval", step=0, tokens=0, val_loss=4.0)) + "\n"
+    path, cut = tmp_path / "metrics.jsonl", '{"type": "eval", "st'
+    cases = [(good + "{not json\n", 1), (good + "{not json\n" + cut, 1), (good + cut, 0), (good, 0)]
+    for text, damaged in cases:
+        path.write_text(text)
+        notes = []
+        assert len(experiments.read_evals(path, notes)) == 1, text
+        assert notes == [f"{path}: 1 damaged line(s) left out"] * damaged, text
+
+
+def _exp_without_train_seed(d):  # a summary.json without train.seed (hand-made, or an old one)
+    summary = json.loads((d / "summary.json").read_text())
+    (d / "summary.json").write_text(json.dumps(dict(summary, train={})))
+
+
+# a seed of 0 is a seed: run.json's seed 0 is taken as it is, not as missing (which would fall back
+# on the summary's, which an unfinished run has none of)
+def test_exp_report_seed_0_of_run_json_is_a_seed(tmp_path):
+    for variant, val in (("block", 2.0), ("rd", 1.9)):
+        _exp_without_train_seed(_exp_run(tmp_path, f"{variant}_L4_s0", variant, 0, val))
+    _exp_run(tmp_path, "wav_L4_s0", "wav", 0)  # unfinished
+    runs = experiments.load_runs(tmp_path)
+    assert [(r["name"], r["seed"]) for r in runs] == [
+        ("block_L4_s0", 0), ("rd_L4_s0", 0), ("wav_L4_s0", 0)]
+    (group,) = experiments.summarize(runs, "block")
+    assert group["rows"][1]["delta"] == pytest.approx(dict(mean=-0.1, std=None, wins=1, ties=0,
+                                                           n=1))
+
+
+# a failed run's line shows the last line of its train.log that names an error (a traceback's own
+# last line, not the source line above it that also says Error)
+_EXP_CRASHING_TRAIN = '''
+def check_width():
+    raise ValueError("the model is too wide for this data")
+
+
+print("training: 300 steps")
+check_width()
+'''
+
+
+def test_exp_failed_run_shows_the_last_error_line_of_its_log(tmp_path, capsys):
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(_EXP_CRASHING_TRAIN)
+    runs = experiments.plan("tiny", tmp_path / "out", seeds="0", variants="block")
+    assert experiments.run_sweep(runs, [sys.executable, str(fake)]) == ["block_L4_s0"]
+    assert 'raise ValueError("the model' in (tmp_path / "out/block_L4_s0/train.log").read_text()
+    assert ("block_L4_s0: FAILED (exit 1): ValueError: the model is too wide for this data\n"
+            in capsys.readouterr().out)
+
+
+# sweep tiny under --jobs: each run keeps tiny's one thread (not its slot's cores/N), and its
+# started line and run.json's command say what it got
+def test_exp_tiny_under_jobs_keeps_one_thread_and_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(experiments, "_cores", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake, calls = tmp_path / "fake_train.py", tmp_path / "calls.jsonl"
+    fake.write_text(_EXP_FAKE_TRAIN)
+    monkeypatch.setenv("EXP_CALLS", str(calls))
+    runs = experiments.plan("tiny", tmp_path / "out", seeds="0", variants="prenorm,block")
+    slots = experiments.job_slots(2)
+    assert slots == [{"OMP_NUM_THREADS": "4"}] * 2  # what a sweep without its own setting gives
+    assert experiments.run_sweep(runs, [sys.executable, str(fake)], slots=slots) == []
+    assert [json.loads(line)["threads"] for line in calls.read_text().splitlines()] == ["1", "1"]
+    out = capsys.readouterr().out
+    assert out.count(": started OMP_NUM_THREADS=1\n") == 2 and "OMP_NUM_THREADS=4" not in out
+    for r in runs:
+        command = json.loads((r["dir"] / "run.json").read_text())["command"]
+        assert command.startswith("OMP_NUM_THREADS=1 ")
+
+
+# a stopped sweep passes its signal on to each run under way once (a second one makes train.py stop
+# at once, without saving), as SIGTERM for its own SIGHUP (train.py saves on SIGTERM); a second
+# Ctrl-C passes on again; the sweep exits by its own signal, whatever signals its runs end by
+def test_exp_stop_signals_each_run_once_and_keeps_the_sweeps_signal(monkeypatch):
+    sent = []
+    monkeypatch.setattr(experiments.os, "killpg", lambda pid, sig: sent.append((pid, sig)))
+    sweep = experiments.Sweep([{}, {}], experiments.Progress(io.StringIO()))
+    sweep.running = {"a": types.SimpleNamespace(pid=101, returncode=None),
+                     "b": types.SimpleNamespace(pid=102, returncode=None)}
+    sweep.stop(signal.SIGHUP, again=True)  # the sweep's own SIGHUP (a closed terminal)
+    sweep.stop(signal.SIGTERM)  # then a third run ends by the SIGTERM it was passed
+    assert sent == [(101, signal.SIGTERM), (102, signal.SIGTERM)] and sweep.signum == signal.SIGHUP
+    sweep.stop(signal.SIGINT, again=True)  # a second Ctrl-C
+    assert sent[2:] == [(101, signal.SIGINT), (102, signal.SIGINT)]
+    assert sweep.signum == signal.SIGHUP
+
+
+# SIGTERM to the sweep (kill PID, a job scheduler) and SIGHUP (a closed terminal): each run under
+# way gets SIGTERM, saves its last.pt and is listed as stopped, no run starts after them, and the
+# sweep exits 143 or 129 (128 + its own signal). The runs are real processes; the signal reaches
+# this process, the sweep's.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_exp_sigterm_or_sighup_to_the_sweep_stops_it_and_each_run_saves(_train_data, tmp_path,
+                                                                         monkeypatch, capsys, sig):
+    fake, calls, out = tmp_path / "fake_train.py", tmp_path / "calls", tmp_path / "runs"
+    fake.write_text(_EXP_SIGNALLED_TRAIN)
+    monkeypatch.setattr(experiments, "TRAIN", str(fake))
+    monkeypatch.setenv("EXP_CALLS", str(calls))
+    monkeypatch.setenv("EXP_CATCH", "1")
+
+    def send():  # once both runs are under way
+        for name in ("prenorm_L2_s0", "block_L2_s0"):
+            _exp_wait_for(out / name / "ready")
+        os.kill(os.getpid(), sig)
+
+    hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal (not under nohup)
+    sender = threading.Thread(target=send)
+    sender.start()
+    argv = ["sweep", "custom", "--data", str(_train_data[0]), "--variants", "prenorm,block",
+            "--depths", "2", "--seeds", "0-1", "--jobs", "2", "--out", str(out)]
+    try:
+        assert experiments.main(argv) == 128 + sig
+    finally:
+        sender.join()
+        signal.signal(signal.SIGHUP, hup)
+    captured = capsys.readouterr()
+    for run in ("prenorm_L2_s0", "block_L2_s0"):
+        assert (f"{run}: stopped by SIGTERM (exit 143); the same command resumes it from its "
+                "last.pt\n") in captured.out
+        assert (out / run / "last.pt").exists()
+    assert "0 done, 0 failed, 2 stopped" in captured.out and "FAILED" not in captured.out
+    assert captured.err.startswith("interrupted: run the same command")
+    assert captured.err.count("\n") == 1
+    assert sorted(calls.read_text().split()) == ["block_L2_s0", "prenorm_L2_s0"]  # not seed 1
+
+
+# under nohup (SIGHUP ignored) a closed terminal does not stop the sweep: an ignored SIGHUP stays
+# ignored, and SIGTERM still stops it
+def test_exp_sighup_ignored_under_nohup_stays_ignored():
+    hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with experiments.stop_on_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)  # nothing happens
+            assert callable(signal.getsignal(signal.SIGTERM))  # the sweep's handler
+            with pytest.raises(experiments.Stopped) as stopped:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(60)  # the handler ends the wait as soon as it runs
+            assert stopped.value.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, hup)
+
+
+# the token axis reads as the milestones write token counts, also at exact powers (1K, 1B; not 1000)
+def test_exp_token_counts_read_as_the_milestones_write_them():
+    counts = (0, 500, 1e3, 76.8e3, 1e6, 1.5e6, 0.25e9, 1e9, 2e9)
+    assert [experiments._tokens(x) for x in counts] == [
+        "0", "500", "1K", "76.8K", "1M", "1.5M", "250M", "1B", "2B"]
+
+
+# the Δ axis when one variant lies far off: linear within ±L, the smallest 1, 2 or 5 x 10^k that
+# holds the typical variant (a larger L would flatten the small gaps the plot is for), log beyond
+@pytest.mark.skipif(not _EXP_HAS_MPL, reason="needs matplotlib (optional: pip install matplotlib)")
+def test_exp_diff_axis_is_linear_within_the_smallest_round_number():
+    from matplotlib.figure import Figure
+    cases = [(0.015, "0.02"), (0.04, "0.05"), (0.1, "0.1"), (0.15, "0.2"), (0.3, "0.5")]
+    for typical, linear in cases:
+        spans = {"rd": [-0.5 * typical], "wav": [-typical], "prenorm": [0.8 * typical],
+                 "rezero": [50 * typical]}
+        note = experiments.diff_axis(Figure().subplots(), spans, "black")
+        assert note == f"; log beyond ±{linear}", typical
+
+
+# report --plots while a sweep has just begun (its runs have only their step-0 evaluation): no
+# traceback, no val_loss.png yet. Runs without a seed are each drawn and pair with none (as in the
+# table).
+@pytest.mark.skipif(not _EXP_HAS_MPL, reason="needs matplotlib (optional: pip install matplotlib)")
+def test_exp_plots_of_a_sweep_just_begun_and_of_runs_without_a_seed(tmp_path, capsys):
+    _exp_run(tmp_path / "begun", "block_L4_s0", "block", 0, evals=((0, 4.0),))
+    assert experiments.main(["report", str(tmp_path / "begun"), "--plots"]) == 0
+    assert "no evaluation past step 0 in any run yet: no val_loss.png" in capsys.readouterr().out
+    assert not (tmp_path / "begun" / "val_loss.png").exists()
+    for name, variant, val in (("a", "block", 2.0), ("b", "block", 2.2), ("c", "rd", 1.9)):
+        d = _exp_run(tmp_path / "seedless", name, variant, None, val, evals=((100, 3.0), (200, val)))
+        _exp_without_train_seed(d)
+    fig = experiments.val_loss_figure(experiments.load_runs(tmp_path / "seedless"), "block")
+    top, bottom = fig.axes[:2]
+    legend = [t.get_text() for t in top.get_legend().get_texts()]
+    assert legend == ["block (2 seeds)", "rd (1 seed)"]
+    assert len(bottom.get_lines()) == 1  # the zero line alone: nothing pairs
 
 
 # -----------------------------------------------------------------------------
