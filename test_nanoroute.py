@@ -3407,6 +3407,20 @@ for argv in json.loads(sys.argv[1]):
 print(json.dumps(results))
 """
 _TRAIN_SEPARATE = ("missing dataset", "unknown preset", "corrupt checkpoint (sample)")
+_TRAIN_OWN_PROCESS = ("compile fails",)  # only in a process of its own: it must also end (no worker keeps it)
+# torch.compile whose compiler fails inside the first step, as inductor without a working C++ compiler: its pool
+# of compile workers starts first (where it has one), then the backend raises
+_TRAIN_COMPILE_FAILS = """
+import runpy, sys, torch
+from torch._inductor.async_compile import AsyncCompile
+def failing(graph, example_inputs):
+    AsyncCompile.warm_pool()
+    raise RuntimeError("the C++ compiler failed")
+real = torch.compile
+torch.compile = lambda model, **kwargs: real(model, backend=failing)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def _train_bad_cases(demo, other, routed, prenorm, tmp):
@@ -3502,6 +3516,9 @@ def _train_bad_cases(demo, other, routed, prenorm, tmp):
                                        "other characters, as many (id 0 is"),
         "prompt file not UTF-8": (["sample.py", "--out_dir", routed, "--start", f"FILE:{faulty['latin1']}"],
                                   f"{faulty['latin1']} is not UTF-8 text (byte 0xe9 at offset 3); save it as UTF-8"),
+        "compile fails": ([faulty["compile"], _TRAIN_ROOT / t[0], *t[1:], "--compile", "True", "--out_dir", tmp / "cf"],
+                          "error: torch.compile failed (RuntimeError: the C++ compiler failed); run with --compile "
+                          "False (the same model, only slower)"),
         "num_samples too many": (["sample.py", "--out_dir", routed, "--num_samples", 10 ** 8, "--max_new_tokens", 2],
                                  "lower --num_samples"),
         **({} if torch.cuda.is_available() else {
@@ -3591,6 +3608,8 @@ def _train_faulty_inputs(demo, routed, prenorm, tmp):
         meta = json.loads((made[key] / "meta.json").read_text())
         change(meta)
         (made[key] / "meta.json").write_text(json.dumps(meta))
+    made["compile"] = tmp / "compile_fails.py"
+    made["compile"].write_text(_TRAIN_COMPILE_FAILS)
     made["latin1"] = tmp / "latin1.txt"
     made["latin1"].write_bytes("café".encode("latin-1"))
     return made
@@ -3603,13 +3622,15 @@ def _train_bad_results(_train_data, _train_runs, tmp_path_factory):
     argvs = {name: [str(_TRAIN_ROOT / argv[0]), *map(str, argv[1:])] for name, (argv, _) in cases.items()}
 
     def run(cmd):  # in a scratch folder: the default --out_dir out and data/ are never the repository's
-        return subprocess.run(cmd, capture_output=True, text=True, env=_train_env(), cwd=tmp, timeout=120)
+        return subprocess.run(cmd, capture_output=True, text=True, env=_train_env(), cwd=tmp, timeout=600)
 
+    in_driver = [name for name in argvs if name not in _TRAIN_OWN_PROCESS]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        driver = pool.submit(run, [sys.executable, "-c", _TRAIN_DRIVER, json.dumps(list(argvs.values()))])
-        separate = {name: pool.submit(run, [sys.executable, *argvs[name]]) for name in _TRAIN_SEPARATE}
+        driver = pool.submit(run, [sys.executable, "-c", _TRAIN_DRIVER, json.dumps([argvs[n] for n in in_driver])])
+        separate = {name: pool.submit(run, [sys.executable, *argvs[name]])
+                    for name in (*_TRAIN_SEPARATE, *_TRAIN_OWN_PROCESS)}
         assert driver.result().returncode == 0, driver.result().stderr[-2000:]
-        results = dict(zip(argvs, json.loads(driver.result().stdout)))
+        results = dict(zip(in_driver, json.loads(driver.result().stdout)))
         results.update({f"{name} [own process]": (f.result().returncode, f.result().stderr)
                         for name, f in separate.items()})
     return {name: (*result, cases[name.removesuffix(" [own process]")][1]) for name, result in results.items()}
@@ -3631,7 +3652,7 @@ _TRAIN_BAD = ["missing dataset", "vocab flag differs", "resume without checkpoin
               *(f"checkpoint {what} (sample)" for what in _TRAIN_EDITED_SAMPLED), "resume on other characters",
               "resume on another dataset", "sample on other characters", "prompt file not UTF-8",
               "num_samples too many",
-              *(f"{name} [own process]" for name in _TRAIN_SEPARATE)]
+              *(f"{name} [own process]" for name in (*_TRAIN_SEPARATE, *_TRAIN_OWN_PROCESS))]
 
 
 @pytest.mark.parametrize("case", _TRAIN_BAD)
