@@ -1251,13 +1251,10 @@ def _data_cut_text8(out, server, zipped):
 # -----------------------------------------------------------------------------
 # demo
 
-def test_data_demo_deterministic_fast_and_readable(tmp_path):
-    t0 = time.time()
+def test_data_demo_deterministic_and_readable(tmp_path):  # how fast depends on the machine's load: not here
     a = prepare_data.prepare("demo", tmp_path / "a")
-    seconds = time.time() - t0
     b = prepare_data.prepare("demo", tmp_path / "b")
     c = prepare_data.prepare("demo", tmp_path / "c", seed=7, demo_mb=0.2)
-    assert seconds < 5
     meta = prepare_data.load_meta(a)
     assert meta == prepare_data.load_meta(b)
     assert meta["level"] == "char" and meta["dtype"] == "uint8" and meta["format_version"] == 1
@@ -2888,6 +2885,49 @@ def test_train_notes_a_routing_block_other_than_the_parents(_train_data, _train_
     assert code == 0 and "note: the automatic routing block" not in out
 
 
+# a checkpoint of an older train.py records the dataset's name, level and size, not its characters
+def test_resume_of_a_checkpoint_without_the_characters_compares_the_rest_and_says_so(_train_data, _train_runs,
+                                                                                     _train_one_thread, tmp_path, capsys):
+    (demo, _), (routed, _) = _train_data, _train_runs
+    old = tmp_path / "old"
+    shutil.copytree(routed, old)
+    ckpt = torch.load(old / "last.pt", weights_only=True)
+    assert ckpt["meta"].pop("chars")  # this train.py records them
+    torch.save(ckpt, old / "last.pt")
+    code, out, err = _train_main(train, ["--out_dir", old, "--resume", "--max_iters", 5], capsys)
+    assert code == 0, err
+    assert out.count(f"note: {old / 'last.pt'} does not record the dataset's chars (an older train.py wrote it): "
+                     "compared on the rest") == 1
+    ckpt["meta"]["dataset"] = "tinystories"  # what it has is still compared
+    torch.save(ckpt, old / "last.pt")
+    code, _, err = _train_main(train, ["--out_dir", old, "--resume", "--max_iters", 6, "--data", demo], capsys)
+    assert code == 2 and "its dataset is demo, the checkpoint's tinystories" in err
+
+
+# the header names the threads, and on CPU notes when the run's processes ask for more threads than cores
+def test_train_header_names_the_threads_and_notes_more_than_the_cores(_train_data, _train_one_thread, tmp_path,
+                                                                    monkeypatch, capsys):
+    demo, _ = _train_data
+    t = ["--data", demo, *_TRAIN_TINY, "--max_iters", 1, "--eval_interval", 1, "--residual", "prenorm"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # 2 cores
+    code, out, _ = _train_main(train, [*t, "--out_dir", tmp_path / "one"], capsys)
+    assert code == 0 and "1 process(es) on cpu (1 thread each)" in out and "OMP_NUM_THREADS" not in out
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # torch's default on a machine of 4 cores
+    code, out, _ = _train_main(train, [*t, "--out_dir", tmp_path / "four"], capsys)
+    assert code == 0 and "1 process(es) on cpu (4 threads each)" in out
+    assert "note: 1 process(es) x 4 threads share 2 cores: set OMP_NUM_THREADS=2" in out
+    cpu = torch.device("cpu")
+    assert "set OMP_NUM_THREADS=1" in train.threads_note(cpu, world=2)  # torchrun --nproc_per_node 2
+    assert train.threads_note(torch.device("cuda"), world=2) is None  # the GPU does the work
+    # experiments.py sweep --jobs N gives each of its CPU runs its share of the cores: no note there
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(experiments, "_cores", lambda: 2)
+    for jobs in (2, 3):
+        threads = int(experiments.job_slots(jobs, extra=["--device", "cpu"])[0]["OMP_NUM_THREADS"])
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        assert train.threads_note(cpu, world=1) is None, jobs
+
+
 # the first run: no flags train Block AttnRes and end with the routing summary and the next commands
 def test_default_run_is_routed_and_ends_with_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):
     demo, _ = _train_data
@@ -3519,8 +3559,10 @@ def _train_bad_cases(demo, other, routed, prenorm, tmp):
         "compile fails": ([faulty["compile"], _TRAIN_ROOT / t[0], *t[1:], "--compile", "True", "--out_dir", tmp / "cf"],
                           "error: torch.compile failed (RuntimeError: the C++ compiler failed); run with --compile "
                           "False (the same model, only slower)"),
+        # 2 layers x 32 positions x 32 wide, keys and values, float32: 16 KiB a sample, checked before allocating
         "num_samples too many": (["sample.py", "--out_dir", routed, "--num_samples", 10 ** 8, "--max_new_tokens", 2],
-                                 "lower --num_samples"),
+                                 f"--num_samples {10 ** 8:} needs a 1,638.4 GB KV cache (2 layers x 32 positions x "
+                                 "32 wide, keys and values, per sample) but cpu has"),
         **({} if torch.cuda.is_available() else {
             "bench: cuda without CUDA": (["bench.py", "--device", "cuda"], "CUDA is not available here")}),
     }
@@ -3790,21 +3832,23 @@ def test_bench_subset_without_baselines_and_profile(tmp_path, capsys):
 
 
 def test_bench_against_times_another_version_in_the_same_rounds(tmp_path, capsys):
-    # another version of the model: this file with a 0.2 s sleep in every forward, so it is the slower
-    # one by far, however busy the machine (a tiny step takes a few ms)
+    # another version of the model: this file with a 1 s sleep in every forward, so it is the slower one
+    # however busy the machine (a tiny step takes a few ms alone, up to ~0.6 s measured next to three CPU
+    # burners); the assertions are on medians of 3 rounds: one step stalled by the load changes none
     src = Path(nanoroute.__file__).read_text()
     slow = src.replace("    def forward(self, idx, targets=None, return_routes=False):\n",
-                       "    def forward(self, idx, targets=None, return_routes=False):\n        import time; time.sleep(0.2)\n")
+                       "    def forward(self, idx, targets=None, return_routes=False):\n"
+                       "        import time; time.sleep(1.0)\n")
     assert slow != src
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "nanoroute.py").write_text(slow)
-    data = _bench_run(tmp_path, "--variants", "prenorm,block,rd", "--gen_tokens", "0",
-                      "--against", str(tmp_path / "other"))  # a folder holding nanoroute.py
+    data = _bench_run(tmp_path, "--variants", "prenorm,block", "--gen_tokens", "0",
+                      "--against", str(tmp_path / "other"), "--iters", "3")  # a folder holding nanoroute.py
     v = data["variants"]
-    assert list(v) == ["prenorm", "prenorm@against", "block", "block@against", "rd", "rd@against"]
-    for name in ("prenorm", "block", "rd"):
+    assert list(v) == ["prenorm", "prenorm@against", "block", "block@against"]
+    for name in ("prenorm", "block"):
         this, that = v[name], v[name + "@against"]
-        assert that["ms_median"] >= 200 and this["ms_median"] < that["ms_median"]  # each ran its own code
+        assert that["ms_median"] >= 1000 and this["ms_median"] < that["ms_median"]  # each ran its own code
         rounds = [a / b for a, b in zip(this["ms_all"], that["ms_all"])]
         assert this["paired_ratio_against"][0] == pytest.approx(statistics.median(rounds))
         assert this["paired_ratio_against"][0] < 1
@@ -3815,7 +3859,7 @@ def test_bench_against_times_another_version_in_the_same_rounds(tmp_path, capsys
         assert that["memory_bytes"] == this["memory_bytes"]  # the sleep saves no tensor
     assert v["block@against"]["ratio_block"] == 1.0 and v["prenorm@against"]["ratio_prenorm"] == 1.0
     out = capsys.readouterr().out
-    assert re.search(r"\| rd \| 0\.\d{3} \[0\.\d{3}, 0\.\d{3}\] \| 1\.000 \|", out), out
+    assert re.search(r"\| block \| 0\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \| 1\.000 \|", out), out
 
 
 def test_bench_against_bad_versions_are_one_error_line(tmp_path, capsys):
