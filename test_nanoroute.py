@@ -2917,7 +2917,9 @@ def test_train_header_names_the_threads_and_notes_more_than_the_cores(_train_dat
     assert code == 0 and "1 process(es) on cpu (4 threads each)" in out
     assert "note: 1 process(es) x 4 threads share 2 cores: set OMP_NUM_THREADS=2" in out
     cpu = torch.device("cpu")
-    assert "set OMP_NUM_THREADS=1" in train.threads_note(cpu, world=2)  # torchrun --nproc_per_node 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert train.threads_note(cpu, world=1) is None  # 2 threads on 2 cores
+    assert "2 process(es) x 2 threads share 2 cores: set OMP_NUM_THREADS=1" in train.threads_note(cpu, world=2)
     assert train.threads_note(torch.device("cuda"), world=2) is None  # the GPU does the work
     # experiments.py sweep --jobs N gives each of its CPU runs its share of the cores: no note there
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
