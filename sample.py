@@ -20,7 +20,8 @@ import torch
 import prepare_data
 from nanoroute import GPT, GPTConfig, routing_stats
 from prepare_data import UsageError
-from train import command, find_data, load_checkpoint, pick_device
+from train import (check_checkpoint_layout, check_checkpoint_settings, check_out_dir, check_same_dataset,
+                   check_seed, command, find_data, first_line, load_checkpoint, out_of_memory, pick_device)
 
 MIN_TEMPERATURE = 1e-6
 SHADES = " ░▒▓█"  # weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; blank: the read cannot see it
@@ -52,6 +53,10 @@ def main(argv=None):
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a file that cannot be read (meta.json, a split, the GPT-2 vocabulary)
+        print(f"error: cannot read {e.filename or 'a file'} ({e.strerror or e}); fix that and re-run",
+              file=sys.stderr)
+        sys.exit(2)
 
 
 def sample(a):
@@ -65,25 +70,26 @@ def sample(a):
     for name in ("num_samples", "max_new_tokens"):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name} {getattr(a, name)}: must be a positive integer")
+    check_seed(a.seed)
+    check_out_dir(a.out_dir)
 
     # the checkpoint, its model and its dataset
     path = Path(a.out_dir) / f"{a.ckpt}.pt"
     train_it = command("train.py", ["--out_dir", a.out_dir])
     ckpt = load_checkpoint(path, f"no checkpoint at {path}: train one with {train_it}")
+    check_checkpoint_settings(ckpt, path)
     try:
         config = GPTConfig(**ckpt["config"])
-        model = GPT(config)
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise UsageError(f"checkpoint {path} does not hold a model of its own config: "
-                         f"{str(e).strip().splitlines()[0][:160]}; delete it or retrain") from None
-    dataset = ckpt["meta"].get("dataset")
+    except ValueError as e:
+        raise UsageError(f"checkpoint {path} holds an invalid config: {e}; delete it or retrain") from None
+    model = GPT(config)
+    check_checkpoint_layout(ckpt, path, model)
+    model.load_state_dict(ckpt["model"])
+    dataset = ckpt["meta"]["dataset"]
     fix = f"give --data DIR, the prepared {dataset} dataset it was trained on"
     data_dir = a.data or find_data(ckpt["train_args"]["data"], path.parent, fix, dataset)
     meta = prepare_data.load_meta(data_dir)
-    if meta["vocab_size"] != config.vocab_size:
-        raise UsageError(f"dataset {data_dir} has vocab_size {meta['vocab_size']} but {path} was trained with "
-                         f"{config.vocab_size}: pass --data with the dataset it was trained on")
+    check_same_dataset(ckpt, path, meta, data_dir, "pass --data with the dataset it was trained on")
     device = pick_device(a.device)
     model.to(device).eval()
     decode = prepare_data.decoder(meta, data_dir)
@@ -94,9 +100,16 @@ def sample(a):
     if a.routes:
         show_routes(model, idx, path, decode(ids))
         return
+    check_memory(config, a, device)
     torch.manual_seed(a.seed)
     t0 = time.time()
-    out = model.generate(idx.expand(a.num_samples, -1), a.max_new_tokens, a.temperature, a.top_k)
+    try:
+        out = model.generate(idx.expand(a.num_samples, -1), a.max_new_tokens, a.temperature, a.top_k)
+    except (RuntimeError, MemoryError) as e:
+        if not out_of_memory(e):
+            raise
+        raise UsageError(f"out of memory generating {a.num_samples} samples ({first_line(str(e))}): "
+                         "lower --num_samples") from None
     dt = time.time() - t0
     shown = 0 if a.start is not None else len(ids)  # a default prompt (<|endoftext|>, a newline) is not text
     for row in out.tolist():
@@ -122,6 +135,9 @@ def prompt_ids(a, meta, data_dir, config):
                 text = Path(text[5:]).read_text(encoding="utf-8")
             except OSError as e:
                 raise UsageError(f"--start {a.start}: cannot read {text[5:]} ({e.strerror})") from None
+            except UnicodeDecodeError as e:
+                raise UsageError(f"--start {a.start}: {text[5:]} is not UTF-8 text (byte "
+                                 f"{e.object[e.start]:#04x} at offset {e.start}); save it as UTF-8") from None
         ids = prepare_data.encoder(meta, data_dir)(text)
     if not ids:
         raise UsageError("--start is empty: give at least one character")
@@ -130,6 +146,31 @@ def prompt_ids(a, meta, data_dir, config):
               f"using its last {config.sequence_len}", file=sys.stderr)
         ids = ids[-config.sequence_len:]
     return ids
+
+
+def check_memory(config, a, device):
+    """UsageError before generation when its KV cache (keys and values of every layer, sequence_len
+    positions per sample, float32) is larger than the memory free on the device."""
+    need = 2 * config.n_layer * a.num_samples * config.sequence_len * config.n_embd * 4
+    free = free_memory(device)
+    if free is not None and need > free:
+        raise UsageError(f"--num_samples {a.num_samples} needs a {need / 1e9:,.1f} GB KV cache "
+                         f"({config.n_layer} layers x {config.sequence_len} positions x {config.n_embd} "
+                         f"wide, keys and values, per sample) but {device} has {free / 1e9:,.1f} GB "
+                         "free: lower --num_samples")
+
+
+def free_memory(device):
+    """Bytes free on the device: CUDA's own count; on the CPU, MemAvailable of /proc/meminfo (Linux);
+    None where it is not known (then an allocation that fails is caught instead)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kib * 1024 if device.type == "cpu" else None
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import typing
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +71,8 @@ PRESETS = {
     "rd_m": dict(_RD, n_layer=24, n_embd=832, n_head=13, lr=3e-4),
 }
 
+# --eval_tokens at most: the evaluation crops' offsets are held in memory (8 bytes per crop)
+MAX_EVAL_TOKENS = 10 ** 9
 # --eval_tokens when not given: 32K per split; 8K on CPU with a large vocabulary (GPT-2's 50,257 tokens),
 # where the output layer makes an evaluated token ~8x dearer than at char level with train.py's model
 # (128 x 50257 multiply-adds a token against ~0.9M for the 4 layers): 32K took ~30% of a CPU run there.
@@ -234,18 +236,26 @@ def resolve_settings(explicit, ckpt=None, ckpt_path=None, config_class=GPTConfig
 
 
 def check_settings(a, world):
+    """Every training setting in its range, wherever it came from (a flag, a preset, a checkpoint):
+    one line naming the flag. nan and inf fail every range."""
+    optional = ("eval_tokens", "stop_after", "max_tokens")
     positive = ("batch_size", "grad_accum", "max_iters", "eval_interval", "log_interval")
-    for name in positive + tuple(n for n in ("eval_tokens", "stop_after") if getattr(a, n) is not None):
+    for name in positive + tuple(n for n in optional if getattr(a, n) is not None):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name} {getattr(a, name)}: must be a positive integer")
-    for name in ("lr", "weight_decay", "grad_clip", "warmup_iters", "seed") + ("min_lr",) * (a.min_lr is not None):
-        if not getattr(a, name) >= 0:
-            raise UsageError(f"--{name} {getattr(a, name)}: must be >= 0")
-    if a.max_tokens is not None and a.max_tokens < 1:
-        raise UsageError(f"--max_tokens {a.max_tokens}: must be positive")
+    if a.warmup_iters < 0:
+        raise UsageError(f"--warmup_iters {a.warmup_iters}: must be >= 0")
+    for name in ("lr", "weight_decay", "grad_clip") + ("min_lr",) * (a.min_lr is not None):
+        if not 0 <= getattr(a, name) < math.inf:
+            raise UsageError(f"--{name} {getattr(a, name)}: must be a finite number >= 0")
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(a, name) < 1:
             raise UsageError(f"--{name} {getattr(a, name)}: must be in [0, 1), e.g. 0.9 / 0.95")
+    check_seed(a.seed)
+    if a.eval_tokens is not None and a.eval_tokens > MAX_EVAL_TOKENS:
+        raise UsageError(f"--eval_tokens {a.eval_tokens}: at most {MAX_EVAL_TOKENS:,} tokens per split")
+    if not a.data:
+        raise UsageError("--data '': give the folder of a prepared dataset")
     if a.dtype not in ("auto", "float32", "bfloat16"):
         raise UsageError(f"--dtype {a.dtype}: choose auto, float32 or bfloat16")
     if a.wandb_run is not None and a.wandb_project is None:
@@ -253,6 +263,19 @@ def check_settings(a, world):
     if a.batch_size % world:
         raise UsageError(f"--batch_size {a.batch_size} is not divisible by the {world} processes: "
                          "each process takes an equal share of the batch")
+
+
+def check_seed(seed):
+    """A seed torch takes (train.py and sample.py): prepare_data's range, 0 to 2**63 - 1."""
+    low, high = prepare_data.LIMITS["seed"][1:3]
+    if not low <= seed <= high:
+        raise UsageError(f"--seed {seed}: must be an integer from {low} to 2**63 - 1")
+
+
+def check_out_dir(out_dir):
+    """An empty --out_dir would be the current folder (the repository, as often as not)."""
+    if not out_dir.strip():
+        raise UsageError(f"--out_dir {out_dir!r}: give a folder name, e.g. --out_dir out")
 
 
 def model_config(model, vocab_size, data_dir, config_class=GPTConfig):
@@ -320,10 +343,12 @@ def pick_dtype(name, device):
 def read_settings(explicit, world, master):
     """The settings, from the checkpoint too with --resume: (TrainSettings, the model's settings,
     the checkpoint or None)."""
+    check_out_dir(explicit.get("out_dir", TrainSettings.out_dir))
     ckpt_path, ckpt = Path(explicit.get("out_dir", TrainSettings.out_dir)) / "last.pt", None
     if explicit.get("resume"):
         ckpt = load_checkpoint(ckpt_path, f"--resume: no checkpoint at {ckpt_path}; train without "
                                "--resume first")
+        check_checkpoint_settings(ckpt, ckpt_path)
     elif ckpt_path.exists():
         raise UsageError(f"{ckpt_path.parent} already holds a run ({ckpt_path}): add --resume to "
                          "continue it, or choose another --out_dir (or delete that folder)")
@@ -354,12 +379,16 @@ def start_processes(device_name):
 # Data: random crops at offsets that depend only on (seed, step, micro-step)
 
 
-def open_dataset(data_dir, master=True):
-    """meta.json of data_dir; the demo dataset is prepared on the spot if missing (only the demo:
-    every other dataset is a download, and load_meta names the command that fetches it)."""
-    if Path(data_dir).name == "demo" and not (Path(data_dir) / "meta.json").exists() and master:
+def open_dataset(data_dir, master=True, new_run=True):
+    """meta.json of data_dir. For a new run the demo dataset is prepared on the spot if missing
+    (only the demo: every other dataset is a download, and load_meta names the command that
+    fetches it). --resume never prepares: it continues on the data the run was trained on."""
+    if new_run and Path(data_dir).name == "demo" and not (Path(data_dir) / "meta.json").exists() and master:
         print(f"preparing the demo dataset in {data_dir}")
-        prepare_data.prepare("demo", data_dir)
+        try:  # prepare() refuses a folder that holds files it did not make
+            prepare_data.prepare("demo", data_dir)
+        except UsageError as e:
+            raise UsageError(f"--data {data_dir}: {e}") from None
     if dist.is_initialized():
         dist.barrier()  # the other processes wait for rank 0 to prepare it
     meta = prepare_data.load_meta(data_dir)
@@ -400,6 +429,41 @@ def _holds_dataset(folder, dataset):
         return dataset in (None, json.loads((folder / "meta.json").read_text())["dataset"])
     except (OSError, ValueError, KeyError, TypeError):
         return True
+
+
+def dataset_identity(meta):
+    """What tells datasets apart, recorded in each checkpoint: the name, the level and the
+    vocabulary (its characters at char level; every gpt2 dataset has GPT-2's tokens)."""
+    identity = {k: meta[k] for k in ("dataset", "level", "vocab_size")}
+    if meta["level"] == "char":
+        identity["chars"] = meta["chars"]
+    return identity
+
+
+def check_same_dataset(ckpt, path, meta, data_dir, fix, master=True):
+    """UsageError unless meta.json (of data_dir) is the dataset the checkpoint was trained on
+    (--resume, sample.py); `fix` ends the message. A checkpoint of an older train.py, which did
+    not record the characters, is compared on what it has, with a note."""
+    recorded, here = ckpt["meta"], dataset_identity(meta)
+    vocab_size = recorded.get("vocab_size", ckpt["config"]["vocab_size"])
+    if vocab_size != here["vocab_size"]:
+        raise UsageError(f"dataset {data_dir} has vocab_size {here['vocab_size']} but {path} was "
+                         f"trained with {vocab_size}: {fix}")
+    for key in ("dataset", "level", "chars"):
+        if key in recorded and key in here and recorded[key] != here[key]:
+            raise UsageError(f"dataset {data_dir} is not the one {path} was trained on: "
+                             f"{_difference(key, here[key], recorded[key])}; {fix}")
+    missing = [key for key in here if key not in recorded]
+    if missing and master:
+        print(f"note: {path} does not record the dataset's {', '.join(missing)} (an older train.py "
+              "wrote it): compared on the rest")
+
+
+def _difference(key, here, recorded):
+    if key != "chars":
+        return f"its {key} is {here}, the checkpoint's {recorded}"
+    i = next(i for i, (x, y) in enumerate(zip(here, recorded)) if x != y)  # as many of each
+    return f"other characters, as many (id {i} is {here[i]!r} here, {recorded[i]!r} there)"
 
 
 def batch_offsets(seed, step, micro, n_tokens, T, rows):
@@ -447,11 +511,10 @@ def open_data(a, ckpt, given, master):
         if found != a.data and master:
             print(f"note: the data folder {a.data} of {ckpt_path} is not here; found it at {found}")
         a.data = found
-    meta = open_dataset(a.data, master)
-    if ckpt is not None and ckpt["config"]["vocab_size"] != meta["vocab_size"]:
-        raise UsageError(f"dataset {a.data} has vocab_size {meta['vocab_size']} but {ckpt_path} "
-                         f"was trained with {ckpt['config']['vocab_size']}: resume with the --data "
-                         "it was trained on")
+    meta = open_dataset(a.data, master, new_run=ckpt is None)
+    if ckpt is not None:
+        check_same_dataset(ckpt, ckpt_path, meta, a.data, "resume with the --data it was trained on",
+                           master)
     splits = (prepare_data.open_split(a.data, split, meta) for split in ("train", "val"))
     return meta, *splits
 
@@ -848,14 +911,35 @@ def print_header(run):
             f"{a.batch_size} x accum {a.grad_accum} x {T}) = "
             f"{a.max_iters * run.tokens_per_step / 1e6:.1f}M tokens; "
             f"lr {a.lr:g} warmup {a.warmup_iters} cosine to {min_lr:g}; {run.world} process(es) on "
-            f"{run.device}, {str(run.dtype).removeprefix('torch.')}; evaluation: {a.eval_tokens:,} "
-            f"tokens per split every {a.eval_interval} steps")
+            f"{run.device} ({threads_each()}), {str(run.dtype).removeprefix('torch.')}; evaluation: "
+            f"{a.eval_tokens:,} tokens per split every {a.eval_interval} steps")
+    if threads_note(run.device, run.world):
+        run.log(threads_note(run.device, run.world))
+
+
+def threads_each():
+    threads = torch.get_num_threads()  # intra-op threads: OMP_NUM_THREADS, else one per core
+    return f"{threads} thread{'s' * (threads != 1)} each"
+
+
+def threads_note(device, world):
+    """A note when this run's processes ask for more CPU threads than there are cores: each step then
+    waits on threads that wait for a core (5-10x slower steps measured on a busy 2-core machine).
+    experiments.py gives each run of --jobs N its share (OMP_NUM_THREADS); torchrun gives 1."""
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if device.type != "cpu" or world * threads <= cores:
+        return None
+    return (f"note: {world} process(es) x {threads} threads share {cores} cores: set OMP_NUM_THREADS="
+            f"{max(1, cores // world)} (threads that wait for a core slow every step)")
 
 
 # =============================================================================
 # Below this banner: keeping runs safe; nothing of training. How a run ends (one line and exit
-# code 2 for bad input or a full disk, 130 / 143 for Ctrl-C / SIGTERM), checkpoints (atomic,
-# weights_only), resume (RNG states, metrics.jsonl repair), the out_dir lock, stop signals, wandb.
+# code 2 for bad input, a full disk, a failed compile or too little memory; 130 / 143 / 129 for
+# Ctrl-C / SIGTERM / SIGHUP), checkpoints (atomic, weights_only, checked before loading), resume
+# (RNG states, metrics.jsonl repair), files never written through a link, the out_dir lock, stop
+# signals, wandb.
 # =============================================================================
 
 
@@ -878,7 +962,13 @@ def run_safely():
     except Interrupted as e:
         if str(e):
             print(e, file=sys.stderr)
-        sys.exit(128 + e.signum)  # 130 for SIGINT, 143 for SIGTERM: what a shell reports for them
+        sys.exit(128 + e.signum)  # 130 SIGINT, 143 SIGTERM, 129 SIGHUP: what a shell reports for them
+    except Exception as e:  # a compiler that fails, memory that runs out; anything else is a bug
+        line = failure_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C before training starts, or a second one while last.pt is saved
         print("error: interrupted; checkpoints saved before are whole (continue with --resume if last.pt exists)",
               file=sys.stderr)
@@ -888,8 +978,45 @@ def run_safely():
             dist.destroy_process_group()
 
 
+def failure_line(e):
+    """The one line for an exception that is not a bug of train.py, else None: torch.compile failing
+    (its compile workers are stopped, so none keeps the process alive) or memory running out."""
+    dynamo = sys.modules.get("torch._dynamo.exc")  # imported by torch.compile: only it raises these
+    if dynamo is not None and isinstance(e, dynamo.TorchDynamoException):
+        stop_compile_workers()
+        cause = getattr(e, "inner_exception", None) or e
+        return (f"torch.compile failed ({first_line(f'{type(cause).__name__}: {cause}')}); run with "
+                "--compile False (the same model, only slower)")
+    if out_of_memory(e):
+        return (f"out of memory ({first_line(str(e))}); lower --batch_size (raise --grad_accum to keep "
+                "the tokens per step) or the model's size; checkpoints saved before are whole "
+                "(--resume continues from last.pt)")
+    return None
+
+
+def out_of_memory(e):
+    """torch's out-of-memory errors: CUDA's and MPS's OutOfMemoryError, the CPU allocator's
+    RuntimeError, numpy's MemoryError."""
+    text = str(e)
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or isinstance(e, RuntimeError) and (
+        "not enough memory" in text or "can't allocate memory" in text or "out of memory" in text)
+
+
+def first_line(text, width=160):
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
+def stop_compile_workers():
+    """Shut down inductor's pool of compile workers, if torch.compile started one."""
+    compiler = sys.modules.get("torch._inductor.async_compile")
+    if compiler is not None:
+        with suppress(Exception):  # a best effort: the error line matters more
+            compiler.shutdown_compile_workers()
+
+
 class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived: training stopped at the end of a step, with last.pt saved."""
+    """SIGINT, SIGTERM or SIGHUP arrived: training stopped at the end of a step, with last.pt saved."""
 
     def __init__(self, signum, message):
         super().__init__(message)
@@ -919,7 +1046,7 @@ def save_checkpoint(run, improved):
     position: batches are a function of (seed, step)."""
     if not all(p.isfinite().all() for p in run.raw_model.parameters()):
         raise diverged(run, "weights", run.step)
-    meta = {k: run.meta[k] for k in ("dataset", "vocab_size", "level")}
+    meta = dataset_identity(run.meta)  # what --resume and sample.py compare with their --data
     state = dict(model=strip_prefixes(run.raw_model.state_dict()),
                  optimizer=run.optimizer.state_dict(), step=run.step, tokens=run.tokens,
                  best_val_loss=run.best_val, milestones=run.reached,
@@ -979,9 +1106,119 @@ def load_checkpoint(path, missing, keys=CKPT_KEYS, mmap=False):
     raise UsageError(f"checkpoint {path} is corrupt or truncated: {why}; delete it or retrain")
 
 
+def _dataset_record(v):
+    chars = v.get("chars", []) if isinstance(v, dict) else None
+    return (isinstance(v, dict) and isinstance(v.get("dataset"), str) and isinstance(v.get("level"), str)
+            and type(v.get("vocab_size")) is int and isinstance(chars, list)
+            and all(isinstance(c, str) for c in chars) and len(chars) in (0, v["vocab_size"]))
+
+
+def _rng_record(v):
+    return isinstance(v, list) and v != [] and all(
+        isinstance(s, dict) and isinstance(s.get("torch"), torch.Tensor) for s in v)
+
+
+# what a checkpoint's records must be, beyond config and train_args (optional ones: when present)
+_RECORDS = {
+    "step": (lambda v: type(v) is int and v >= 0, "a step number"),
+    "tokens": (lambda v: type(v) is int and v >= 0, "a token count"),
+    "best_val_loss": (lambda v: type(v) in (int, float), "a number"),
+    "meta": (_dataset_record, "the dataset's name, level, vocab_size (and characters)"),
+    "rng": (_rng_record, "each process's RNG states"),
+    "milestones": (lambda v: isinstance(v, dict), "a dict"),
+    "last_eval": (lambda v: v is None or isinstance(v, dict) and type(v.get("step")) is int, "an eval line"),
+    "wall_time_s": (lambda v: type(v) in (int, float), "seconds"),
+}
+CHECKPOINT_FIX = "use the version of nanoroute that wrote it, or retrain"
+
+
+def check_checkpoint_settings(ckpt, path, config_class=GPTConfig):
+    """UsageError naming what differs unless a checkpoint's records are what this train.py writes:
+    a config of config_class's fields (vocab_size among them), training args and the other records
+    of their types. Checked before anything is taken from it (--resume, sample.py)."""
+    problem = _fields_problem(ckpt["config"], config_class, "config", unknown_ok=False)
+    if problem is None and "vocab_size" not in ckpt["config"]:
+        problem = "its config has no vocab_size"
+    problem = problem or _fields_problem(ckpt["train_args"], TrainSettings, "train_args", unknown_ok=True)
+    for key, (ok, what) in _RECORDS.items():
+        if problem is None and (key in CKPT_KEYS or key in ckpt) and not ok(ckpt[key]):
+            problem = f"its {key} is not {what} ({str(ckpt[key])[:40]})"
+    if problem is None and ckpt["meta"]["vocab_size"] != ckpt["config"]["vocab_size"]:
+        problem = "its meta and config disagree on vocab_size"
+    if problem:
+        raise UsageError(f"checkpoint {path} is not one this train.py writes: {problem}; {CHECKPOINT_FIX}")
+
+
+def _fields_problem(values, cls, name, unknown_ok):
+    """What is wrong with a checkpoint's dict of dataclass fields (None: nothing): not a dict, a
+    field cls does not have (unless unknown_ok: a training arg an older version had), a value
+    not of the field's type."""
+    if not isinstance(values, dict):
+        return f"its {name} is not a dict"
+    hints = typing.get_type_hints(cls)
+    unknown = [k for k in values if k not in hints]
+    if unknown and not unknown_ok:
+        return f"its {name} has fields this {cls.__name__} does not know: {', '.join(map(str, unknown))}"
+    for key, value in values.items():
+        kinds = (typing.get_args(hints[key]) or (hints[key],)) if key in hints else (type(value),)
+        if not (type(value) in kinds or float in kinds and type(value) is int):
+            kind = hints[key].__name__ if isinstance(hints[key], type) else hints[key]
+            return f"its {name} {key}={value!r} is not of the type {kind}"
+    return None
+
+
+def check_checkpoint_layout(ckpt, path, model, optimizer=None):
+    """UsageError naming what differs unless the checkpoint's tensors fit model (and optimizer): the
+    same tensor names and shapes, as many parameter groups of as many parameters, optimizer states
+    of the parameters' shapes. Before loading: never torch's long error or a half-loaded model."""
+    want, have = model.state_dict(), ckpt["model"]
+    if not (isinstance(have, dict) and all(isinstance(v, torch.Tensor) for v in have.values())):
+        problem = "its model is not a dict of tensors"
+    else:
+        problem = _names_problem("its model lacks", [k for k in want if k not in have])
+        problem = problem or _names_problem("its model has tensors this one has not:",
+                                            [k for k in have if k not in want])
+        problem = problem or _names_problem("its model has other shapes for", [
+            k for k in want if have[k].shape != want[k].shape])
+    if problem is None and optimizer is not None:
+        problem = _optimizer_problem(ckpt["optimizer"], optimizer)
+    if problem:
+        raise UsageError(f"checkpoint {path} does not fit its own config's model: {problem}; {CHECKPOINT_FIX}")
+
+
+def _names_problem(words, names):
+    if not names:
+        return None
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"{words} {', '.join(names[:3])}{more}"
+
+
+def _optimizer_problem(saved, optimizer):
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                             for g in groups) and isinstance(saved.get("state"), dict)):
+        return "its optimizer is not an optimizer's state_dict"
+    if len(groups) != len(optimizer.param_groups):
+        return f"its optimizer has {len(groups)} parameter groups, this model's {len(optimizer.param_groups)}"
+    params = []
+    for i, (group, mine) in enumerate(zip(groups, optimizer.param_groups)):
+        if len(group["params"]) != len(mine["params"]):
+            return (f"its optimizer's group {i} has {len(group['params'])} parameters, this model's "
+                    f"{len(mine['params'])}")
+        params += [(saved_id, p) for saved_id, p in zip(group["params"], mine["params"])]
+    shapes = dict(params)
+    for key, state in saved["state"].items():
+        tensors = state.values() if isinstance(state, dict) else [None]
+        if key not in shapes or any(isinstance(t, torch.Tensor) and t.dim() and t.shape != shapes[key].shape
+                                    for t in tensors):
+            return f"its optimizer's state {key} fits none of this model's parameters"
+    return None
+
+
 def resume(run, ckpt):
     """--resume: the weights, the optimizer, the progress and each process's RNG state from last.pt,
     and metrics.jsonl cut back to its step."""
+    check_checkpoint_layout(ckpt, run.out_dir / "last.pt", run.raw_model, run.optimizer)
     run.raw_model.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     run.resumed, run.step, run.tokens = True, ckpt["step"], ckpt["tokens"]
@@ -1033,6 +1270,8 @@ def keep_metrics_until(path, step):
     rather than stops); returns how many did not parse. The file is rewritten atomically: a kill
     during the rewrite leaves the old file whole."""
     kept, unreadable = [], 0
+    if path.is_symlink():  # never read or written through
+        raise UsageError(link_refused(path))
     for line in path.read_bytes().splitlines() if path.exists() else []:
         try:
             if json.loads(line.decode("utf-8"))["step"] <= step:
@@ -1046,10 +1285,46 @@ def keep_metrics_until(path, step):
 
 def record(run, line):
     """One line of metrics.jsonl; the same numbers to wandb with --wandb_project."""
-    with open(run.out_dir / "metrics.jsonl", "a") as f:
+    with open_new_or_append(run.out_dir / "metrics.jsonl", append=True) as f:
         f.write(json.dumps(line) + "\n")
     if run.wandb:
         run.wandb.log(wandb_numbers(line), step=line["step"])
+
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # 0 where the system has no symbolic links to refuse
+
+
+def open_new_or_append(path, append=False):
+    """path opened for writing text: a new file (O_EXCL), or with append=True created or appended
+    to. O_NOFOLLOW: a symbolic link planted at path is refused, never written through (whole files
+    go through prepare_data.write_atomic, which replaces such a link instead)."""
+    flags = os.O_WRONLY | os.O_CREAT | NOFOLLOW | (os.O_APPEND if append else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError:
+        if Path(path).is_symlink():
+            raise UsageError(link_refused(path)) from None
+        raise
+    return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
+
+
+def link_refused(path):
+    return (f"{path} is a symbolic link: train.py never writes through one (it could point anywhere); "
+            "remove it and re-run")
+
+
+def remove_leftover_temp_files(out_dir):
+    """The temporary files that a save cut short by kill -9 leaves (write_atomic's tmpXXXXXXXX.NAME.tmp,
+    checkpoint-sized ones pile up over repeated kills): removed while this run holds the lock, so
+    no save is under way. Only plain files of exactly that name for the files train.py writes."""
+    names = "|".join(re.escape(name) for name in ("last.pt", "best.pt", "summary.json", "metrics.jsonl"))
+    pattern = re.compile(rf"tmp[0-9a-f]{{8}}\.({names})\.tmp")
+    leftovers = [p for p in out_dir.iterdir() if pattern.fullmatch(p.name) and not p.is_symlink() and p.is_file()]
+    for leftover in leftovers:
+        leftover.unlink()
+    if leftovers:
+        print(f"note: removed {len(leftovers)} temporary file(s) of saves cut short in {out_dir} "
+              f"({', '.join(sorted(p.name for p in leftovers)[:3])})")
 
 
 def import_wandb():
@@ -1066,6 +1341,8 @@ def start_wandb(run):
     a = run.settings
     if not (a.wandb_project and run.master):
         return None
+    if (run.out_dir / "wandb").is_symlink():  # wandb would write its files wherever it points
+        raise UsageError(link_refused(run.out_dir / "wandb"))
     return import_wandb().init(project=a.wandb_project, name=a.wandb_run, dir=run.out_dir,
                                config=dict(dataclasses.asdict(a), **dataclasses.asdict(run.config)))
 
@@ -1089,9 +1366,16 @@ def wandb_numbers(record):
 
 def lock_out_dir(out_dir, cleanup):
     """One run per --out_dir: OUT_DIR/train.lock holds the pid of the train.py writing there, and goes
-    when it ends (cleanup). A lock left by a process that no longer runs (kill -9) is taken over."""
+    when it ends (cleanup). A lock left by a process that no longer runs (kill -9) is taken over.
+    Every lock file is created new (O_EXCL | O_NOFOLLOW) and read without following a link. Then,
+    under the lock, the temporary files of saves cut short are removed."""
     path, mine = out_dir / "train.lock", out_dir / f"train.lock.{os.getpid()}"
-    mine.write_text(f"{os.getpid()}\n")
+    try:
+        with open_new_or_append(mine) as f:
+            f.write(f"{os.getpid()}\n")
+    except FileExistsError:
+        raise UsageError(f"{mine} is in the way of this run's lock (left by a killed train.py of the same "
+                         f"pid?): delete it if no train.py writes to {out_dir}, and re-run") from None
     try:
         for attempt in range(2):
             try:
@@ -1099,7 +1383,10 @@ def lock_out_dir(out_dir, cleanup):
                 break
             except FileExistsError:
                 pid = lock_pid(path)
-                if attempt or pid is None or process_alive(pid):
+                if pid is None:
+                    raise UsageError(f"{path} is not a lock train.py wrote (a link, or no pid in it): "
+                                     f"delete it if no train.py writes to {out_dir}, and re-run") from None
+                if attempt or process_alive(pid):
                     raise UsageError(f"--out_dir {out_dir} is in use by another train.py (pid {pid}, see {path}): "
                                      "wait for it to finish or choose another --out_dir; if that process no "
                                      f"longer runs, delete {path}") from None
@@ -1112,22 +1399,25 @@ def lock_out_dir(out_dir, cleanup):
         if lock_pid(path) == os.getpid():
             path.unlink(missing_ok=True)
     cleanup.callback(release)
+    remove_leftover_temp_files(out_dir)
 
 
 def lock_pid(path):
+    """The pid in a lock file; None when there is none (a link is not followed: None too)."""
     try:
-        return int(path.read_text().strip())
+        with os.fdopen(os.open(path, os.O_RDONLY | NOFOLLOW)) as f:
+            return int(f.read().strip())
     except (OSError, ValueError):
         return None
 
 
 def remove_dead_lock(path, pid):
     """Remove the lock of dead process pid. Two runs may find it at once, and the first may already have
-    made its own lock there: only the run that creates PATH.takeover (atomic) may remove the lock, and only
-    while it still names pid. The other run's next link then fails as "in use"."""
+    made its own lock there: only the run that creates PATH.takeover (O_EXCL) may remove the lock, and
+    only while it still names pid. The other run's next link then fails as "in use"."""
     claim = path.with_name(path.name + ".takeover")
     try:
-        claim.touch(exist_ok=False)  # O_CREAT | O_EXCL
+        open_new_or_append(claim).close()
     except FileExistsError:
         return  # another run is taking it over
     try:
@@ -1156,11 +1446,18 @@ def stop_requested(received, ddp, device):
     return flag.item() > 0
 
 
+# SIGHUP: the terminal closed (a run started without nohup); not on Windows
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+
+
 def catch_stop_signals(cleanup):
-    """SIGINT (Ctrl-C) and SIGTERM only set a flag (the returned list), which the training loop reads
-    at the end of each step; a second signal a second or more later interrupts at once (sooner, it is
-    the same Ctrl-C, which torchrun forwards to processes that got it from the terminal already).
-    The old handlers return at cleanup."""
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP only set a flag (the returned list), which the training loop
+    reads at the end of each step; a second signal a second or more later interrupts at once (sooner,
+    it is the same Ctrl-C, which torchrun forwards to processes that got it from the terminal already).
+    A signal ignored when train.py started stays ignored, as Python does for SIGINT: nohup ignores
+    SIGHUP so that a run outlives its terminal, and `cmd &` in a script ignores SIGINT so that Ctrl-C
+    reaches only the foreground job. SIGTERM (kill PID) stops such a run. The old handlers return at
+    cleanup."""
     received, first = [], []
 
     def handler(signum, frame):
@@ -1169,9 +1466,47 @@ def catch_stop_signals(cleanup):
         received.append(signum)
         first[:] = first or [time.monotonic()]
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            cleanup.callback(signal.signal, sig, signal.signal(sig, handler))
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                cleanup.callback(signal.signal, sig, signal.signal(sig, handler))
+    for name in ("stdout", "stderr"):  # a closed terminal (SIGHUP) must not stop the run before it saves
+        stream = getattr(sys, name)
+        if stream.isatty():
+            setattr(sys, name, Terminal(stream))
+            cleanup.callback(setattr, sys, name, stream)
     return received
+
+
+class Terminal:
+    """sys.stdout or sys.stderr when it is a terminal. Once the terminal is closed every write to it
+    fails (EIO), also in the moment before SIGHUP arrives: the stream's file descriptor then points
+    to /dev/null, so the lines meant for the terminal are dropped and the run stops at the end of
+    its step, saving last.pt, as on SIGTERM."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self.drop_from_now_on()
+            return self.stream.write(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            self.drop_from_now_on()
+            self.stream.flush()
+
+    def drop_from_now_on(self):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self.stream.fileno())  # what the stream still holds is flushed there
+        os.close(null)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 if __name__ == "__main__":
