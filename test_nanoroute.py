@@ -3257,15 +3257,17 @@ def test_bench_compiles_every_model_and_says_which_did(tmp_path, monkeypatch, ca
     try:
         out = bench.main(argv)
         for name, r in out["variants"].items():
-            assert r["compiled"] is True and r["graphs"] == 1 and r["compile_s"] >= 0, name
+            assert r["compiled"] is True and r["graphs"] == 1, name
+            # compile time: the first step less a timed one (the median), never negative
+            assert r["compile_s"] == max(0.0, r["first_step_s"] - r["ms_median"] / 1e3), name
         assert torch._dynamo.config.recompile_limit == 1  # back as it was after the run
         assert "| yes: 1 graph(s)" in capsys.readouterr().out
-        # without the raised limit the second model of each version falls back: the report says so
+        # without the raised limit the second model falls back: the report says so
         torch._dynamo.reset()
         monkeypatch.setattr(bench, "compile_limit", lambda b: contextlib.nullcontext())
-        out = bench.main(argv)
+        out = bench.main([a for a in argv if a not in ("--against", nanoroute.__file__)])
         assert {k: v["compiled"] for k, v in out["variants"].items()} == {
-            "prenorm": True, "prenorm@against": True, "block": False, "block@against": False}
+            "prenorm": True, "block": False}
         printed = capsys.readouterr().out
         assert "block: " in printed and "NOT compiled: dynamo fell back to eager" in printed
         assert "| NO: eager fallback |" in printed

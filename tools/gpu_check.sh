@@ -37,7 +37,7 @@ if [ $mode = cuda ]; then
     backend=${GPU_CHECK_BACKEND:-inductor}
     test_env=(NANOROUTE_TEST_DEVICE=cuda)
     iters=${GPU_CHECK_ITERS:-10}
-    limits=${GPU_CHECK_LIMITS:-180 60 60 200}
+    limits=${GPU_CHECK_LIMITS:-190 50 40 200}  # 190 + 50 + 2 x 40 + 200 = 520 s
 else
     shape=(--shape tiny --device cpu)
     tiny=(--n_layer 2 --n_embd 32 --n_head 2 --sequence_len 32 --batch_size 2 --vocab_size 256
