@@ -9,6 +9,13 @@ Generation: greedy decoding of --gen_tokens tokens after a 1-token prompt, model
 against a full-recompute loop (nanoGPT style: re-run the whole context for every new token), with a
 check that both produce the same tokens.
 
+Each model's first step is timed apart: with --compile it is where torch.compile compiles (reported
+as compile time, never in the step times). Every model of the run gets its own compiled function,
+and torch._dynamo's recompile limit (8 versions of GPT.forward by default) is raised for the run, so
+that all of them compile; the report says per model whether it ran compiled, counted by its own
+backend (a model that fell back to eager says so). --json is rewritten as each model and variant is
+measured, so a run stopped early keeps what it measured.
+
 Memory (a separate, untimed step per variant, after warm-up):
 - cuda: allocator peak of one training step (torch.cuda.max_memory_allocated) above what was allocated
   just before it, plus the model's own parameters and AdamW state. All models stay resident, so the
@@ -17,6 +24,7 @@ Memory (a separate, untimed step per variant, after warm-up):
   AdamW state + the tensors saved for backward by one (eager) forward pass, as unique storages recorded
   with torch.autograd.graph.saved_tensors_hooks, parameter storages excluded. That is the training-step
   footprint at its usual peak, the end of the forward; temporaries are not counted.
+- both: train.py's estimate of the peak (train.estimate_memory), next to it.
 
 Before and after a change to the model: --against PATH (another nanoroute.py, or a folder holding one)
 builds every variant from that file too, as VARIANT@against, and times both versions in the same rounds;
@@ -32,6 +40,8 @@ Usage:
     python bench.py --shape s48 --variants prenorm,block,wav,rd --iters 20 --json out/bench_s48.json
     python bench.py --shape demo --variants prenorm --gen_variants prenorm,block,wav,rd
     python bench.py --shape gpu12 --device cuda --compile  # bf16 autocast, reports MFU
+    python bench.py --preset rd_m --variants block,rd --iters 2 --gen_tokens 0  # a preset's forward
+    python bench.py --memory_table                         # every preset's estimated memory per GPU
     python bench.py --shape s12 --variants block --gen_tokens 0 --profile block
     git show main:nanoroute.py > /tmp/main_nanoroute.py   # the model before your change
     python bench.py --shape s12 --variants block,rd --gen_tokens 0 --against /tmp/main_nanoroute.py
@@ -47,12 +57,14 @@ import platform
 import statistics
 import sys
 import time
+import typing
 import weakref
 
 import torch
 
 import nanoroute
 import prepare_data
+import train
 from prepare_data import UsageError, write_json
 from train import pick_device
 
@@ -139,7 +151,7 @@ def sync(device_type):
 
 def train_step(model, opt, x, y, amp):
     with amp:
-        _, loss = model(x, y)
+        loss = model(x, y)[1]  # as train.py: the logits are freed before the backward
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -218,6 +230,14 @@ def fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
 
 
+def compiled_cell(r):
+    """Whether a model ran compiled, for the table: its graphs and compile time, or that it did
+    not."""
+    if not r["compiled"]:
+        return "NO: eager fallback"
+    return f"yes: {r['graphs']} graph(s), {r['compile_s']:.1f} s"
+
+
 # -----------------------------------------------------------------------------
 # The benchmark, by job: parse, build, time the training step, report, time generation, profile
 
@@ -231,23 +251,34 @@ def main(argv=None):
 
 
 def run_bench(argv=None):
-    """Every measurement of one bench.py command; returns its numbers (and writes them: --json)."""
-    bench = setup(argv)
-    models = {name: build(bench, name) for name in bench.timed}
-    times = time_training(bench, models)
-    results = {name: variant_result(bench, *models[name], times[name]) for name in models}
-    add_ratios(bench, results, times)
-    print_training(bench, results)
-    generation = time_generation(bench, models) if bench.n_new > 0 else {}
-    if bench.args.profile:
-        profile(bench, models)
-    generation = dict(new_tokens=bench.n_new, prompt_len=1, repeats=bench.args.gen_repeats,
-                      variants=generation)
-    out = dict(machine=bench.machine, args=vars(bench.args), shape=bench.shape, iters=bench.iters,
-               variants=results, generation=generation)
+    """Every measurement of one bench.py command; returns its numbers (bench.out), written to --json
+    as they come."""
+    args = build_parser().parse_args(argv)
+    if args.memory_table:
+        print(memory_table())
+        return None
+    bench = setup(args, argv)
+    out = bench.out
+    with compile_limit(bench):
+        models = {}
+        for name in bench.timed:  # one at a time: a model's first step compiles it (--compile)
+            models[name] = build(bench, name)
+            first_step(bench, name, models[name])
+        times = time_training(bench, models)
+        for name, m in models.items():
+            out["variants"][name] = variant_result(bench, name, m, times[name])
+            print_progress(bench, name, out["variants"][name])
+            save(bench)
+        add_ratios(bench, out["variants"], times)
+        print_training(bench, out["variants"])
+        generation = time_generation(bench, models) if bench.n_new > 0 else {}
+        if bench.args.profile:
+            profile(bench, models)
+    out["generation"] = dict(new_tokens=bench.n_new, prompt_len=1, repeats=bench.args.gen_repeats,
+                             variants=generation)
+    out["complete"] = True
+    save(bench)
     if bench.args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(bench.args.json)), exist_ok=True)
-        write_json(bench.args.json, out)
         print(f"\nwrote {bench.args.json}")
     return out
 
@@ -255,11 +286,15 @@ def run_bench(argv=None):
 def build_parser():
     p = prepare_data.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", default="s12", choices=SHAPES)
+    p.add_argument("--preset", default=None, choices=train.PRESETS,
+                   help="the shape of a train.py preset instead: its model, B = the sequences one\n"
+                        "GPU runs per forward (its --micro_batch), its data's vocabulary")
     for f in (*MODEL_FIELDS, "batch_size"):
         p.add_argument(f"--{f}", type=int, default=None, help="overrides the shape's value")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma list, in timing order")
     p.add_argument("--iters", type=int, default=None, help="timed steps per variant (default 10 cpu, 20 cuda)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (covers --compile)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed rounds after each model's first step (timed apart: compiling)")
     p.add_argument("--gen_tokens", type=int, default=None,
                    help="new tokens per generation, 0 = skip; default min(256, sequence_len), the most that fit the"
                         " context after the 1-token prompt (past it, both methods re-encode the window every step)")
@@ -267,6 +302,9 @@ def build_parser():
     p.add_argument("--gen_repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile each model for the training step")
+    p.add_argument("--compile_backend", default="inductor", metavar="NAME",
+                   help="torch.compile's backend for --compile (aot_eager or eager: the compile\n"
+                        "path without inductor's code generation, quick on a CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
     p.add_argument("--profile", default=None, choices=VARIANTS,
                    help="variant to run under torch.profiler: 3 training steps, and a cached generation "
@@ -274,28 +312,33 @@ def build_parser():
     p.add_argument("--against", default=None, metavar="PATH",
                    help="another nanoroute.py (or a folder holding one): time every variant from it too, in the"
                         " same rounds, and report this code / that code")
-    p.add_argument("--json", default=None, help="write every number to this path")
+    p.add_argument("--json", default=None, help="write every number to this path, as they come")
+    p.add_argument("--memory_table", action="store_true",
+                   help="print the estimated peak memory per GPU of every train.py preset and\n"
+                        "variant on 1 and 8 GPUs (train.estimate_memory), and exit")
     return p
 
 
 @dataclasses.dataclass
 class Bench:
-    """One benchmark, as its flags set it up: what every job below reads."""
+    """One benchmark, as its flags set it up: what every job below reads. out: the numbers so far
+    (what --json holds)."""
     args: argparse.Namespace
     variants: list  # the timed variants of this code, in timing order
     gen_variants: list
     against: object  # the --against nanoroute module, or None
     device: str
-    shape: dict  # SHAPES[--shape] with the flags' overrides
+    shape: dict  # SHAPES[--shape] (or the --preset's) with the flags' overrides
     iters: int
     machine: dict
 
     def __post_init__(self):
         self.device_type = torch.device(self.device).type
         self.B, self.T = self.shape["batch_size"], self.shape["sequence_len"]
-        self.amp = contextlib.nullcontext()
+        self.amp, self.dtype = contextlib.nullcontext(), torch.float32
         if self.device_type == "cuda":
             self.amp = torch.autocast(self.device_type, dtype=torch.bfloat16)
+            self.dtype = torch.bfloat16
         # the timed names: each variant, and VARIANT@against right after it with --against
         versions = ("", "@against") if self.against else ("",)
         self.timed = [name + version for name in self.variants for version in versions]
@@ -305,36 +348,77 @@ class Bench:
         # the same fixed batch for every variant and step
         self.x, self.y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
         self.n_new = min(256, self.T) if self.args.gen_tokens is None else self.args.gen_tokens
+        self.peak = None  # MFU's peak FLOP/s (CUDA, a GPU in train.PEAK_FLOPS)
+        if self.device_type == "cuda":
+            self.peak = train.peak_flops(self.machine["device_name"], self.dtype)
+        self.out = dict(machine=self.machine, args=vars(self.args), shape=self.shape,
+                        iters=self.iters, complete=False, first_steps={}, variants={},
+                        generation={})
 
 
-def setup(argv):
+def setup(args, argv):
     """The flags, checked, as a Bench; prints the machine and the shape."""
-    args = build_parser().parse_args(argv)
     variants = parse_list(args.variants, "--variants")
     against = load_against(args.against) if args.against else None
     gen_variants = parse_list(args.gen_variants, "--gen_variants")
+    if args.compile:
+        check_backend(args.compile_backend)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = str(pick_device(args.device))  # a clear error for a typo, or CUDA asked for where there is none
     device_type = torch.device(device).type
-    shape = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in SHAPES[args.shape].items()}
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as train.py
+        torch.backends.cudnn.allow_tf32 = True
+    base = preset_shape(args.preset) if args.preset else SHAPES[args.shape]
+    shape = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
     iters = args.iters or (20 if device_type == "cuda" else 10)
+    compiled = f"compiled ({args.compile_backend})" if args.compile else "eager"
     machine = dict(torch=torch.__version__, python=platform.python_version(), device=device,
                    device_name=torch.cuda.get_device_name(device) if device_type == "cuda"
                    else cpu_name(),
                    cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
                    dtype="bf16 autocast" if device_type == "cuda" else "fp32", compiled=args.compile,
+                   compile_backend=args.compile_backend if args.compile else None,
                    command="python bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"bench: {machine['device_name']} ({machine['cpu_count']} CPUs, {machine['threads']} threads), "
-          f"torch {machine['torch']}, {machine['dtype']}{', compiled' if args.compile else ''} | "
-          f"{machine['command']}")
-    print(f"shape {args.shape}: " + ", ".join(f"{k}={v}" for k, v in shape.items()))
+          f"torch {machine['torch']}, {machine['dtype']}, {compiled} | {machine['command']}")
+    print(f"{'preset ' + args.preset if args.preset else 'shape ' + args.shape}: "
+          + ", ".join(f"{k}={v}" for k, v in shape.items()))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     return Bench(args, variants, gen_variants, against, device, shape, iters, machine)
 
 
+def preset_shape(name):
+    """A train.py preset as a shape: its model; batch_size, the sequences one GPU runs per forward
+    (its --micro_batch, or its whole batch); the vocabulary of its data: GPT-2's tokens, or at most
+    256 characters (a char-level dataset's own is smaller)."""
+    preset = train.PRESETS[name]
+    vocab = prepare_data.GPT2_VOCAB if "fineweb" in preset["data"] else 256
+    rows = preset.get("micro_batch") or preset["batch_size"]
+    return dict({k: preset[k] for k in MODEL_FIELDS[:-1]}, batch_size=rows, vocab_size=vocab)
+
+
+def check_backend(name):
+    """--compile_backend must name one of torch.compile's backends."""
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise UsageError(f"--compile_backend {name}: not a torch.compile backend; choose one of "
+                         f"{', '.join(known)}")
+
+
+class Model(typing.NamedTuple):
+    """One timed model: the module, what the training step calls (compiled with --compile), its
+    AdamW, and with --compile its own backend's counts: {"graphs": compiled, "calls": run}."""
+    model: torch.nn.Module
+    step_model: object
+    opt: torch.optim.Optimizer
+    compiled: dict = None
+
+
 def build(bench, name):
-    """(model, the model the training step calls, its AdamW) of one variant; VARIANT@against from
-    the --against version of nanoroute.py."""
+    """The Model of one variant; VARIANT@against from the --against version of nanoroute.py."""
     module, variant = (nanoroute, name)
     if name.endswith("@against"):
         module, variant = (bench.against, name[:-len("@against")])
@@ -349,34 +433,111 @@ def build(bench, name):
         raise UsageError(f"{name}: the --against version cannot build it: {type(e).__name__}: {e}")
     model.to(bench.device)
     opt = model.configure_optimizers(0.1, 1e-3, device_type=bench.device_type)
-    return model, (torch.compile(model) if bench.args.compile else model), opt
+    if not bench.args.compile:
+        return Model(model, model, opt)
+    step_model, counts = compile_counted(model, bench.args.compile_backend)
+    return Model(model, step_model, opt, counts)
+
+
+def compile_counted(model, backend_name):
+    """torch.compile(model) with a backend of its own (backend_name's, wrapped): the model compiles
+    its own graphs, never shares another model's, and the counts say how many it compiled and how
+    often the steps ran them (0: dynamo fell back to eager)."""
+    counts = dict(graphs=0, calls=0)
+    inner = torch._dynamo.lookup_backend(backend_name)
+
+    def backend(graph, example_inputs):
+        counts["graphs"] += 1
+        compiled = inner(graph, example_inputs)
+
+        def run(*args):
+            counts["calls"] += 1
+            return compiled(*args)
+        return run
+    return torch.compile(model, backend=backend), counts
+
+
+def compile_limit(bench):
+    """torch._dynamo keeps at most recompile_limit compiled versions of one function (8 by
+    default), counted over every model, and runs the others eager: GPT.forward of --against's 16
+    models, or of more than 8 variants, would fall back. Raised for the run, to twice the models."""
+    if not bench.args.compile:
+        return contextlib.nullcontext()
+    limit = max(torch._dynamo.config.recompile_limit, 2 * len(bench.timed))
+    return torch._dynamo.config.patch(recompile_limit=limit)
+
+
+def first_step(bench, name, m):
+    """A model's first training step, timed apart: with --compile it compiles. Recorded, printed and
+    saved at once (compiling every variant of a large shape takes minutes)."""
+    step = lambda: train_step(m.step_model, m.opt, bench.x, bench.y, bench.amp)  # noqa: E731
+    dt, _ = timed(step, bench.device_type)
+    record = dict(first_step_s=dt, graphs=m.compiled["graphs"] if m.compiled else None)
+    bench.out["first_steps"][name] = record
+    what = f", {record['graphs']} graph(s) compiled" if m.compiled else ""
+    print(f"{name}: first step {dt:.2f} s{what}", flush=True)
+    save(bench)
 
 
 def time_training(bench, models):
     """Seconds per training step of every model, {name: [per round]}: round-robin, A B C A B C ...,
-    after --warmup untimed rounds, so that machine noise falls on all variants alike."""
+    after --warmup untimed rounds, so that machine noise falls on all variants alike. The rounds so
+    far are saved after each."""
     times = {name: [] for name in models}
     for r in range(bench.args.warmup + bench.iters):
-        for name, (_, step_model, opt) in models.items():
-            step = lambda: train_step(step_model, opt, bench.x, bench.y, bench.amp)  # noqa: E731
-            dt, _ = timed(step, bench.device_type)
+        for name, m in models.items():
+            dt, _ = timed(lambda: train_step(m.step_model, m.opt, bench.x, bench.y, bench.amp),
+                          bench.device_type)
             if r >= bench.args.warmup:
                 times[name].append(dt)
+        if r >= bench.args.warmup:
+            bench.out["rounds_ms"] = {name: [1e3 * t for t in ts] for name, ts in times.items()}
+            save(bench)
     return times
 
 
-def variant_result(bench, model, step_model, opt, times):
-    """One variant's record: its step times, parameters, routing block, memory and (CUDA) MFU."""
-    cuda = bench.device_type == "cuda"
+def variant_result(bench, name, m, times):
+    """One variant's record: its step times, whether they ran compiled, parameters, routing block,
+    memory (measured, and train.py's estimate) and MFU (CUDA, a GPU in train.PEAK_FLOPS)."""
+    cuda, model = bench.device_type == "cuda", m.model
     res = summarize(times, bench.B * bench.T)
+    res.update(bench.out["first_steps"][name])
+    # compiled: every step so far ran the model's own compiled graphs (None: no --compile)
+    steps = 1 + bench.args.warmup + bench.iters
+    res["compiled"] = m.compiled["calls"] >= steps if m.compiled else None
+    compile_s = max(0.0, res["first_step_s"] - res["ms_median"] / 1e3)
+    res["compile_s"] = compile_s if res["compiled"] else None
     res["params"] = model.get_num_params()
     routed = model.config.residual == "attnres"
     res["routing_block"] = model.config.routing_block if routed else None
     # CPU: count on the eager model (saved-tensor hooks and compiled graphs do not mix)
-    res["memory_bytes"] = memory_bytes(model, step_model if cuda else model, opt, bench.x, bench.y,
-                                       bench.amp, bench.device_type)
-    res["mfu"] = model.estimate_mfu(bench.B * bench.T, res["ms_median"] / 1e3) if cuda else None
+    res["memory_bytes"] = memory_bytes(model, m.step_model if cuda else model, m.opt, bench.x,
+                                       bench.y, bench.amp, bench.device_type)
+    config = nanoroute.GPTConfig(**{k: bench.shape[k] for k in MODEL_FIELDS},
+                                 **VARIANTS[name.removesuffix("@against")])
+    estimate = train.estimate_memory(config, bench.B * bench.T, bench.dtype)
+    res["memory_estimate_bytes"] = estimate["total"]
+    res["mfu"] = None
+    if bench.peak:
+        res["mfu"] = model.estimate_mfu(bench.B * bench.T, res["ms_median"] / 1e3, bench.peak)
     return res
+
+
+def print_progress(bench, name, r):
+    """One line as soon as a variant's record is complete."""
+    compiled = {None: "", True: ", compiled",
+                False: ", NOT compiled: dynamo fell back to eager"}[r["compiled"]]
+    mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
+    memory, estimate = r["memory_bytes"] / 2**20, r["memory_estimate_bytes"] / 2**20
+    print(f"{name}: {r['ms_median']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s{mfu}, memory "
+          f"{memory:,.0f} MB (estimated {estimate:,.0f}), first step {r['first_step_s']:.2f} s"
+          f"{compiled}", flush=True)
+
+
+def save(bench):
+    """--json rewritten (atomically) with what is measured so far: a run stopped early keeps it."""
+    if bench.args.json:
+        write_json(bench.args.json, bench.out)
 
 
 def add_ratios(bench, results, times):
@@ -401,19 +562,27 @@ def add_ratios(bench, results, times):
 
 def print_training(bench, results):
     """The training-step tables: every variant, per-round ratios, this code against --against."""
-    cuda = bench.device_type == "cuda"
+    cuda, compiled = bench.device_type == "cuda", bench.args.compile
     mem_kind = "peak MB" if cuda else "counted MB"
     header = ["variant", "params", "median ms/step", "min ms", "tokens/s", "/ prenorm", "/ block",
-              f"memory ({mem_kind})", "memory / prenorm"] + (["MFU"] if cuda else [])
+              f"memory ({mem_kind})", "estimated MB", "memory / prenorm"]
+    header += ["MFU"] * bool(bench.peak) + ["first step s"] + ["compiled"] * compiled
     rows = [[name, f"{r['params'] / 1e6:.2f}M", f"{r['ms_median']:.1f}", f"{r['ms_min']:.1f}",
              f"{r['tokens_per_s']:.0f}", fmt(r["ratio_prenorm"]), fmt(r["ratio_block"]),
-             f"{r['memory_bytes'] / 2**20:.1f}", fmt(r["memory_ratio_prenorm"])]
-            + ([f"{100 * r['mfu']:.1f}%"] if cuda else []) for name, r in results.items()]
+             f"{r['memory_bytes'] / 2**20:.1f}", f"{r['memory_estimate_bytes'] / 2**20:.1f}",
+             fmt(r["memory_ratio_prenorm"])] + ([f"{100 * r['mfu']:.1f}%"] if bench.peak else [])
+            + [f"{r['first_step_s']:.2f}"] + ([compiled_cell(r)] if compiled else [])
+            for name, r in results.items()]
     print(f"\n### Training step: B={bench.B}, T={bench.T}, {bench.iters} interleaved steps per "
           f"variant after {bench.args.warmup} warm-up rounds; ratios are of medians")
     if not cuda:
         print("memory (counted) = params + grads + AdamW state + tensors saved for backward (unique storages),"
               " not an allocator peak")
+    if cuda and not bench.peak:
+        print(f"note: MFU left out: no peak FLOP/s known for {bench.machine['device_name']} in "
+              "bf16 (train.PEAK_FLOPS)")
+    print("estimated = train.estimate_memory, the eager step's peak; first step: its own time, "
+          "with --compile its compiling (never in ms/step)")
     print(md_table(header, rows))
     run_bases = [base for base in ("prenorm", "block") if base in bench.variants]
     if run_bases:
@@ -483,7 +652,7 @@ def profile(bench, models):
     """--profile VARIANT: the top ops of 3 training steps under torch.profiler, and of a cached
     generation (what one generated token costs) unless --gen_tokens 0."""
     name = bench.args.profile
-    model, step_model, opt = models[name] if name in models else build(bench, name)
+    model, step_model, opt, _ = models[name] if name in models else build(bench, name)
     model.train()
     for _ in range(bench.args.warmup):
         train_step(step_model, opt, bench.x, bench.y, bench.amp)
@@ -510,6 +679,25 @@ def profile(bench, models):
         print(f"\n### Profile: {name}, KV-cache generation of {n} tokens: "
               f"{sum(e.count for e in ops) / n:.0f} aten calls per token, top ops by {sort_by}")
         print(prof.key_averages().table(sort_by=sort_by, row_limit=12))
+
+
+def memory_table(gpus=(1, 8)):
+    """train.estimate_memory of every train.py preset and variant in GiB per GPU, on 1 and 8 GPUs,
+    in bf16: a Markdown table (docs/training.md and docs/speed.md hold it, as a test checks)."""
+    rows = []
+    for preset in train.PRESETS:
+        shape, settings = preset_shape(preset), train.PRESETS[preset]
+        T = shape["sequence_len"]
+        for world in gpus:
+            share = settings["batch_size"] // world
+            per_forward = min(settings.get("micro_batch") or share, share)
+            cells = []
+            for values in nanoroute.VARIANTS.values():
+                config = nanoroute.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS}, **values)
+                estimate = train.estimate_memory(config, per_forward * T, torch.bfloat16, world)
+                cells.append(f"{estimate['total'] / train.GIB:.1f}")
+            rows.append([preset, world, f"{per_forward} x {T}", *cells])
+    return md_table(["preset", "GPUs", "sequences x tokens per forward", *nanoroute.VARIANTS], rows)
 
 
 if __name__ == "__main__":

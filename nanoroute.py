@@ -513,12 +513,17 @@ class GPT(DepthRouting, nn.Module):
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
-    def estimate_mfu(self, tokens_per_iter, dt, peak_flops=989e12):
-        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (default: H100/H200 bf16 dense).
-        Counts 6N per token for the matmuls plus attention (PaLM appendix B); routing is negligible."""
+    def estimate_mfu(self, tokens_per_iter, dt, peak_flops):
+        """Model FLOPs utilisation: achieved FLOP/s (flops_per_token) over peak_flops, the device's
+        dense peak in the precision trained (train.peak_flops)."""
+        return self.flops_per_token() * tokens_per_iter / dt / peak_flops
+
+    def flops_per_token(self):
+        """Training FLOPs per token as PaLM counts them (appendix B): 6N for the matmuls of the N
+        parameters (forward 2N, backward 4N), plus attention's scores and mix, 12·L·d·T (at full
+        context T); the routing's few FLOPs per source and token are left out."""
         cfg = self.config
-        flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.sequence_len
-        return flops_per_token * tokens_per_iter / dt / peak_flops
+        return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.sequence_len
 
     # ----- generation ------------------------------------------------------------------
     @torch.no_grad()

@@ -590,9 +590,10 @@ def test_optimizer_decays_only_matrices():
 
 
 # The kernel and fast == reference checks run on NANOROUTE_TEST_DEVICE (default cpu; cuda on a GPU:
-# NANOROUTE_TEST_DEVICE=cuda python -m pytest -q -k "fast or reference or kernel"), in float32 and
-# under bf16 autocast. The routing math is float32 in both, so the kernel's tolerances are float32's;
-# a model under autocast rounds its sublayers to bf16, which amplifies float32-level differences.
+# NANOROUTE_TEST_DEVICE=cuda python -m pytest -q -m gpu, with the CUDA-only tests of "Speed and
+# memory": TF32 on, as train.py runs), in float32 and under bf16 autocast. The routing math is
+# float32 in both, so the kernel's tolerances are float32's; a model under autocast rounds its
+# sublayers to bf16, which amplifies float32-level differences.
 TEST_DEVICE = os.environ.get("NANOROUTE_TEST_DEVICE", "cpu")
 PRECISIONS = ["float32", "bf16_autocast"]
 
@@ -618,6 +619,8 @@ def precision_context(device, precision):
 def model_tolerance(device, precision):
     if precision == "bf16_autocast":
         return dict(atol=3e-2, rtol=3e-2)
+    if precision == "tf32":  # float32 with TF32 matmuls (CUDA, as train.py runs): 10-bit mantissas
+        return dict(atol=1e-2, rtol=1e-2)
     return dict(atol=1e-5, rtol=1e-4) if device.type == "cpu" else dict(atol=1e-4, rtol=1e-3)
 
 
@@ -650,11 +653,12 @@ def assert_fast_equals_reference(mode, device, precision, model_class=GPT, froze
         for path, grad in (("fast", fast_grads[name]), ("reference", ref_grads[name])):
             if name not in frozen:
                 assert grad is not None and grad.abs().sum() > 0, f"{name} gets no gradient on the {path} path"
-        if precision == "float32" or name in routing:
+        if precision != "bf16_autocast" or name in routing:
             torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
     return routing
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout",
                                   "wav_wide", "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav",
                                   "wav_learned", "wav_learned_rd"])
@@ -663,12 +667,14 @@ def test_fast_path_equals_reference_path_forward_and_gradients(mode, device):
     assert_fast_equals_reference(mode, device, "float32")
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["block", "full", "wav", "rd_wav", "wav_learned_rd"])
 def test_fast_path_equals_reference_path_under_bf16_autocast(mode, device):
     routing = assert_fast_equals_reference(mode, device, "bf16_autocast")
     assert {"query.readout", "basis_coefficients"} & routing  # the routing's own parameters are compared
 
 
+@pytest.mark.gpu
 def test_the_harness_fails_on_a_missing_gradient(device):
     # a change that leaves a parameter without gradient on both paths (coefficients built under no_grad)
     # must not pass because None == None
@@ -740,6 +746,7 @@ def kernel_and_reference(inputs, precision, device, n_partial):
     return out
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("n_partial", [0, 1, 3])
 @pytest.mark.parametrize("learned", [False, True])
@@ -759,6 +766,7 @@ def test_kernel_equals_reference_read_forward_and_gradients(device, precision, n
         torch.testing.assert_close(a, b, **tol, msg=name)
 
 
+@pytest.mark.gpu
 def test_kernel_reuses_a_key_norm_only_for_the_same_value(device):
     # the kernel computes a completed source's key norm once per forward and passes it to the next block's
     # reads; a source replaced by another value under the same name (an override of complete) gets its own
@@ -770,6 +778,7 @@ def test_kernel_reuses_a_key_norm_only_for_the_same_value(device):
     torch.testing.assert_close(then(0, [])[0], nanoroute.depth_read(query, bias, [3 * x2, y])[0])
 
 
+@pytest.mark.gpu
 def test_kernel_backward_inside_autocast_equals_outside(device):
     # a user may call backward() inside an autocast block: the kernel's backward stays float32
     completed, updates, coefficients, queries, biases = kernel_inputs(device, learned=True)
@@ -818,6 +827,7 @@ def test_readme_python_blocks_run_as_written():
 
 
 # A new detail basis: one small method override
+@pytest.mark.gpu
 def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(device):
     cfg = dict(residual="attnres", wav=True, attnres_block=4)
     model = docs_class("GPTWithCrossBasis")(GPTConfig(**TINY, **cfg))
@@ -835,6 +845,7 @@ def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(devic
 
 
 # A source made from earlier blocks: an override of complete
+@pytest.mark.gpu
 def test_extension_block_difference_source_fast_equals_reference(device):
     cfg = dict(residual="attnres", attnres_block=2)  # 3 layers: C0, C1, C2, then the readout
     model = randomise_routing(docs_class("GPTWithBlockDifference")(GPTConfig(**TINY, **cfg)))
@@ -853,6 +864,7 @@ def test_extension_block_difference_source_fast_equals_reference(device):
 
 
 # A learned temperature per read and a recency bias per source: an override of route
+@pytest.mark.gpu
 def test_extension_temperature_and_recency_in_route_fast_equals_reference(device):
     cfg = dict(residual="attnres", wav=True, rd="decoupled", attnres_block=4)
     torch.manual_seed(0)
@@ -863,6 +875,7 @@ def test_extension_temperature_and_recency_in_route_fast_equals_reference(device
 
 
 # Learned detail coefficients: the flag wav_learned_bases (SPEC: Learnable bases)
+@pytest.mark.gpu
 def test_learned_bases_start_at_the_signs_and_learn(device):
     cfg = dict(residual="attnres", wav=True, attnres_block=4)
     fixed, learned = make_model(**cfg), make_model(**cfg, wav_learned_bases=True)
@@ -885,6 +898,7 @@ def test_learned_bases_start_at_the_signs_and_learn(device):
 
 # A normalised block summary (RMS-Block): completed blocks in complete(); the partial block is refused by
 # the fast kernel (its contract), and works on the reference path
+@pytest.mark.gpu
 def test_extension_normalised_summaries_fast_equals_reference_or_refused(device):
     cfg = dict(residual="attnres", attnres_block=2)
     model = randomise_routing(docs_class("GPTWithNormalisedBlocks")(GPTConfig(**TINY, **cfg)))
@@ -3889,6 +3903,420 @@ def test_bench_against_bad_versions_are_one_error_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (file, err)
         assert re.search(message, err), (file, err)
+
+
+# -----------------------------------------------------------------------------
+# Speed and memory: micro-batches, the memory estimate, MFU, the dtype, bench.py's compile guard and
+# results as they come, the GPU check script; then the CUDA-only tests (NANOROUTE_TEST_DEVICE=cuda
+# python -m pytest -q -m gpu), skipped on the CPU
+
+MEMORY_VARIANTS = dict(bench.VARIANTS, rd_average=nanoroute.VARIANTS["rd_average"])
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16_autocast"])
+def test_memory_estimate_matches_the_saved_tensor_count(precision):
+    # train.estimate_memory against bench.py's exact CPU count: its activations against the bytes
+    # one eager forward saves for backward; with parameters, gradients and AdamW's state against the
+    # whole count. Within 10% for every variant (they agree within 3%, the reference read's within
+    # 8%); n_layer 5 gives WAV a short last block of 2 sublayers
+    bf16 = precision == "bf16_autocast"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    B, T = 2, 32
+    names = ("prenorm", "rezero", "layerscale", "block", "full", "wav", "rd", "rd_average", "naive")
+    for shape in (dict(n_layer=4, n_embd=64, n_head=2), dict(n_layer=5, n_embd=128, n_head=4)):
+        for name in names:
+            torch.manual_seed(0)
+            config = GPTConfig(**shape, sequence_len=T, vocab_size=256, **MEMORY_VARIANTS[name])
+            model = GPT(config)
+            opt = model.configure_optimizers(0.1, 1e-3)
+            x, y = (torch.randint(256, (B, T), generator=torch.Generator().manual_seed(s))
+                    for s in (1, 2))
+            bench.train_step(model, opt, x, y, amp)  # AdamW's state exists after a step
+            params, _ = bench.static_bytes(model, opt)
+            exclude = set(params) | {b.untyped_storage().data_ptr() for b in model.buffers()}
+            estimate = train.estimate_memory(config, B * T, dtype)
+            saved = bench.saved_bytes(model, x, y, amp, exclude)
+            assert estimate["activations"] == pytest.approx(saved, rel=0.1), (name, shape)
+            counted = bench.memory_bytes(model, model, opt, x, y, amp, "cpu")
+            without_logits = estimate["total"] - estimate["logits"]
+            assert without_logits == pytest.approx(counted, rel=0.1), (name, shape)
+    # the parts: AdamW's two moments, DDP's buckets with several processes, the logits' gradients
+    one, eight = (train.estimate_memory(config, 1024, torch.bfloat16, world) for world in (1, 8))
+    assert one["optimizer"] == 2 * one["parameters"] == 2 * one["gradients"] > 0
+    assert one["ddp"] == 0 and eight["ddp"] == one["gradients"]
+    assert one["logits"] == 8 * 256 * 1024
+    assert one["total"] == sum(v for k, v in one.items() if k != "total")
+
+
+def test_presets_keep_their_batch_and_fit_an_80gb_gpu():
+    # rd_s and rd_m: 0.5M tokens per optimizer step on 1 GPU and on 8, the same rows seen whatever
+    # the number of processes and chunks, each process's peak within FIT_SHARE of 80 GB in bf16
+    for name in ("rd_s", "rd_m"):
+        a, model, _ = train.resolve_settings({"preset": name})
+        shape = bench.preset_shape(name)
+        fields = {k: shape[k] for k in bench.MODEL_FIELDS}
+        for world in (1, 8):
+            train.check_settings(a, world)
+            train.check_micro_batch(a, world)
+            assert a.batch_size * a.grad_accum * model["sequence_len"] == 524288
+            rows = [train.batch_offsets(a.seed, 5, micro, 10 ** 9, 1024, a.batch_size)
+                    for micro in range(a.grad_accum)]
+            parts = [[p for r in range(world) for p in train.chunks(m[r::world], a.micro_batch)]
+                     for m in rows]
+            assert {len(p) for ps in parts for p in ps} == {16 if world == 1 else 8}
+            assert [sorted(np.concatenate(ps)) for ps in parts] == [sorted(m) for m in rows]
+            for variant, values in nanoroute.VARIANTS.items():
+                estimate = train.estimate_memory(GPTConfig(**fields, **values),
+                                                 min(16, 64 // world) * 1024, torch.bfloat16, world)
+                assert estimate["total"] <= train.FIT_SHARE * 80e9, (name, world, variant)
+        # without micro-batches rd_m would not fit one GPU: the reason for the preset's micro_batch
+        wav = GPTConfig(**fields, **nanoroute.VARIANTS["wav"])
+        whole = train.estimate_memory(wav, 64 * 1024, torch.bfloat16)["total"]
+        assert name == "rd_s" or whole > 80e9
+    assert bench.preset_shape("rd_m") == dict(n_layer=24, n_embd=832, n_head=13, sequence_len=1024,
+                                              batch_size=16, vocab_size=prepare_data.GPT2_VOCAB)
+    assert bench.preset_shape("wav48")["batch_size"] == 64  # no micro-batches: 64 x 256 fit
+    table = bench.memory_table()  # the docs hold the table this function prints
+    for doc in ("docs/speed.md", "docs/training.md"):
+        assert table in (_TRAIN_ROOT / doc).read_text(), doc
+
+
+def test_micro_batch_gives_the_same_batches_losses_and_weights(_train_data, _train_one_thread,
+                                                                tmp_path, monkeypatch, capsys):
+    # --micro_batch 2 cuts each micro-step of 8 rows into 4 forwards: the same rows in the same
+    # order (training and evaluation), the same losses and weights to float rounding (prenorm: a
+    # routed model also reads 8 rows for its routing statistics)
+    demo, _ = _train_data
+    seen, get_batch = [], train.get_batch
+
+    def recorded(data, offsets, *args):
+        seen.append(list(offsets))
+        return get_batch(data, offsets, *args)
+    monkeypatch.setattr(train, "get_batch", recorded)
+    runs = {}
+    for micro in (0, 2):
+        seen.clear()
+        out = tmp_path / f"micro{micro}"
+        code, _, err = _train_main(train, ["--data", demo, "--out_dir", out, *_TRAIN_TINY,
+                                           "--grad_accum", 2, "--max_iters", 3, "--eval_interval",
+                                           3, "--residual", "prenorm", "--micro_batch", micro],
+                                   capsys)
+        assert code == 0, err
+        ckpt = torch.load(out / "last.pt", weights_only=True)
+        runs[micro] = (sum(seen, []), {len(o) for o in seen}, _train_metrics(out), ckpt)
+    (rows0, sizes0, lines0, ckpt0), (rows2, sizes2, lines2, ckpt2) = runs[0], runs[2]
+    assert rows0 == rows2 and sizes0 == {8} and sizes2 == {2}
+    for a, b in zip(lines0, lines2, strict=True):
+        for key in ("loss", "train_loss", "val_loss"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    for name, value in ckpt0["model"].items():
+        torch.testing.assert_close(value, ckpt2["model"][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_micro_batch_that_does_not_divide_is_one_line(_train_data, tmp_path, capsys):
+    demo, _ = _train_data
+    cases = {3: "--micro_batch 3 does not divide the 8 sequences each process runs per micro-step "
+                "(--batch_size 8 over 1 process(es)): choose one of 1, 2, 4 or 0",
+             -1: "--micro_batch -1: must be 0"}
+    for micro, message in cases.items():
+        code, _, err = _train_main(train, ["--data", demo, "--out_dir", tmp_path / "o",
+                                           *_TRAIN_TINY, "--max_iters", 1, "--micro_batch", micro],
+                                   capsys)
+        assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_out_of_memory_is_one_line_and_keeps_last_pt(_train_data, _train_one_thread, tmp_path,
+                                                     monkeypatch, capsys):
+    demo, _ = _train_data
+    forward, calls = GPT.forward, []
+
+    def out_of_memory_at_step_3(self, idx, targets=None, return_routes=False):
+        if self.training:
+            calls.append(1)
+            if len(calls) == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. "
+                                             "GPU 0 has a total capacity of 79.10 GiB (...)")
+        return forward(self, idx, targets, return_routes)
+    monkeypatch.setattr(GPT, "forward", out_of_memory_at_step_3)
+    out = tmp_path / "oom"
+    code, _, err = _train_main(train, ["--data", demo, "--out_dir", out, *_TRAIN_TINY,
+                                       "--max_iters", 6, "--eval_interval", 2], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: out of GPU memory (tried to allocate 2.00 GiB): lower "
+                          "--micro_batch"), err
+    assert "--batch_size" in err and "--sequence_len" in err and "--resume" in err
+    assert torch.load(out / "last.pt", weights_only=True)["step"] == 2  # step 2's is kept
+    assert not (out / "train.lock").exists()
+
+
+def test_dtype_auto_is_bf16_only_where_it_is_native(monkeypatch):
+    capabilities = ((6, 1), (7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0))
+    assert [train.bf16_native(c) for c in capabilities] == [False] * 3 + [True] * 5
+    # torch.cuda.is_bf16_supported() is true where bf16 is emulated (before Ampere): not the test
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    cases = {(7, 0): torch.float32, (7, 5): torch.float32, (8, 0): torch.bfloat16,
+             (9, 0): torch.bfloat16}
+    for capability, dtype in cases.items():
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=capability: c)
+        assert train.pick_dtype("auto", torch.device("cuda")) == dtype, capability
+        assert train.pick_dtype("float32", torch.device("cuda")) == torch.float32
+    assert train.pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert train.pick_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_mfu_peak_comes_from_the_gpu_and_dtype():
+    peaks = {"NVIDIA A100-SXM4-80GB": (312e12, 156e12), "NVIDIA A100-PCIE-40GB": (312e12, 156e12),
+             "NVIDIA H100 80GB HBM3": (989e12, 494e12), "NVIDIA H100 PCIe": (756e12, 378e12),
+             "NVIDIA H100 NVL": (835e12, 418e12), "NVIDIA H200": (989e12, 494e12),
+             "NVIDIA H200 NVL": (835e12, 418e12), "NVIDIA L4": (121e12, 60e12),
+             "NVIDIA GeForce RTX 4090": (165e12, 83e12), "NVIDIA L40S": (None, None),
+             "Tesla T4": (None, None), "NVIDIA GeForce RTX 3090": (None, None)}
+    for name, expected in peaks.items():
+        found = train.peak_flops(name, torch.bfloat16), train.peak_flops(name, torch.float32)
+        assert found == expected, name
+    assert train.peak_flops("NVIDIA H100 80GB HBM3", torch.float16) is None  # never trained in
+
+
+def test_flops_per_token_by_hand():
+    # 2 layers, n_embd 32, sequence_len 16, vocabulary 64 (tied embedding, no biases):
+    #   per layer: c_attn 32·96 + attention's c_proj 32·32 + c_fc 32·128 + the MLP's c_proj 128·32
+    #   = 3072 + 1024 + 4096 + 4096 = 12288
+    #   N = 2·12288 + 64·32 (the embedding, which is the output layer) = 26624; 6N = 159744
+    #   attention (PaLM, appendix B): 12·L·d·T = 12·2·32·16 = 12288
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, sequence_len=16, vocab_size=64))
+    assert model.get_num_params() == 26624
+    assert model.flops_per_token() == 159744 + 12288
+    # MFU: 1000 tokens in 0.5 s on a 1e12 FLOP/s device
+    assert model.estimate_mfu(1000, 0.5, 1e12) == pytest.approx(172032 * 1000 / 0.5 / 1e12)
+
+
+def test_train_log_leaves_the_first_step_out_of_tokens_per_s(_train_data, _train_one_thread,
+                                                             tmp_path, monkeypatch, capsys):
+    # a clock that moves 1 s per reading, and a first step of each invocation 100 s longer
+    # (compiling): that step gets its own line and no rate; later lines average the other steps
+    demo, _ = _train_data
+    clock, first = [0.0], []
+
+    def now():
+        clock[0] += 1.0
+        return clock[0]
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=now, monotonic=time.monotonic))
+    step = train.train_step
+
+    def compiling_first(run, lr):
+        if not first:
+            first.append(run.step)
+            clock[0] += 100.0
+        return step(run, lr)
+    monkeypatch.setattr(train, "train_step", compiling_first)
+    out = tmp_path / "rate"
+    args = ["--data", demo, "--out_dir", out, *_TRAIN_TINY, "--max_iters", 8, "--log_interval", 4,
+            "--eval_interval", 2]
+    code, stdout, err = _train_main(train, [*args, "--stop_after", 2], capsys)
+    assert code == 0, err
+    first.clear()
+    code, _, err = _train_main(train, ["--out_dir", out, "--resume", "--device", "cpu"], capsys)
+    assert code == 0, err
+    lines = {r["step"]: r for r in _train_metrics(out) if r["type"] == "train"}
+    assert list(lines) == [1, 4, 8]
+    assert lines[1]["tok_per_s"] is None and lines[1]["mfu"] is None
+    assert lines[1]["ms_per_step"] == 101000
+    assert re.search(r"^step 1 \| loss \S+ \| lr \S+ \| first step 101000\.0 ms \(warm-up: not in "
+                     r"tok/s\)$", stdout, re.M), stdout
+    for s in (4, 8):  # step 3, the resumed run's first, is left out of the step-4 line
+        assert lines[s]["ms_per_step"] == 1000 and lines[s]["tok_per_s"] == 8 * 32, lines[s]
+
+
+def test_bench_compiles_every_model_and_says_which_did(tmp_path, monkeypatch, capsys):
+    # torch._dynamo keeps at most recompile_limit compiled versions of one function over all models
+    # (8: --against's 16 models would overflow it); a limit of 1 shows the same with 4 small models.
+    # Each version of nanoroute.py takes one (--against loads this file again, as other code), and
+    # bench.py raises the limit for its run
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    argv = ["--shape", "tiny", "--device", "cpu", "--variants", "prenorm,block",
+            "--against", nanoroute.__file__, "--iters", "1", "--warmup", "0", "--gen_tokens", "0",
+            "--compile", "--compile_backend", "eager"]
+    torch._dynamo.reset()
+    try:
+        out = bench.main(argv)
+        for name, r in out["variants"].items():
+            assert r["compiled"] is True and r["graphs"] == 1, name
+            # compile time: the first step less a timed one (the median), never negative
+            assert r["compile_s"] == max(0.0, r["first_step_s"] - r["ms_median"] / 1e3), name
+        assert torch._dynamo.config.recompile_limit == 1  # back as it was after the run
+        assert "| yes: 1 graph(s)" in capsys.readouterr().out
+        # without the raised limit the second model falls back: the report says so
+        torch._dynamo.reset()
+        monkeypatch.setattr(bench, "compile_limit", lambda b: contextlib.nullcontext())
+        out = bench.main([a for a in argv if a not in ("--against", nanoroute.__file__)])
+        assert {k: v["compiled"] for k, v in out["variants"].items()} == {
+            "prenorm": True, "block": False}
+        printed = capsys.readouterr().out
+        assert "block: " in printed and "NOT compiled: dynamo fell back to eager" in printed
+        assert "| NO: eager fallback |" in printed
+    finally:
+        torch._dynamo.reset()
+    with pytest.raises(SystemExit):
+        bench.main([*argv[:-1], "no_such_backend"])
+    err = capsys.readouterr().err
+    assert "error: --compile_backend no_such_backend: not a torch.compile backend" in err
+
+
+def test_bench_saves_what_it_measured_as_it_goes(tmp_path, monkeypatch):
+    # a run cut short (a time limit; here at the second variant's record) keeps in --json what it
+    # measured so far
+    path, done = tmp_path / "cut.json", []
+    result = bench.variant_result
+
+    def cut_at_the_second(*args):
+        if done:
+            raise KeyboardInterrupt
+        done.append(1)
+        return result(*args)
+    monkeypatch.setattr(bench, "variant_result", cut_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--shape", "tiny", "--device", "cpu", "--variants", "prenorm,block,rd",
+                    "--iters", "2", "--warmup", "0", "--gen_tokens", "0", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["complete"] is False and list(data["first_steps"]) == ["prenorm", "block", "rd"]
+    assert all(r["first_step_s"] > 0 for r in data["first_steps"].values())
+    assert {k: len(v) for k, v in data["rounds_ms"].items()} == {"prenorm": 2, "block": 2, "rd": 2}
+    assert list(data["variants"]) == ["prenorm"] and data["variants"]["prenorm"]["memory_bytes"] > 0
+
+
+def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path):
+    # tools/gpu_check.sh cpu at its smallest: one test, two variants, one timed step, dynamo's
+    # eager backend
+    results = tmp_path / "check"
+    env = dict(_train_env(), GPU_CHECK_TESTS="-m gpu -k harness", GPU_CHECK_VARIANTS="prenorm,rd",
+               GPU_CHECK_ITERS="1", GPU_CHECK_BACKEND="eager")
+    script = _TRAIN_ROOT / "tools" / "gpu_check.sh"
+    proc = subprocess.run(["bash", str(script), "cpu", str(results)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    status = [line.split()[:2] for line in (results / "status.txt").read_text().splitlines()]
+    assert status == [["tests", "0"], ["eager", "0"], ["memory_rd_m", "0"], ["memory_wav48", "0"],
+                      ["compiled", "0"]]
+    assert "1 passed" in (results / "tests.txt").read_text()
+    for name in ("bench_eager", "bench_compiled", "memory_rd_m", "memory_wav48"):
+        data = json.loads((results / f"{name}.json").read_text())
+        assert data["complete"] and data["variants"], name
+        for r in data["variants"].values():
+            assert r["memory_bytes"] > 0 and r["memory_estimate_bytes"] > 0
+            assert r["compiled"] is (True if name == "bench_compiled" else None), name
+    wav48 = json.loads((results / "memory_wav48.json").read_text())
+    assert list(wav48["variants"]) == ["prenorm", "block", "wav"]
+    summary = (results / "summary.md").read_text()
+    assert "| compiled | ok |" in summary and "## compiled\n" in summary and "| rd |" in summary
+
+
+@pytest.fixture
+def cuda():
+    """The GPU, for the CUDA-only tests: they run with NANOROUTE_TEST_DEVICE=cuda, else skip."""
+    if TEST_DEVICE != "cuda":
+        pytest.skip("a CUDA check: NANOROUTE_TEST_DEVICE=cuda python -m pytest -q -m gpu on a GPU")
+    if not torch.cuda.is_available():
+        pytest.fail("NANOROUTE_TEST_DEVICE=cuda, but torch sees no CUDA device")
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["block", "full", "wav", "rd_wav", "wav_learned_rd"])
+def test_gpu_fast_path_equals_reference_with_tf32(mode, cuda):
+    # train.py trains float32 runs with TF32 matmuls (10-bit mantissas): the fast path still gives
+    # the reference's logits and every gradient, at a looser tolerance than true float32
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        assert_fast_equals_reference(mode, cuda, "tf32")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["prenorm", "block", "wav", "rd_decoupled", "rd_wav"])
+def test_gpu_kv_cache_generation_in_bf16(mode, cuda):
+    # under bf16 autocast the cache holds bf16 keys and values: the cached pass gives the full
+    # pass's hidden states at every position (to bf16 rounding), also past sequence_len
+    model = randomise_routing(make_model(**ALL_MODES[mode], sequence_len=8), scale=0.3).to(cuda)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model.generate(tokens(B=2, T=3).to(cuda), 9, top_k=1)  # the window refills at 8
+        cache = nanoroute.KVCache(model.config, 2, cuda, torch.bfloat16)
+        with torch.no_grad():
+            steps = [model._hidden(out[:, :3], cache)]
+            steps += [model._hidden(out[:, t:t + 1], cache) for t in range(3, 8)]
+            full = model._hidden(out[:, :8])
+    assert out.shape == (2, 12) and cache.k.dtype == torch.bfloat16
+    torch.testing.assert_close(torch.cat(steps, 1).float(), full.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_train_resume_eager_and_compiled(compiled, cuda, _train_data, tmp_path, capsys):
+    # train.py on CUDA (bf16 autocast where native, fused AdamW, the CUDA RNG in checkpoints): a
+    # run stopped at step 3 and resumed matches the uninterrupted run: losses to 1e-3, weights and
+    # AdamW's moments to atol 1e-3 (CUDA kernels with atomic adds are not bitwise deterministic)
+    demo, _ = _train_data
+    args = ["--data", demo, *_TRAIN_TINY, *_TRAIN_ROUTED, "--device", "cuda", "--max_iters", 6,
+            "--eval_interval", 3, "--dropout", 0.1, "--compile", compiled]
+    code, stdout, err = _train_main(train, [*args, "--out_dir", tmp_path / "whole"], capsys)
+    assert code == 0, err
+    assert "memory: estimated peak" in stdout and "GiB on " in stdout
+    code, _, err = _train_main(train, [*args, "--out_dir", tmp_path / "cut", "--stop_after", 3],
+                               capsys)
+    assert code == 0, err
+    code, _, err = _train_main(train, ["--out_dir", tmp_path / "cut", "--resume", "--device",
+                                       "cuda", "--compile", compiled], capsys)
+    assert code == 0, err
+    whole, cut = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in ("whole", "cut"))
+    assert cut["step"] == whole["step"] == 6 and "cuda" in cut["rng"][0]
+    assert cut["optimizer"]["param_groups"][0]["fused"] is True
+    for name, value in whole["model"].items():
+        torch.testing.assert_close(cut["model"][name], value, atol=1e-3, rtol=1e-2, msg=name)
+    for key, state in whole["optimizer"]["state"].items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(cut["optimizer"]["state"][key][moment], state[moment],
+                                       atol=1e-3, rtol=1e-2)
+    losses = [{r["step"]: r["loss"] for r in _train_metrics(tmp_path / d) if r["type"] == "train"}
+              for d in ("whole", "cut")]
+    assert losses[0].keys() == losses[1].keys()
+    for step, loss in losses[0].items():
+        assert losses[1][step] == pytest.approx(loss, abs=1e-3), step
+
+
+@pytest.mark.gpu
+def test_gpu_bench_tiny_compiled(cuda, tmp_path, capsys):
+    out = bench.main(["--shape", "tiny", "--device", "cuda", "--variants", "prenorm,rd",
+                      "--iters", "2", "--warmup", "1", "--gen_tokens", "4", "--gen_repeats", "1",
+                      "--compile", "--json", str(tmp_path / "bench.json")])
+    known = train.peak_flops(torch.cuda.get_device_name(), torch.bfloat16) is not None
+    for name, r in out["variants"].items():
+        assert r["compiled"] is True and r["compile_s"] > 0 and r["memory_bytes"] > 0, name
+        assert (r["mfu"] is not None) == known and (r["mfu"] is None or 0 < r["mfu"] < 1), name
+    assert known or "note: MFU left out" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_gpu_memory_estimate_near_the_allocator_peak(cuda):
+    # the estimate against CUDA's allocator peak of one eager training step in bf16
+    # (bench.memory_bytes), within ±35%: flash attention and CUDA's kernels save about what the
+    # CPU's do
+    amp = torch.autocast("cuda", dtype=torch.bfloat16)
+    for name in ("prenorm", "block", "wav", "rd"):
+        torch.manual_seed(0)
+        config = GPTConfig(n_layer=4, n_embd=256, n_head=4, sequence_len=256, vocab_size=4096,
+                           **bench.VARIANTS[name])
+        model = GPT(config).to(cuda)
+        opt = model.configure_optimizers(0.1, 1e-3, device_type="cuda")
+        x, y = (torch.randint(4096, (8, 256), device=cuda) for _ in range(2))
+        bench.train_step(model, opt, x, y, amp)
+        measured = bench.memory_bytes(model, model, opt, x, y, amp, "cuda")
+        estimate = train.estimate_memory(config, 8 * 256, torch.bfloat16)["total"]
+        assert 0.65 * measured <= estimate <= 1.35 * measured, (name, estimate, measured)
+        del model, opt
 
 
 # -----------------------------------------------------------------------------

@@ -57,11 +57,14 @@ MODEL_DEFAULTS = dict(sequence_len=256, n_layer=4, n_head=4, n_embd=128, residua
 _WAV = dict(VARIANTS["wav"], data="data/tinystories", n_embd=256, n_head=4, sequence_len=256,
             batch_size=64, lr=1e-3, warmup_iters=500, max_iters=20000, eval_interval=1000,
             eval_tokens=1 << 20)
-# RD-AttnRes (FineWeb-Edu, GPT-2 tokens, 2.0B tokens, milestones as in the paper); batch 0.5M tokens.
-# Compare with --rd off (the parent), tied, average, frozen_v; pair with --seed.
+# RD-AttnRes (FineWeb-Edu, GPT-2 tokens, 2.0B tokens, milestones as in the paper); batch 0.5M tokens
+# on any number of GPUs. micro_batch 16: on one GPU each forward runs 16 x 1024 tokens, ~18 (rd_s)
+# and ~30 GiB (rd_m) in bf16 (estimate_memory), which fits an 80 GB GPU (and a 40 GB one); on 8 GPUs
+# each runs its 8 sequences at once. Compare with --rd off (the parent), tied, average, frozen_v;
+# pair with --seed.
 _RD = dict(VARIANTS["rd"], data="data/fineweb_edu", sequence_len=1024, batch_size=64,
-           grad_accum=8, lr=6e-4, warmup_iters=200, max_tokens=2_000_000_000, eval_interval=250,
-           eval_tokens=1 << 20, milestones="0.25B,0.5B,1B,2B", log_interval=10)
+           grad_accum=8, micro_batch=16, lr=6e-4, warmup_iters=200, max_tokens=2_000_000_000,
+           eval_interval=250, eval_tokens=1 << 20, milestones="0.25B,0.5B,1B,2B", log_interval=10)
 PRESETS = {
     "wav12": dict(_WAV, n_layer=12),
     "wav24": dict(_WAV, n_layer=24),
@@ -117,6 +120,9 @@ class TrainSettings:
         16, "sequences per micro-step, for all processes together (each takes batch_size/world)")
     grad_accum: int = option(
         1, "micro-steps per optimizer step; a step sees batch_size*grad_accum sequences")
+    micro_batch: int = option(
+        0, "the most sequences one process runs in one forward: its share of each micro-step is "
+        "cut into chunks of this many, with the same batches and gradient (0: all of its share)")
     lr: float = option(2e-3, "peak learning rate")
     min_lr: float | None = option(
         None, "floor of the cosine decay, reached at the last step (default: lr/10)")
@@ -143,8 +149,8 @@ class TrainSettings:
         "auto", "auto (cuda if available, else mps, else cpu), cpu, cuda, cuda:N, mps "
         "(Apple silicon)", runtime=True)
     dtype: str = option(
-        "auto", "auto (bfloat16 autocast on CUDA, float32 elsewhere), float32, bfloat16",
-        runtime=True)
+        "auto", "auto (bfloat16 autocast on a GPU with native bf16, CUDA compute capability 8.0 "
+        "or more; float32 elsewhere), float32, bfloat16", runtime=True)
     compile: bool = option(False, "torch.compile the model", runtime=True)
     resume: bool = option(False, "continue from OUT_DIR/last.pt", runtime=True)
     stop_after: int | None = option(
@@ -333,11 +339,18 @@ def pick_device(name, local_rank=0):
 
 
 def pick_dtype(name, device):
-    """--dtype auto: bfloat16 autocast on CUDA (where the GPU has it), float32 elsewhere."""
+    """--dtype auto: bfloat16 autocast on a CUDA GPU with native bf16, float32 elsewhere."""
     if name == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        bf16 = device.type == "cuda" and bf16_native(torch.cuda.get_device_capability(device))
         return torch.bfloat16 if bf16 else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def bf16_native(capability):
+    """Whether a CUDA GPU of this compute capability (major, minor) has bf16 tensor cores: Ampere
+    (8.0) and later. Not torch.cuda.is_bf16_supported(), which is true where bf16 is emulated too
+    (slower than float32 there)."""
+    return tuple(capability) >= (8, 0)
 
 
 def read_settings(explicit, world, master):
@@ -354,6 +367,7 @@ def read_settings(explicit, world, master):
                          "continue it, or choose another --out_dir (or delete that folder)")
     a, model_settings, preset = resolve_settings(explicit, ckpt, ckpt_path)
     check_settings(a, world)
+    check_micro_batch(a, world)
     if a.wandb_project and master:
         import_wandb()  # now: a missing package costs no training
     if preset and master:
@@ -464,6 +478,24 @@ def _difference(key, here, recorded):
         return f"its {key} is {here}, the checkpoint's {recorded}"
     i = next(i for i, (x, y) in enumerate(zip(here, recorded)) if x != y)  # as many of each
     return f"other characters, as many (id {i} is {here[i]!r} here, {recorded[i]!r} there)"
+def check_micro_batch(a, world):
+    """--micro_batch must cut each process's share of a micro-step into equal chunks: one shape for
+    every forward (torch.compile builds one graph), and the same weight for every chunk."""
+    share = a.batch_size // world
+    if a.micro_batch < 0:
+        raise UsageError(f"--micro_batch {a.micro_batch}: must be 0 (all of a process's share) "
+                         "or positive")
+    if 0 < a.micro_batch < share and share % a.micro_batch:
+        divisors = ", ".join(str(n) for n in range(1, share) if share % n == 0)
+        raise UsageError(f"--micro_batch {a.micro_batch} does not divide the {share} sequences "
+                         f"each process runs per micro-step (--batch_size {a.batch_size} over "
+                         f"{world} process(es)): choose one of {divisors} or 0")
+
+
+def chunks(rows, micro_batch):
+    """rows cut into consecutive chunks of micro_batch (0: one chunk)."""
+    size = micro_batch or len(rows)
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
 def batch_offsets(seed, step, micro, n_tokens, T, rows):
@@ -546,7 +578,8 @@ def get_lr(step, a, max_iters):
 
 def main(argv=None):
     with run_safely() as cleanup:  # below the banner: one line for bad input, a full disk, Ctrl-C
-        train(setup(argv, cleanup))
+        with out_of_memory_is_usage_error():  # and for a GPU out of memory: the flags to lower
+            train(setup(argv, cleanup))
 
 
 @dataclasses.dataclass
@@ -633,6 +666,8 @@ def setup(argv, cleanup):
     if run.ddp:
         run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None)
     print_header(run)
+    for line in gpu_notes(run):  # CUDA: the estimated peak memory, MFU's peak, a slow dtype
+        run.log(line)
     run.t_start, run.wandb = time.time(), start_wandb(run)
     run.stop_signals = catch_stop_signals(cleanup)
     return run
@@ -645,17 +680,20 @@ def train(run):
     a = run.settings
     if not run.resumed:  # a checkpoint, even of step 0, comes after its evaluation
         evaluate_and_save(run, get_lr(0, a, a.max_iters))
+    first = run.step + 1  # this invocation's first step compiles (--compile) and warms up: no rate
     train_time, steps_since_log = 0.0, 0  # time in training steps since the last log line (no evals)
     while run.step < a.max_iters:
         t0 = time.time()
         lr = get_lr(run.step, a, a.max_iters)
         loss = train_step(run, lr)
         run.step, run.tokens = run.step + 1, run.tokens + run.tokens_per_step
-        train_time += time.time() - t0  # train_step's loss.item() waited for the GPU
-        steps_since_log += 1
+        step_time = time.time() - t0  # train_step's loss.item() waited for the GPU
+        if run.step > first:
+            train_time, steps_since_log = train_time + step_time, steps_since_log + 1
 
         if run.step % a.log_interval == 0 or run.step == 1:
-            log_step(run, loss, lr, train_time / steps_since_log)
+            dt = train_time / steps_since_log if steps_since_log else None  # None: first alone
+            log_step(run, loss, lr, dt, step_time)
             train_time, steps_since_log = 0.0, 0
         before, now = run.tokens - run.tokens_per_step, run.tokens
         crossed = [label for label, n in run.milestones if before < n <= now]
@@ -677,21 +715,18 @@ def train(run):
 def train_step(run, lr):
     """One optimizer step on the crops of (seed, step): --grad_accum micro-steps, the gradient of
     their mean loss (all-reduced over the processes), clipped, AdamW. Returns that mean loss."""
-    a, T, model = run.settings, run.config.sequence_len, run.model
+    a, model = run.settings, run.model
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    loss_sum = torch.zeros((), device=run.device)
-    for micro in range(a.grad_accum):
-        rows = batch_offsets(a.seed, run.step, micro, len(run.train_data), T, a.batch_size)
-        x, y = get_batch(run.train_data, rows[run.rank::run.world], T, run.device)
-        # DDP: all-reduce the gradients only on the last micro-step
-        sync = model.no_sync() if run.ddp and micro < a.grad_accum - 1 else nullcontext()
+    loss = torch.zeros((), device=run.device)
+    for x, y, weight, last in micro_batches(run):
+        # DDP: all-reduce the gradients only on the last backward of the step
+        sync = model.no_sync() if run.ddp and not last else nullcontext()
         with sync:
             with run.ctx:
-                _, loss = model(x, y)
-            (loss / a.grad_accum).backward()
-        loss_sum += loss.detach().float()
-    loss = loss_sum / a.grad_accum
+                chunk_loss = model(x, y)[1]  # [1]: the logits are freed before the backward
+            (chunk_loss * weight).backward()
+        loss += chunk_loss.detach().float() * weight
     if run.ddp:
         dist.all_reduce(loss)
         loss /= run.world
@@ -705,23 +740,48 @@ def train_step(run, lr):
     return loss
 
 
-def log_step(run, loss, lr, dt):
-    """A train line (stdout, metrics.jsonl, wandb); dt: seconds per step since the last one."""
+def micro_batches(run):
+    """This process's batches of the step, as (x, y, weight, last): --grad_accum micro-steps, rows
+    r::W of each (process r of W), cut into chunks of --micro_batch sequences (chunks). weight: the
+    chunk's share of the step's mean loss; last: the step's last chunk."""
+    a, T = run.settings, run.config.sequence_len
+    for micro in range(a.grad_accum):
+        rows = batch_offsets(a.seed, run.step, micro, len(run.train_data), T, a.batch_size)
+        mine = rows[run.rank::run.world]
+        parts = chunks(mine, a.micro_batch)
+        for i, part in enumerate(parts):
+            x, y = get_batch(run.train_data, part, T, run.device)
+            last = micro == a.grad_accum - 1 and i == len(parts) - 1
+            yield x, y, len(part) / len(mine) / a.grad_accum, last
+
+
+def log_step(run, loss, lr, dt, step_time):
+    """A train line (stdout, metrics.jsonl, wandb). dt: seconds per step since the last line, but
+    this invocation's first step; None when that first step is all there is (its time, step_time,
+    counts compiling and warming up, so it gets no tokens/s and no MFU)."""
     n = run.tokens_per_step
-    mfu = run.raw_model.estimate_mfu(n / run.world, dt) if run.device.type == "cuda" else None
+    peak = peak_flops(torch.cuda.get_device_name(run.device), run.dtype) \
+        if run.device.type == "cuda" else None
+    mfu = run.raw_model.estimate_mfu(n / run.world, dt, peak) if peak and dt else None
+    tok_per_s = round(n / dt, 1) if dt else None
     if run.master:
+        ms = round(1000 * (dt or step_time), 2)
         record(run, dict(type="train", step=run.step, tokens=run.tokens, loss=loss, lr=lr,
-                         tok_per_s=round(n / dt, 1), ms_per_step=round(1000 * dt, 2), mfu=mfu))
-    run.log(f"step {run.step} | loss {loss:.4f} | lr {lr:.1e} | {n / dt / 1e3:.1f}k tok/s | "
-            f"{1000 * dt:.1f} ms/step" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""))
+                         tok_per_s=tok_per_s, ms_per_step=ms, mfu=mfu))
+    why = "compiling and warm-up" if run.settings.compile else "warm-up"
+    rate = f"{n / dt / 1e3:.1f}k tok/s | {1000 * dt:.1f} ms/step" if dt else \
+        f"first step {1000 * step_time:.1f} ms ({why}: not in tok/s)"
+    run.log(f"step {run.step} | loss {loss:.4f} | lr {lr:.1e} | {rate}"
+            + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""))
 
 
 def evaluate_and_save(run, lr, crossed=()):
     """Train and val loss on the fixed evaluation crops, the routing diagnostics, an eval line, and
     the checkpoints: last.pt, and best.pt first when the val loss improved."""
     T, device, ctx, rank, world = run.config.sequence_len, run.device, run.ctx, run.rank, run.world
-    train_loss = evaluate(run.model, run.train_data, run.train_batches, T, device, ctx, rank, world)
-    val_loss = evaluate(run.model, run.val_data, run.val_batches, T, device, ctx, rank, world)
+    where = (T, device, ctx, rank, world, run.settings.micro_batch)
+    train_loss = evaluate(run.model, run.train_data, run.train_batches, *where)
+    val_loss = evaluate(run.model, run.val_data, run.val_batches, *where)
     if not (math.isfinite(val_loss) and math.isfinite(train_loss)):
         raise diverged(run, "validation loss", run.step)
     routes = None
@@ -745,16 +805,18 @@ def evaluate_and_save(run, lr, crossed=()):
 
 
 @torch.no_grad()
-def evaluate(model, data, batches, T, device, ctx, rank, world):
-    """Mean loss over fixed crops; each process takes its rows of every batch."""
+def evaluate(model, data, batches, T, device, ctx, rank, world, micro_batch=0):
+    """Mean loss over fixed crops; each process takes its rows of every batch, in forwards of
+    --micro_batch sequences as in training."""
     model.eval()
     losses = []
     for offsets in batches:
-        x, y = get_batch(data, offsets[rank::world], T, device)
-        with ctx:
-            losses.append(model(x, y)[1].float())
+        for part in chunks(offsets[rank::world], micro_batch):
+            x, y = get_batch(data, part, T, device)
+            with ctx:
+                losses.append(model(x, y)[1].float())
     model.train()
-    loss = torch.stack(losses).mean()
+    loss = torch.stack(losses).mean()  # equal chunks (check_micro_batch): the batches' mean
     if world > 1:
         dist.all_reduce(loss)  # equal shares: the mean of the means is the global mean
         loss /= world
@@ -796,7 +858,7 @@ def finish(run):
         test_data = prepare_data.open_split(a.data, "test", meta)
         test_batches = eval_offsets(len(test_data), T, a.batch_size, a.eval_tokens, 2)
         test_loss = evaluate(run.model, test_data, test_batches, T, run.device, run.ctx, run.rank,
-                             run.world)
+                             run.world, a.micro_batch)
     bpc = (lambda v: v / math.log(2) if meta["level"] == "char" and v is not None else None)
     val_loss = run.last_eval["val_loss"]
     final = dict(val_loss=val_loss, val_bpc=bpc(val_loss), test_loss=test_loss,
@@ -1508,6 +1570,178 @@ class Terminal:
     def __getattr__(self, name):
         return getattr(self.stream, name)
 
+
+
+# -----------------------------------------------------------------------------
+# Memory and speed on a GPU: the estimated peak memory printed at start, out of memory as one
+# line, the peak FLOP/s that MFU divides by
+
+GIB = 2 ** 30
+FIT_SHARE = 0.9  # of a GPU's memory; the rest: the CUDA context, the allocator's fragmentation
+
+
+def estimate_memory(config, tokens_per_forward, dtype, world=1):
+    """Bytes of one process's training step at its peak, the start of the backward, in eager
+    mode: {"parameters", "gradients", "optimizer" (AdamW's two moments), "ddp" (DDP's gradient
+    buckets, with several processes), "activations" (what the forward saves for backward, and
+    autocast's bf16 copies of the weights), "logits" (the gradients of the float32 log-probabilities
+    and logits, alive at the start of the backward), "total"}. Checked against bench.py's exact
+    count of the saved tensors on CPU (test_memory_estimate_matches_the_saved_tensor_count);
+    torch.compile usually needs less (inductor recomputes cheap pointwise results)."""
+    matrices, other = _param_counts(config)
+    n = matrices + other
+    casts = 2 * matrices if dtype == torch.bfloat16 else 0  # autocast's copies, once per forward
+    activations = casts + activation_bytes_per_token(config, dtype) * tokens_per_forward
+    parts = dict(parameters=4 * n, gradients=4 * n, optimizer=8 * n, ddp=4 * n if world > 1 else 0,
+                 activations=activations, logits=8 * config.vocab_size * tokens_per_forward)
+    return dict(parts, total=sum(parts.values()))
+
+
+def _param_counts(config):
+    """(matrix parameters, the rest): GPT's Linear and Embedding weights (tied: the embedding
+    once); biases, gains and the routing's parameters (a query, detail biases per read, at most)."""
+    d, L = config.n_embd, config.n_layer
+    matrices = L * 12 * d * d + config.vocab_size * d
+    other = L * 13 * d if config.bias else 0
+    if config.residual == "rezero":
+        other += 2 * L
+    elif config.residual == "layerscale":
+        other += 2 * L * d
+    elif config.residual == "attnres":
+        other += (3 * L + 1) * (d + 2)
+    return matrices, other
+
+
+def activation_bytes_per_token(config, dtype):
+    """Bytes per token that one eager forward saves for backward, tensor by tensor (d = n_embd;
+    e = 2 under bf16 autocast, else 4; the residual stream and the routing are float32)."""
+    d, L, V = config.n_embd, config.n_layer, config.vocab_size
+    e = 2 if dtype == torch.bfloat16 else 4
+    # attention: its input's norm (bf16 copy), q|k|v (v's view keeps all three), q and k after
+    # rotary, the output, made contiguous for c_proj; MLP: the input's norm, c_fc's output, GELU's
+    attention, mlp = 8 * e * d + 4 * config.n_head, 9 * e * d
+    if config.residual == "rezero" and e == 4:  # no norm: the linears save the stream itself
+        attention, mlp = attention - e * d, mlp - e * d
+    if config.residual in ("rezero", "layerscale"):  # gain * u saves u
+        attention, mlp = attention + e * d, mlp + e * d
+    head = e * d + 4 * V + 16  # the final norm's copy, the log-probabilities, inputs and targets
+    if config.residual == "attnres":
+        return L * (attention + mlp) + _routing_bytes_per_token(config, e) + head
+    # each sublayer's float32 input and the last (their norms save them; ReZero under autocast
+    # saves only the bf16 copies, counted above, and the last)
+    inputs = 1 if config.residual == "rezero" and e == 2 else 2 * L + 1
+    return L * (attention + mlp) + 4 * d * inputs + head
+
+
+def _routing_bytes_per_token(config, e):
+    """What Block AttnRes, WAV and RD save per token, in float32 but for the copies under autocast:
+    every read's output, the block's pieces, each completed block's sources, the embedding, and per
+    read and source a few numbers (logits, norms, weights)."""
+    d, m, n_sub = config.n_embd, config.routing_block, 2 * config.n_layer
+    sources = 1 + len(config.detail_bases)  # of a block: the state and its details
+    two_routes = config.rd in ("decoupled", "average", "frozen_v")
+
+    def reads(sublayer):  # the reads before a sublayer: two for RD's attention
+        return 2 if two_routes and sublayer % 2 == 0 else 1
+    n_reads = sum(reads(s) for s in range(n_sub)) + 1  # and the readout
+    total = 4 * d * (n_reads + 1)  # each read's output (its norm and PartialMerge share it); e
+    if two_routes:  # the value input's norm (a bf16 copy); then v alone, not q|k|v (two less)
+        total -= config.n_layer * e * d
+    if config.rd == "average":  # ½(h + h_v), kept where both reads are PartialMerge's
+        total += 4 * d * sum(1 for s in range(0, n_sub, 2) if s % m)
+    # a block's piece is made anew by each update, and kept when a later read of the block sees it
+    # (all but the last update of a completed block); each completed block's sources
+    completed = n_sub // m
+    total += 4 * d * (n_sub - completed + sources * completed)
+    starts = range(0, n_sub, m)
+    for b, start in enumerate(starts):  # per read and source: logits, norms, weights
+        S = 1 + sources * b
+        R = sum(reads(s) for s in range(start, min(start + m, n_sub))) + (b == len(starts) - 1)
+        total += 4 * (S * (R + 3) + R * (4 * sources + 3))
+    if not config.fast_routing:  # the reference read: each read stacks its sources and their norms
+        for s in range(n_sub):
+            seen = 1 + sources * (s // m) + (sources if s % m else 0)
+            total += 2 * 4 * d * seen * reads(s)
+        total += 2 * 4 * d * (1 + completed + (n_sub % m > 0))  # the readout's: states only
+    return total
+
+
+def gpu_notes(run):
+    """The lines after the header on CUDA: the estimated peak memory (memory_line), and notes when
+    MFU is left out (no known peak for this GPU and precision) or bf16 is emulated here."""
+    if run.device.type != "cuda":
+        return []
+    name, dtype = torch.cuda.get_device_name(run.device), str(run.dtype).removeprefix("torch.")
+    notes = [memory_line(run.config, run.settings, run.world, run.device, run.dtype)]
+    if peak_flops(name, run.dtype) is None:
+        notes.append(f"note: MFU left out: no peak FLOP/s known for {name} in {dtype} "
+                     "(train.PEAK_FLOPS)")
+    native = bf16_native(torch.cuda.get_device_capability(run.device))
+    if run.dtype == torch.bfloat16 and not native:
+        notes.append(f"note: {name} has no native bf16 (compute capability below 8.0): it is "
+                     "emulated, slower than --dtype float32")
+    return notes
+
+
+def memory_line(config, a, world, device, dtype):
+    """The estimated peak memory per GPU next to the GPU's own, and a warning (with a
+    --micro_batch that fits) when the estimate exceeds FIT_SHARE of it."""
+    share = a.batch_size // world
+    rows = min(a.micro_batch or share, share)
+    usable = FIT_SHARE * torch.cuda.get_device_properties(device).total_memory
+
+    def peak(rows):
+        return estimate_memory(config, rows * config.sequence_len, dtype, world)
+    est = peak(rows)
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in est.items() if k != "total" and v)
+    line = (f"memory: estimated peak {est['total'] / GIB:.1f} GiB per GPU ({parts}; forwards of "
+            f"{rows} x {config.sequence_len} tokens) of {usable / FIT_SHARE / GIB:.1f} GiB on "
+            f"{torch.cuda.get_device_name(device)}")
+    if est["total"] <= usable:
+        return line
+    fits = [r for r in range(1, share + 1) if share % r == 0 and peak(r)["total"] <= usable]
+    fix = f"--micro_batch {fits[-1]}" if fits else "a smaller model, --sequence_len or more GPUs"
+    return (line + f"\nwarning: that is more than {FIT_SHARE:.0%} of this GPU's memory: the run "
+            f"may stop out of memory; try {fix} (the same batches, in smaller forwards)")
+
+
+@contextmanager
+def out_of_memory_is_usage_error():
+    """A GPU out of memory is one line naming the flags to lower (run_safely: exit code 2); the
+    checkpoints written before are kept."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        asked = re.search(r"Tried (to allocate [\d.]+ \w+)", str(e))
+        raise UsageError(f"out of GPU memory{f' (tried {asked[1]})' if asked else ''}: lower "
+                         "--micro_batch (sequences per forward; the batches stay the same), or "
+                         "--batch_size or --sequence_len; checkpoints written before are kept "
+                         "(continue with --resume if last.pt exists)") from None
+
+
+# Dense peak FLOP/s per GPU and precision, from NVIDIA's data sheets (the figures "with sparsity"
+# halved). A100 (A100 Tensor Core GPU data sheet): bf16 312T, TF32 156T. H100 SXM / PCIe / NVL
+# (H100 Tensor Core GPU data sheet): bf16 989T / 756T / 835T, TF32 494T / 378T / 418T. H200 SXM /
+# NVL (H200 Tensor Core GPU data sheet): as H100 SXM / NVL. L4 (L4 Tensor Core GPU data sheet):
+# bf16 121T, TF32 60T. GeForce RTX 4090 (NVIDIA Ada GPU architecture white paper, appendix A, bf16
+# with float32 accumulation): 165T, TF32 83T. float32 means TF32: train.py turns TF32 on. The
+# patterns are tried in order on torch.cuda.get_device_name().
+PEAK_FLOPS = [
+    (r"H100.*PCIe", 756e12, 378e12),
+    (r"H[12]00.*NVL", 835e12, 418e12),
+    (r"H100|H200", 989e12, 494e12),
+    (r"A100", 312e12, 156e12),
+    (r"\bL4\b", 121e12, 60e12),
+    (r"RTX 4090", 165e12, 83e12),
+]
+
+
+def peak_flops(device_name, dtype):
+    """The dense peak FLOP/s of this GPU in this precision (PEAK_FLOPS), or None when unknown."""
+    for pattern, bf16, tf32 in PEAK_FLOPS:
+        if re.search(pattern, device_name):
+            return {torch.bfloat16: bf16, torch.float32: tf32}.get(dtype)
+    return None
 
 if __name__ == "__main__":
     main()

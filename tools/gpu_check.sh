@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Check a GPU end to end in one command (docs/speed.md, "Checking a GPU"):
+#
+#     bash tools/gpu_check.sh [cpu] [RESULTS_DIR]   # default: results/gpu_check(_cpu)
+#
+# Four parts, in this order, each writing its own file in RESULTS_DIR as it finishes (bench.py
+# rewrites its JSON as it measures), so that a time limit loses only the part it cut:
+#   1. tests.txt            the CUDA tests: NANOROUTE_TEST_DEVICE=cuda python -m pytest -q -m gpu
+#   2. bench_eager.json     bench.py at gpu12 (12 layers, n_embd 768, T 1024, B 16, bf16): prenorm,
+#                           block, wav, rd: ms/step, tokens/s, MFU, peak memory, first step
+#   3. memory_rd_m.json     one training step's peak memory at the rd_m and wav48 shapes (B = the
+#      memory_wav48.json    preset's micro-batch), next to train.py's estimate
+#   4. bench_compiled.json  part 2 compiled (torch.compile, inductor), with each model's
+#                           compile time
+# then summary.md, the numbers of all parts in tables. Each part has a time limit (seconds,
+# below; on an H100 the whole check takes under 9 minutes). With `cpu`, the same parts run on the
+# CPU at tiny shapes, compiled with aot_eager (inductor's code generation takes minutes per model
+# on a CPU).
+# Settings from the environment: GPU_CHECK_TESTS (pytest's selection, default "-m gpu"),
+# GPU_CHECK_ITERS (timed steps per variant), GPU_CHECK_VARIANTS (default prenorm,block,wav,rd),
+# GPU_CHECK_BACKEND (torch.compile's), GPU_CHECK_LIMITS ("tests eager memory compiled", seconds).
+set -u
+cd "$(dirname "$0")/.."
+
+mode=cuda
+if [ "${1:-}" = cpu ]; then
+    mode=cpu
+    shift
+fi
+out=${1:-results/gpu_check$([ $mode = cpu ] && echo _cpu)}
+mkdir -p "$out" || exit 2
+python=${PYTHON:-python}
+variants=${GPU_CHECK_VARIANTS:-prenorm,block,wav,rd}
+if [ $mode = cuda ]; then
+    shape=(--shape gpu12 --device cuda)
+    tiny=()
+    backend=${GPU_CHECK_BACKEND:-inductor}
+    test_env=(NANOROUTE_TEST_DEVICE=cuda)
+    iters=${GPU_CHECK_ITERS:-10}
+    limits=${GPU_CHECK_LIMITS:-190 50 40 200}  # 190 + 50 + 2 x 40 + 200 = 520 s
+else
+    shape=(--shape tiny --device cpu)
+    tiny=(--n_layer 2 --n_embd 32 --n_head 2 --sequence_len 32 --batch_size 2 --vocab_size 256
+          --device cpu)
+    backend=${GPU_CHECK_BACKEND:-aot_eager}
+    test_env=()
+    iters=${GPU_CHECK_ITERS:-3}
+    limits=${GPU_CHECK_LIMITS:-300 120 120 300}
+fi
+read -r limit_tests limit_eager limit_memory limit_compiled <<< "$limits"
+: > "$out/status.txt"
+
+part() {  # part NAME LIMIT COMMAND...: run it under a time limit, record its exit code and seconds
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "== $name (at most $limit s): $*"
+    timeout "$limit" "$@"
+    local rc=$?
+    echo "$name $rc $((SECONDS - start))" >> "$out/status.txt"
+    [ $rc = 124 ] && echo "== $name: stopped at its time limit ($limit s); what it wrote is kept"
+    return 0
+}
+
+bench=("$python" bench.py --variants "$variants" --gen_tokens 0 --iters "$iters")
+# shellcheck disable=SC2086  # GPU_CHECK_TESTS is a list of pytest arguments
+part tests "$limit_tests" env ${test_env[@]+"${test_env[@]}"} "$python" -m pytest -q \
+    -p no:cacheprovider ${GPU_CHECK_TESTS:--m gpu} > "$out/tests.txt" 2>&1
+tail -n 3 "$out/tests.txt"
+part eager "$limit_eager" "${bench[@]}" "${shape[@]}" --json "$out/bench_eager.json"
+for preset in rd_m wav48; do
+    [ $preset = rd_m ] && compared=prenorm,block,rd || compared=prenorm,block,wav
+    part "memory_$preset" "$limit_memory" "$python" bench.py --preset $preset \
+        --variants $compared --iters 1 --warmup 0 --gen_tokens 0 ${tiny[@]+"${tiny[@]}"} \
+        --json "$out/memory_$preset.json"
+done
+part compiled "$limit_compiled" "${bench[@]}" "${shape[@]}" --compile --compile_backend "$backend" \
+    --json "$out/bench_compiled.json"
+
+"$python" - "$out" "$mode" <<'EOF'
+"""summary.md: every part's status and numbers, from the files the parts wrote."""
+import json, sys
+from pathlib import Path
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+lines = [f"# GPU check ({mode})", "", "| part | exit code | seconds |", "|---|---|---|"]
+for row in (out / "status.txt").read_text().split("\n"):
+    if row:
+        name, rc, seconds = row.split()
+        what = {"0": "ok", "124": "124 (time limit)"}.get(rc, rc)
+        lines.append(f"| {name} | {what} | {seconds} |")
+tests = (out / "tests.txt").read_text().strip().splitlines() if (out / "tests.txt").exists() else []
+lines += ["", f"tests: {tests[-1] if tests else 'no output'}", ""]
+
+
+def load(name):
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cell(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+for title, name in (("eager", "bench_eager.json"), ("compiled", "bench_compiled.json"),
+                    ("memory, rd_m", "memory_rd_m.json"), ("memory, wav48", "memory_wav48.json")):
+    data = load(name)
+    if data is None:
+        lines += [f"## {title}: no {name}", ""]
+        continue
+    machine, shape = data["machine"], data["shape"]
+    done = "" if data.get("complete") else " (incomplete: stopped before the end)"
+    lines += [f"## {title}{done}", "", f"{machine['device_name']}, torch {machine['torch']}, "
+              f"{machine['dtype']}; " + ", ".join(f"{k}={v}" for k, v in shape.items()), "",
+              f"`{machine['command']}`", "",
+              "| variant | ms/step | tokens/s | MFU | memory MB | estimated MB | first step s "
+              "| compiled |", "|---|---|---|---|---|---|---|---|"]
+    for variant, r in data["variants"].items():
+        mfu = None if r.get("mfu") is None else 100 * r["mfu"]
+        compiled = {None: "-", True: "yes", False: "NO (eager fallback)"}[r.get("compiled")]
+        memory, estimate = r["memory_bytes"] / 2**20, r["memory_estimate_bytes"] / 2**20
+        lines.append(f"| {variant} | {r['ms_median']:.1f} | {r['tokens_per_s']:.0f} | "
+                     f"{cell(mfu, '.1f')} | {memory:.1f} | {estimate:.1f} | "
+                     f"{r['first_step_s']:.1f} | {compiled} |")
+    for variant, r in data.get("first_steps", {}).items():
+        if variant not in data["variants"]:  # compiled, then the time limit came
+            lines.append(f"| {variant} | - | - | - | - | - | {r['first_step_s']:.1f} | not timed |")
+    lines.append("")
+(out / "summary.md").write_text("\n".join(lines))
+print("\n".join(lines))
+print(f"wrote {out}/summary.md")
+EOF
