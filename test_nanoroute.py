@@ -1248,6 +1248,22 @@ def _data_cut_text8(out, server, zipped):
     return part
 
 
+def _data_stopped_before_meta_json(monkeypatch, *args, **kw):
+    """prepare(*args, **kw) until every split is written and the downloads are deleted, then an I/O
+    error at meta.json: the folder a run killed at its last step leaves (a re-run resumes it)."""
+    real = prepare_data.write_json
+
+    def crash(path, obj):
+        if path.name == "meta.json":
+            raise OSError(errno.EIO, "I/O error")
+        real(path, obj)
+    with monkeypatch.context() as m:
+        m.setattr(prepare_data, "write_json", crash)
+        with pytest.raises(OSError):
+            prepare_data.prepare(*args, **kw)
+    assert not (Path(args[1]) / "meta.json").exists()
+
+
 # -----------------------------------------------------------------------------
 # demo
 
@@ -1595,6 +1611,41 @@ def test_data_tinystories_small_file_keeps_ordinary_characters(tmp_path, _data_s
     assert "min_per_million" not in str(e.value) and "'☃'; remove or replace them" in str(e.value)
 
 
+# at least --min_per_million: a character exactly at the threshold is kept; the replaced ones are listed
+# commonest first; '\ufffd' (in the text, or from undecodable bytes) is the one last id, never "replaced"
+@pytest.mark.parametrize("ufffd", [4, 1])  # times '\ufffd' occurs: above the threshold, below it
+def test_data_tinystories_threshold_order_and_the_replacement_symbol(tmp_path, _data_server, capsys, ufffd):
+    text = "xxx" + "yy" + "z" + "<|endoftext|>"  # at 3 per 1000 characters: x kept, y and z replaced
+    raw = text.encode() + b"\xff" * (ufffd - ufffd // 2) + ("\ufffd" * (ufffd // 2)).encode()
+    raw = b"a" * (1000 - len(text) + len("<|endoftext|>") - ufffd) + raw  # 1000 characters besides the marker
+    _data_server.files.update({"TinyStoriesV2-GPT4-train.txt": raw,
+                               "TinyStoriesV2-GPT4-valid.txt": b"zyx\xff<|endoftext|>a"})
+    out = prepare_data.prepare("tinystories", tmp_path / "ts", base_url=_data_server.url, min_per_million=3000,
+                               **_data_fast())  # 3000 per million of 1000 characters: exactly 3
+    meta = prepare_data.load_meta(out)
+    assert meta["chars"] == ["a", "x", "<|endoftext|>", "\ufffd"] and meta["replaced"] == ["y", "z"]
+    assert "2 characters rarer than --min_per_million 3000 (0.3% of train) become '\ufffd': 'y' 'z'\n" in \
+        capsys.readouterr().out
+    assert prepare_data.open_split(out, "train").tolist() == [0] * (1000 - 6 - ufffd) + [1, 1, 1] + [3] * 3 + \
+        [2] + [3] * ufffd
+    assert prepare_data.open_split(out, "val").tolist() == [3, 3, 1, 3, 2, 0]
+
+
+# uint8 holds up to 256 symbols: 254 characters + <|endoftext|> + '\ufffd' are uint8, one more is uint16
+@pytest.mark.parametrize("n_chars, dtype", [(254, "uint8"), (255, "uint16")])
+def test_data_tinystories_256_symbols_are_uint8(tmp_path, _data_server, n_chars, dtype):
+    chars = [chr(0x100 + i) for i in range(n_chars)]
+    train = "".join(chars) + "<|endoftext|>" + "".join(reversed(chars))
+    _data_server.files.update({"TinyStoriesV2-GPT4-train.txt": train.encode(),
+                               "TinyStoriesV2-GPT4-valid.txt": chars[-1].encode()})
+    out = prepare_data.prepare("tinystories", tmp_path / "ts", base_url=_data_server.url, **_data_fast())
+    meta = prepare_data.load_meta(out)
+    assert meta["vocab_size"] == n_chars + 2 and meta["dtype"] == dtype
+    assert (out / "train.bin").stat().st_size == (2 * n_chars + 1) * np.dtype(dtype).itemsize
+    prepare_data.check_tokens(out, meta, meta["splits"])  # train.py's check takes the folder
+    assert prepare_data.decoder(meta, out)(prepare_data.open_split(out, "train")) == train
+
+
 # A half-finished folder's error names the dataset that was being prepared (not a placeholder)
 def test_data_half_finished_folder_names_its_dataset(tmp_path, _data_server):
     _data_server.files["TinyStoriesV2-GPT4-train.txt"] = b"Once upon a time.<|endoftext|>"  # no valid file: 404
@@ -1900,6 +1951,40 @@ def test_data_a_downloads_folder_that_is_a_link_is_refused(tmp_path, _data_serve
     assert "downloads is a symbolic link" in _data_one_error_line(capsys.readouterr().err)
     assert {p.name: p.read_bytes() for p in (tmp_path / "elsewhere").iterdir()} == before
     assert _data_server.log == []
+
+
+# clean-up never deletes through a link planted at downloads/, whichever record names the downloads; a
+# progress.json written before "made" was recorded lists nothing through the link (and so the run finishes)
+@pytest.mark.parametrize("records", ["meta.json (--keep_downloads)", "progress.json", "progress.json before made"])
+def test_data_clean_up_never_deletes_through_a_downloads_link(tmp_path, _data_server, monkeypatch, capsys,
+                                                              records):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    out, elsewhere = tmp_path / "t8", tmp_path / "elsewhere"
+    kw = dict(base_url=_data_server.url, **_data_fast())
+    if records.startswith("meta.json"):
+        prepare_data.prepare("text8", out, keep_downloads=True, **kw)
+    else:  # every split written, the downloads deleted, meta.json not written
+        _data_stopped_before_meta_json(monkeypatch, "text8", out, **kw)
+    if records == "progress.json before made":
+        progress = json.loads((out / "progress.json").read_text())
+        del progress["made"]
+        (out / "progress.json").write_text(json.dumps(progress))
+    shutil.rmtree(out / "downloads", ignore_errors=True)
+    elsewhere.mkdir()
+    theirs = {"text8.zip": b"their copy", "photo.jpg": b"jpeg"}
+    for name, data in theirs.items():
+        (elsewhere / name).write_bytes(data)
+    (out / "downloads").symlink_to(elsewhere)
+    _data_server.log.clear()
+    rc = prepare_data.main(["text8", "--out", str(out), "--base_url", _data_server.url])
+    if records == "progress.json before made":
+        assert rc == 0, capsys.readouterr().err
+        _data_check_text8(out, text, _data_server.url)
+    else:
+        assert rc == 2 and "downloads is a symbolic link" in _data_one_error_line(capsys.readouterr().err)
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == theirs and _data_server.log == []
+    assert (out / "downloads").is_symlink()
 
 
 def test_data_progress_json_of_the_wrong_types_starts_over(tmp_path, _data_server):
