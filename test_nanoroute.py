@@ -1318,6 +1318,16 @@ def test_data_demo_splits_are_disjoint(tmp_path):
     for a, b in (("train", "val"), ("train", "test"), ("val", "test")):
         assert not set(stories[a][:-1]) & set(stories[b][:-1]), (a, b)
 
+# the vocabulary is every split's characters: at the smallest --demo_mb, 'Z' and 'L' occur only in val/test
+def test_data_demo_vocabulary_covers_every_split(tmp_path):
+    texts = prepare_data.demo_stories(1337, 0.001)
+    assert set(texts["val"] + texts["test"]) - set(texts["train"])  # the hard case is there
+    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.001)
+    meta = prepare_data.load_meta(out)
+    decode = prepare_data.decoder(meta, out)
+    assert all(decode(prepare_data.open_split(out, s)) == texts[s] for s in prepare_data.SPLITS)
+    prepare_data.check_tokens(out, meta, meta["splits"])  # train.py's check: every id below vocab_size
+
 # -----------------------------------------------------------------------------
 # text8
 
@@ -1337,7 +1347,7 @@ def _data_check_text8(out, text, url):
 
 
 def test_data_text8_from_mirror(tmp_path, _data_server):
-    text, zipped = _data_text8()
+    text, zipped = _data_text8(2099)  # no multiple of 100: val is [90%, 95%), test the rest
     _data_server.files["text8.zip"] = zipped
     out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
     _data_check_text8(out, text, _data_server.url)
@@ -1375,9 +1385,16 @@ def test_data_whole_part_file_is_finished_not_refetched(tmp_path, _data_server):
     _data_check_text8(out, text, _data_server.url)
 
 
-def test_data_truncated_zip_is_rejected(tmp_path, _data_server, capsys):
+@pytest.mark.parametrize("damage", ["truncated", "damaged data"])
+def test_data_truncated_zip_is_rejected(tmp_path, _data_server, capsys, damage):
     _, zipped = _data_text8()
-    _data_server.files["text8.zip"] = zipped[:len(zipped) // 2]
+    if damage == "truncated":
+        zipped = zipped[:len(zipped) // 2]
+    else:  # the directory intact, the deflate stream's first block of an invalid type (zlib.error)
+        zipped, head = bytearray(zipped), zipfile.ZipFile(io.BytesIO(zipped)).infolist()[0].header_offset
+        name, extra = (int.from_bytes(zipped[head + i:head + i + 2], "little") for i in (26, 28))
+        zipped[head + 30 + name + extra] |= 0b110
+    _data_server.files["text8.zip"] = bytes(zipped)
     out = tmp_path / "t8"
     rc = prepare_data.main(["text8", "--out", str(out), "--base_url", _data_server.url, "--retries", "0"])
     line = _data_one_error_line(capsys.readouterr().err)
@@ -1385,30 +1402,26 @@ def test_data_truncated_zip_is_rejected(tmp_path, _data_server, capsys):
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == []  # nothing a later run would trust
 
 
-def test_data_rerun_skips_finished_work(tmp_path, _data_server, monkeypatch):
+# a crash right before meta.json: the splits are done, a re-run must reuse them (uint8 and uint16 splits)
+@pytest.mark.parametrize("dataset", ["text8", "fineweb_edu"])
+def test_data_rerun_skips_finished_work(tmp_path, _data_server, monkeypatch, dataset):
     text, zipped = _data_text8()
-    _data_server.files["text8.zip"] = zipped
-    kw = dict(base_url=_data_server.url, **_data_fast())
-    # a crash right before meta.json: the splits are done, a re-run must reuse them
-    real = prepare_data.write_json
-
-    def crash(path, obj):
-        if path.name == "meta.json":
-            raise OSError(errno.EIO, "I/O error")
-        real(path, obj)
-    monkeypatch.setattr(prepare_data, "write_json", crash)
-    with pytest.raises(OSError):
-        prepare_data.prepare("text8", tmp_path / "t8", **kw)
-    monkeypatch.setattr(prepare_data, "write_json", real)
-    assert not (tmp_path / "t8" / "meta.json").exists()
-    stamp = (tmp_path / "t8" / "train.bin").stat().st_mtime_ns
+    files, _, train = _data_fineweb_files()
+    _data_server.files.update({"text8.zip": zipped, **files})
+    kw = dict(base_url=_data_server.url, **_data_fast(), **({"shards": 2} if dataset == "fineweb_edu" else {}))
+    out = tmp_path / dataset
+    _data_stopped_before_meta_json(monkeypatch, dataset, out, **kw)
+    stamps = {s: (out / f"{s}.bin").stat().st_mtime_ns for s in prepare_data.SPLITS}
     _data_server.log.clear()
     _data_server.files.clear()  # nothing more may be downloaded
-    out = prepare_data.prepare("text8", tmp_path / "t8", **kw)
-    _data_check_text8(out, text, _data_server.url)
-    assert (out / "train.bin").stat().st_mtime_ns == stamp and _data_server.log == []
-    prepare_data.prepare("text8", out, **kw)  # finished folder: nothing to do
-    assert (out / "train.bin").stat().st_mtime_ns == stamp and _data_server.log == []
+    prepare_data.prepare(dataset, out, **kw)
+    if dataset == "text8":
+        _data_check_text8(out, text, _data_server.url)
+    else:
+        assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]
+    assert {s: (out / f"{s}.bin").stat().st_mtime_ns for s in stamps} == stamps and _data_server.log == []
+    prepare_data.prepare(dataset, out, **kw)  # finished folder: nothing to do
+    assert {s: (out / f"{s}.bin").stat().st_mtime_ns for s in stamps} == stamps and _data_server.log == []
 
 
 def test_data_full_disk_and_ctrl_c_leave_nothing_complete(tmp_path, _data_server, monkeypatch, capsys):
@@ -1591,6 +1604,9 @@ def test_data_tinystories_small_file_keeps_ordinary_characters(tmp_path, _data_s
     assert set(story + "é") <= set(meta["chars"]) and meta["replaced"] == []  # default 0.5 per million
     assert meta["options"]["min_per_million"] == 0.5
     assert "become" not in capsys.readouterr().out
+    _data_server.log.clear()  # finished, although it has no test split: a re-run fetches and writes nothing
+    prepare_data.prepare("tinystories", tmp_path / "small", base_url=_data_server.url, **_data_fast())
+    assert "is already prepared" in capsys.readouterr().out and _data_server.log == []
     # a threshold of 15 occurrences: only 'é' (10 times) is rarer; every character of the story is there 300 times
     plain = train.replace("<|endoftext|>", "")
     out = prepare_data.prepare("tinystories", tmp_path / "strict", base_url=_data_server.url,
@@ -1697,12 +1713,14 @@ def test_data_fineweb_more_shards_fetches_only_new_files(tmp_path, _data_server)
     assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]
 
 
-@pytest.mark.parametrize("bad", ["magic", "size", "token"])
+# a shard must hold exactly its header's token count, each id below 50257 (GPT-2's vocabulary)
+@pytest.mark.parametrize("bad", ["magic", "shorter", "longer", "token", "token 50257"])
 def test_data_corrupt_shard_is_rejected(tmp_path, _data_server, capsys, bad):
     files, _, _ = _data_fineweb_files()
     name = "finewebedu_train_000002.bin"
-    files[name] = {"magic": _data_shard([1, 2, 3], magic=1234), "size": _data_shard([1, 2, 3])[:-2],
-                   "token": _data_shard([1, 60000, 3])}[bad]
+    files[name] = {"magic": _data_shard([1, 2, 3], magic=1234), "shorter": _data_shard([1, 2, 3])[:-2],
+                   "longer": _data_shard([1, 2, 3]) + b"\x04\x00", "token": _data_shard([1, 60000, 3]),
+                   "token 50257": _data_shard([1, 50257, 3])}[bad]
     _data_server.files.update(files)
     out = tmp_path / "fw"
     rc = prepare_data.main(["fineweb_edu", "--shards", "2", "--out", str(out), "--base_url",
@@ -1777,21 +1795,36 @@ def test_data_server_answering_another_range_restarts(tmp_path, _data_server, ca
     _data_check_text8(out, text, _data_server.url)
 
 
+# each retry waits twice as long as the one before, at most 600 s (time.sleep is recorded, not slept)
+def test_data_retry_wait_doubles_up_to_600_seconds(tmp_path, _data_server, monkeypatch, capsys):
+    waits = []
+    monkeypatch.setattr(prepare_data, "time", types.SimpleNamespace(sleep=waits.append))
+    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "200")
+    _data_server.status["text8.zip"] = 503
+    args = ["text8", "--out", str(tmp_path / "t8"), "--base_url", _data_server.url, "--retries", "4"]
+    assert prepare_data.main(args) == 2
+    assert "failed after 5 tries (HTTP 503)" in _data_one_error_line(capsys.readouterr().err)
+    assert waits == [200, 400, 600, 600]
+
+
+# --base_url wins over $NANOROUTE_BASE_URL (a flag typed now over a setting made earlier)
+def test_data_base_url_flag_wins_over_the_environment(tmp_path, _data_server, monkeypatch):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    monkeypatch.setenv("NANOROUTE_BASE_URL", _data_server.url + "/from_the_environment")  # 404 there
+    args = ["text8", "--out", str(tmp_path / "t8"), "--base_url", _data_server.url, "--retries", "0"]
+    assert prepare_data.main(args) == 0
+    assert _data_server.log == [("text8.zip", None)]
+    _data_check_text8(tmp_path / "t8", text, _data_server.url)
+
+
 # issue 22: a resumed run must not count a split as done when its file was truncated (or grew)
 @pytest.mark.parametrize("damage", ["truncated", "longer"])
 def test_data_resume_redoes_a_damaged_finished_split(tmp_path, _data_server, monkeypatch, damage):
     text, zipped = _data_text8()
     _data_server.files["text8.zip"] = zipped
-    out, real = tmp_path / "t8", prepare_data.write_json
-
-    def crash(path, obj):  # every split is done, meta.json is not written
-        if path.name == "meta.json":
-            raise OSError(errno.EIO, "I/O error")
-        real(path, obj)
-    monkeypatch.setattr(prepare_data, "write_json", crash)
-    with pytest.raises(OSError):
-        prepare_data.prepare("text8", out, base_url=_data_server.url, **_data_fast())
-    monkeypatch.setattr(prepare_data, "write_json", real)
+    out = tmp_path / "t8"
+    _data_stopped_before_meta_json(monkeypatch, "text8", out, base_url=_data_server.url, **_data_fast())
     stamps = {s: (out / f"{s}.bin").stat().st_mtime_ns for s in ("val", "test")}
     with open(out / "train.bin", "r+b") as f:
         f.truncate(f.seek(0, 2) + (-7 if damage == "truncated" else 7))
@@ -1803,13 +1836,13 @@ def test_data_resume_redoes_a_damaged_finished_split(tmp_path, _data_server, mon
 # the end-of-text marker is one symbol wherever a chunk boundary falls inside it (tinystories reads in CHUNKs)
 def test_data_chunk_boundary_inside_the_end_of_text_marker(tmp_path, monkeypatch):
     eot = prepare_data.EOT
-    text = "ab" + eot + "cd" + eot + "e<|f|>"  # '<' and '|' also appear outside the marker
+    text = "ab" + eot + "cd" + eot + "e<|f|>g<|end"  # '<', '|' outside the marker; it ends in part of one
     path = tmp_path / "train.txt"
     path.write_text(text, encoding="utf-8")
     chars = sorted(set(text.replace(eot, ""))) + [eot, "\ufffd"]
     lut = prepare_data._char_lut(chars, len(chars) - 1)
     want = [chars.index(c) for c in "ab"] + [len(chars) - 2] + [chars.index(c) for c in "cd"] + \
-        [len(chars) - 2] + [chars.index(c) for c in "e<|f|>"]
+        [len(chars) - 2] + [chars.index(c) for c in "e<|f|>g<|end"]
     for cut in range(1, len(eot)):  # the first boundary falls `cut` characters into the first marker
         monkeypatch.setattr(prepare_data, "CHUNK", 2 + cut)
         pieces = list(prepare_data._read_chunks(path))
@@ -1818,16 +1851,20 @@ def test_data_chunk_boundary_inside_the_end_of_text_marker(tmp_path, monkeypatch
         assert ids.tolist() == want, cut
 
 
-def test_data_fineweb_cut_found_across_chunks(tmp_path, _data_server, monkeypatch):
+# val/test cut at the first <|endoftext|> at or after the val shard's middle (8 here), else at the middle
+@pytest.mark.parametrize("eot_at, cut", [(12, 12), (None, 8)])
+def test_data_fineweb_cut_found_across_chunks(tmp_path, _data_server, monkeypatch, eot_at, cut):
     files, _, train = _data_fineweb_files()
-    val = [50256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 50256, 12, 13, 14]  # middle 8, first EOT after it: 12
+    val = [50256] + list(range(1, 16))
+    if eot_at:
+        val[eot_at] = 50256
     files["finewebedu_val_000000.bin"] = _data_shard(val)
     _data_server.files.update(files)
     monkeypatch.setattr(prepare_data, "CHUNK", 3)  # the search reads [8:11], then [11:14]
     out = prepare_data.prepare("fineweb_edu", tmp_path / "fw", base_url=_data_server.url, shards=2,
                                **_data_fast())
-    assert prepare_data.open_split(out, "val").tolist() == val[:12]
-    assert prepare_data.open_split(out, "test").tolist() == val[12:]
+    assert prepare_data.open_split(out, "val").tolist() == val[:cut]
+    assert prepare_data.open_split(out, "test").tolist() == val[cut:]
     assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]  # shards read in chunks
 
 
