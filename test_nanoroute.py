@@ -1731,6 +1731,19 @@ def test_data_corrupt_shard_is_rejected(tmp_path, _data_server, capsys, bad):
     assert not list(out.rglob(name + "*"))
 
 
+# a mirror's encoder.json that is no JSON object is refused with one line (a JSON number: TypeError inside)
+@pytest.mark.parametrize("served", [b"50256", b"not json"])
+def test_data_mirror_encoder_json_that_is_no_object_is_one_line(tmp_path, _data_server, capsys, served):
+    files, _, _ = _data_fineweb_files()
+    _data_server.files.update({**files, "encoder.json": served})
+    out = tmp_path / "fw"
+    rc = prepare_data.main(["fineweb_edu", "--shards", "2", "--out", str(out), "--base_url",
+                            _data_server.url, "--retries", "0"])
+    line = _data_one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "encoder.json" in line and "not GPT-2's encoder.json" in line
+    assert not (out / "encoder.json").exists() and not (out / "meta.json").exists()
+
+
 # -----------------------------------------------------------------------------
 # command line: exit code 2, one line, no traceback
 
