@@ -2202,6 +2202,16 @@ def test_data_planted_links_at_download_names(tmp_path, _data_server, capsys, _d
     assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]
 
 
+# Ctrl-C in the middle of a write leaves neither the file nor its temporary file
+def test_write_atomic_interrupted_leaves_no_temporary_file(tmp_path):
+    def interrupted(f):
+        f.write(b"half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data.write_atomic(tmp_path / "x.bin", interrupted)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_write_atomic_makes_an_ordinary_file_and_leaves_no_temporary_file(tmp_path, umask):
     old = os.umask(umask)
