@@ -455,11 +455,8 @@ def _made_before_records(out):
 def _download(out, state, o, name, url, verify=None):
     """download() into out/downloads/, recorded in progress.json before its first byte: clean-up deletes
     only recorded downloads, and a file there that is not recorded is not this project's to use."""
-    rel, folder = f"downloads/{name}", out / "downloads"
+    rel, folder = f"downloads/{name}", _downloads_folder(out)
     dest = out / rel
-    if folder.is_symlink():
-        raise UsageError(f"{folder} is a symbolic link; downloads are written only into a real folder: "
-                         "remove the link and re-run")
     if rel not in state["made"]:
         if any(p.exists() or p.is_symlink() for p in (dest, dest.with_name(name + ".part"))):
             raise UsageError(f"{dest} was not downloaded by prepare_data.py (progress.json does not "
@@ -470,9 +467,20 @@ def _download(out, state, o, name, url, verify=None):
     return download(url, dest, o["retries"], o["backoff"], verify)
 
 
+def _downloads_folder(out):
+    """out/downloads, unless it is a symbolic link: no download is written or deleted through one."""
+    folder = out / "downloads"
+    if folder.is_symlink():
+        raise UsageError(f"{folder} is a symbolic link; downloads are written and deleted only in a real "
+                         "folder: remove the link and re-run")
+    return folder
+
+
 def _remove_downloads(out, made):
     """Delete the downloads progress.json records (with their .part), then downloads/ if this project
-    made it and it is empty now: nothing else."""
+    made it and it is empty now: nothing else (and nothing through a downloads/ link)."""
+    if made:
+        _downloads_folder(out)
     for rel in made:
         if rel != "downloads":
             (out / rel).unlink(missing_ok=True)
@@ -677,7 +685,9 @@ def _prepare_tinystories(out, o, state):
         least = o["min_per_million"] * counts.sum() / 1e6
         seen = np.flatnonzero(counts)
         frequent = [chr(c) for c in seen if counts[c] >= least and chr(c) != REPLACEMENT]
-        rare = sorted((c for c in seen if counts[c] < least), key=lambda c: -counts[c])
+        # the replacement symbol has its own id, however rare: it is never listed as replaced by itself
+        rare = [c for c in seen if counts[c] < least and chr(c) != REPLACEMENT]
+        rare = sorted(rare, key=lambda c: -counts[c])
         # ids: frequent characters by code point, then EOT, then the replacement symbol (last id)
         state["chars"] = frequent + [EOT, REPLACEMENT]
         state["replaced"] = [chr(c) for c in rare]  # commonest first

@@ -1262,10 +1262,26 @@ def _data_cut_text8(out, server, zipped):
     return part
 
 
+def _data_stopped_before_meta_json(monkeypatch, *args, **kw):
+    """prepare(*args, **kw) until every split is written and the downloads are deleted, then an I/O
+    error at meta.json: the folder a run killed at its last step leaves (a re-run resumes it)."""
+    real = prepare_data.write_json
+
+    def crash(path, obj):
+        if path.name == "meta.json":
+            raise OSError(errno.EIO, "I/O error")
+        real(path, obj)
+    with monkeypatch.context() as m:
+        m.setattr(prepare_data, "write_json", crash)
+        with pytest.raises(OSError):
+            prepare_data.prepare(*args, **kw)
+    assert not (Path(args[1]) / "meta.json").exists()
+
+
 # -----------------------------------------------------------------------------
 # demo
 
-def test_data_demo_deterministic_and_readable(tmp_path):  # how fast depends on the machine's load: not here
+def test_data_demo_deterministic_and_readable(tmp_path):
     a = prepare_data.prepare("demo", tmp_path / "a")
     b = prepare_data.prepare("demo", tmp_path / "b")
     c = prepare_data.prepare("demo", tmp_path / "c", seed=7, demo_mb=0.2)
@@ -1316,6 +1332,16 @@ def test_data_demo_splits_are_disjoint(tmp_path):
     for a, b in (("train", "val"), ("train", "test"), ("val", "test")):
         assert not set(stories[a][:-1]) & set(stories[b][:-1]), (a, b)
 
+# the vocabulary is every split's characters: at the smallest --demo_mb, 'Z' and 'L' occur only in val/test
+def test_data_demo_vocabulary_covers_every_split(tmp_path):
+    texts = prepare_data.demo_stories(1337, 0.001)
+    assert set(texts["val"] + texts["test"]) - set(texts["train"])  # the hard case is there
+    out = prepare_data.prepare("demo", tmp_path / "demo", demo_mb=0.001)
+    meta = prepare_data.load_meta(out)
+    decode = prepare_data.decoder(meta, out)
+    assert all(decode(prepare_data.open_split(out, s)) == texts[s] for s in prepare_data.SPLITS)
+    prepare_data.check_tokens(out, meta, meta["splits"])  # train.py's check: every id below vocab_size
+
 # -----------------------------------------------------------------------------
 # text8
 
@@ -1335,7 +1361,7 @@ def _data_check_text8(out, text, url):
 
 
 def test_data_text8_from_mirror(tmp_path, _data_server):
-    text, zipped = _data_text8()
+    text, zipped = _data_text8(2099)  # no multiple of 100: val is [90%, 95%), test the rest
     _data_server.files["text8.zip"] = zipped
     out = prepare_data.prepare("text8", tmp_path / "t8", base_url=_data_server.url, **_data_fast())
     _data_check_text8(out, text, _data_server.url)
@@ -1373,9 +1399,16 @@ def test_data_whole_part_file_is_finished_not_refetched(tmp_path, _data_server):
     _data_check_text8(out, text, _data_server.url)
 
 
-def test_data_truncated_zip_is_rejected(tmp_path, _data_server, capsys):
+@pytest.mark.parametrize("damage", ["truncated", "damaged data"])
+def test_data_truncated_zip_is_rejected(tmp_path, _data_server, capsys, damage):
     _, zipped = _data_text8()
-    _data_server.files["text8.zip"] = zipped[:len(zipped) // 2]
+    if damage == "truncated":
+        zipped = zipped[:len(zipped) // 2]
+    else:  # the directory intact, the deflate stream's first block of an invalid type (zlib.error)
+        zipped, head = bytearray(zipped), zipfile.ZipFile(io.BytesIO(zipped)).infolist()[0].header_offset
+        name, extra = (int.from_bytes(zipped[head + i:head + i + 2], "little") for i in (26, 28))
+        zipped[head + 30 + name + extra] |= 0b110
+    _data_server.files["text8.zip"] = bytes(zipped)
     out = tmp_path / "t8"
     rc = prepare_data.main(["text8", "--out", str(out), "--base_url", _data_server.url, "--retries", "0"])
     line = _data_one_error_line(capsys.readouterr().err)
@@ -1383,30 +1416,26 @@ def test_data_truncated_zip_is_rejected(tmp_path, _data_server, capsys):
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == []  # nothing a later run would trust
 
 
-def test_data_rerun_skips_finished_work(tmp_path, _data_server, monkeypatch):
+# a crash right before meta.json: the splits are done, a re-run must reuse them (uint8 and uint16 splits)
+@pytest.mark.parametrize("dataset", ["text8", "fineweb_edu"])
+def test_data_rerun_skips_finished_work(tmp_path, _data_server, monkeypatch, dataset):
     text, zipped = _data_text8()
-    _data_server.files["text8.zip"] = zipped
-    kw = dict(base_url=_data_server.url, **_data_fast())
-    # a crash right before meta.json: the splits are done, a re-run must reuse them
-    real = prepare_data.write_json
-
-    def crash(path, obj):
-        if path.name == "meta.json":
-            raise OSError(errno.EIO, "I/O error")
-        real(path, obj)
-    monkeypatch.setattr(prepare_data, "write_json", crash)
-    with pytest.raises(OSError):
-        prepare_data.prepare("text8", tmp_path / "t8", **kw)
-    monkeypatch.setattr(prepare_data, "write_json", real)
-    assert not (tmp_path / "t8" / "meta.json").exists()
-    stamp = (tmp_path / "t8" / "train.bin").stat().st_mtime_ns
+    files, _, train = _data_fineweb_files()
+    _data_server.files.update({"text8.zip": zipped, **files})
+    kw = dict(base_url=_data_server.url, **_data_fast(), **({"shards": 2} if dataset == "fineweb_edu" else {}))
+    out = tmp_path / dataset
+    _data_stopped_before_meta_json(monkeypatch, dataset, out, **kw)
+    stamps = {s: (out / f"{s}.bin").stat().st_mtime_ns for s in prepare_data.SPLITS}
     _data_server.log.clear()
     _data_server.files.clear()  # nothing more may be downloaded
-    out = prepare_data.prepare("text8", tmp_path / "t8", **kw)
-    _data_check_text8(out, text, _data_server.url)
-    assert (out / "train.bin").stat().st_mtime_ns == stamp and _data_server.log == []
-    prepare_data.prepare("text8", out, **kw)  # finished folder: nothing to do
-    assert (out / "train.bin").stat().st_mtime_ns == stamp and _data_server.log == []
+    prepare_data.prepare(dataset, out, **kw)
+    if dataset == "text8":
+        _data_check_text8(out, text, _data_server.url)
+    else:
+        assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]
+    assert {s: (out / f"{s}.bin").stat().st_mtime_ns for s in stamps} == stamps and _data_server.log == []
+    prepare_data.prepare(dataset, out, **kw)  # finished folder: nothing to do
+    assert {s: (out / f"{s}.bin").stat().st_mtime_ns for s in stamps} == stamps and _data_server.log == []
 
 
 def test_data_full_disk_and_ctrl_c_leave_nothing_complete(tmp_path, _data_server, monkeypatch, capsys):
@@ -1589,6 +1618,9 @@ def test_data_tinystories_small_file_keeps_ordinary_characters(tmp_path, _data_s
     assert set(story + "é") <= set(meta["chars"]) and meta["replaced"] == []  # default 0.5 per million
     assert meta["options"]["min_per_million"] == 0.5
     assert "become" not in capsys.readouterr().out
+    _data_server.log.clear()  # finished, although it has no test split: a re-run fetches and writes nothing
+    prepare_data.prepare("tinystories", tmp_path / "small", base_url=_data_server.url, **_data_fast())
+    assert "is already prepared" in capsys.readouterr().out and _data_server.log == []
     # a threshold of 15 occurrences: only 'é' (10 times) is rarer; every character of the story is there 300 times
     plain = train.replace("<|endoftext|>", "")
     out = prepare_data.prepare("tinystories", tmp_path / "strict", base_url=_data_server.url,
@@ -1604,6 +1636,41 @@ def test_data_tinystories_small_file_keeps_ordinary_characters(tmp_path, _data_s
     with pytest.raises(prepare_data.UsageError) as e:  # a character the data never had: the plain message
         prepare_data.encoder(meta, out)("☃")
     assert "min_per_million" not in str(e.value) and "'☃'; remove or replace them" in str(e.value)
+
+
+# at least --min_per_million: a character exactly at the threshold is kept; the replaced ones are listed
+# commonest first; '\ufffd' (in the text, or from undecodable bytes) is the one last id, never "replaced"
+@pytest.mark.parametrize("ufffd", [4, 1])  # times '\ufffd' occurs: above the threshold, below it
+def test_data_tinystories_threshold_order_and_the_replacement_symbol(tmp_path, _data_server, capsys, ufffd):
+    text = "xxx" + "yy" + "z" + "<|endoftext|>"  # at 3 per 1000 characters: x kept, y and z replaced
+    raw = text.encode() + b"\xff" * (ufffd - ufffd // 2) + ("\ufffd" * (ufffd // 2)).encode()
+    raw = b"a" * (1000 - len(text) + len("<|endoftext|>") - ufffd) + raw  # 1000 characters besides the marker
+    _data_server.files.update({"TinyStoriesV2-GPT4-train.txt": raw,
+                               "TinyStoriesV2-GPT4-valid.txt": b"zyx\xff<|endoftext|>a"})
+    out = prepare_data.prepare("tinystories", tmp_path / "ts", base_url=_data_server.url, min_per_million=3000,
+                               **_data_fast())  # 3000 per million of 1000 characters: exactly 3
+    meta = prepare_data.load_meta(out)
+    assert meta["chars"] == ["a", "x", "<|endoftext|>", "\ufffd"] and meta["replaced"] == ["y", "z"]
+    assert "2 characters rarer than --min_per_million 3000 (0.3% of train) become '\ufffd': 'y' 'z'\n" in \
+        capsys.readouterr().out
+    assert prepare_data.open_split(out, "train").tolist() == [0] * (1000 - 6 - ufffd) + [1, 1, 1] + [3] * 3 + \
+        [2] + [3] * ufffd
+    assert prepare_data.open_split(out, "val").tolist() == [3, 3, 1, 3, 2, 0]
+
+
+# uint8 holds up to 256 symbols: 254 characters + <|endoftext|> + '\ufffd' are uint8, one more is uint16
+@pytest.mark.parametrize("n_chars, dtype", [(254, "uint8"), (255, "uint16")])
+def test_data_tinystories_256_symbols_are_uint8(tmp_path, _data_server, n_chars, dtype):
+    chars = [chr(0x100 + i) for i in range(n_chars)]
+    train = "".join(chars) + "<|endoftext|>" + "".join(reversed(chars))
+    _data_server.files.update({"TinyStoriesV2-GPT4-train.txt": train.encode(),
+                               "TinyStoriesV2-GPT4-valid.txt": chars[-1].encode()})
+    out = prepare_data.prepare("tinystories", tmp_path / "ts", base_url=_data_server.url, **_data_fast())
+    meta = prepare_data.load_meta(out)
+    assert meta["vocab_size"] == n_chars + 2 and meta["dtype"] == dtype
+    assert (out / "train.bin").stat().st_size == (2 * n_chars + 1) * np.dtype(dtype).itemsize
+    prepare_data.check_tokens(out, meta, meta["splits"])  # train.py's check takes the folder
+    assert prepare_data.decoder(meta, out)(prepare_data.open_split(out, "train")) == train
 
 
 # A half-finished folder's error names the dataset that was being prepared (not a placeholder)
@@ -1660,12 +1727,14 @@ def test_data_fineweb_more_shards_fetches_only_new_files(tmp_path, _data_server)
     assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]
 
 
-@pytest.mark.parametrize("bad", ["magic", "size", "token"])
+# a shard must hold exactly its header's token count, each id below 50257 (GPT-2's vocabulary)
+@pytest.mark.parametrize("bad", ["magic", "shorter", "longer", "token", "token 50257"])
 def test_data_corrupt_shard_is_rejected(tmp_path, _data_server, capsys, bad):
     files, _, _ = _data_fineweb_files()
     name = "finewebedu_train_000002.bin"
-    files[name] = {"magic": _data_shard([1, 2, 3], magic=1234), "size": _data_shard([1, 2, 3])[:-2],
-                   "token": _data_shard([1, 60000, 3])}[bad]
+    files[name] = {"magic": _data_shard([1, 2, 3], magic=1234), "shorter": _data_shard([1, 2, 3])[:-2],
+                   "longer": _data_shard([1, 2, 3]) + b"\x04\x00", "token": _data_shard([1, 60000, 3]),
+                   "token 50257": _data_shard([1, 50257, 3])}[bad]
     _data_server.files.update(files)
     out = tmp_path / "fw"
     rc = prepare_data.main(["fineweb_edu", "--shards", "2", "--out", str(out), "--base_url",
@@ -1674,6 +1743,19 @@ def test_data_corrupt_shard_is_rejected(tmp_path, _data_server, capsys, bad):
     assert rc == 2 and name in line and "corrupt" in line and "re-run" in line
     assert not (out / "train.bin").exists() and not (out / "meta.json").exists()
     assert not list(out.rglob(name + "*"))
+
+
+# a mirror's encoder.json that is no JSON object is refused with one line (a JSON number: TypeError inside)
+@pytest.mark.parametrize("served", [b"50256", b"not json"])
+def test_data_mirror_encoder_json_that_is_no_object_is_one_line(tmp_path, _data_server, capsys, served):
+    files, _, _ = _data_fineweb_files()
+    _data_server.files.update({**files, "encoder.json": served})
+    out = tmp_path / "fw"
+    rc = prepare_data.main(["fineweb_edu", "--shards", "2", "--out", str(out), "--base_url",
+                            _data_server.url, "--retries", "0"])
+    line = _data_one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "encoder.json" in line and "not GPT-2's encoder.json" in line
+    assert not (out / "encoder.json").exists() and not (out / "meta.json").exists()
 
 
 # -----------------------------------------------------------------------------
@@ -1740,21 +1822,36 @@ def test_data_server_answering_another_range_restarts(tmp_path, _data_server, ca
     _data_check_text8(out, text, _data_server.url)
 
 
+# each retry waits twice as long as the one before, at most 600 s (time.sleep is recorded, not slept)
+def test_data_retry_wait_doubles_up_to_600_seconds(tmp_path, _data_server, monkeypatch, capsys):
+    waits = []
+    monkeypatch.setattr(prepare_data, "time", types.SimpleNamespace(sleep=waits.append))
+    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "200")
+    _data_server.status["text8.zip"] = 503
+    args = ["text8", "--out", str(tmp_path / "t8"), "--base_url", _data_server.url, "--retries", "4"]
+    assert prepare_data.main(args) == 2
+    assert "failed after 5 tries (HTTP 503)" in _data_one_error_line(capsys.readouterr().err)
+    assert waits == [200, 400, 600, 600]
+
+
+# --base_url wins over $NANOROUTE_BASE_URL (a flag typed now over a setting made earlier)
+def test_data_base_url_flag_wins_over_the_environment(tmp_path, _data_server, monkeypatch):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    monkeypatch.setenv("NANOROUTE_BASE_URL", _data_server.url + "/from_the_environment")  # 404 there
+    args = ["text8", "--out", str(tmp_path / "t8"), "--base_url", _data_server.url, "--retries", "0"]
+    assert prepare_data.main(args) == 0
+    assert _data_server.log == [("text8.zip", None)]
+    _data_check_text8(tmp_path / "t8", text, _data_server.url)
+
+
 # issue 22: a resumed run must not count a split as done when its file was truncated (or grew)
 @pytest.mark.parametrize("damage", ["truncated", "longer"])
 def test_data_resume_redoes_a_damaged_finished_split(tmp_path, _data_server, monkeypatch, damage):
     text, zipped = _data_text8()
     _data_server.files["text8.zip"] = zipped
-    out, real = tmp_path / "t8", prepare_data.write_json
-
-    def crash(path, obj):  # every split is done, meta.json is not written
-        if path.name == "meta.json":
-            raise OSError(errno.EIO, "I/O error")
-        real(path, obj)
-    monkeypatch.setattr(prepare_data, "write_json", crash)
-    with pytest.raises(OSError):
-        prepare_data.prepare("text8", out, base_url=_data_server.url, **_data_fast())
-    monkeypatch.setattr(prepare_data, "write_json", real)
+    out = tmp_path / "t8"
+    _data_stopped_before_meta_json(monkeypatch, "text8", out, base_url=_data_server.url, **_data_fast())
     stamps = {s: (out / f"{s}.bin").stat().st_mtime_ns for s in ("val", "test")}
     with open(out / "train.bin", "r+b") as f:
         f.truncate(f.seek(0, 2) + (-7 if damage == "truncated" else 7))
@@ -1766,13 +1863,13 @@ def test_data_resume_redoes_a_damaged_finished_split(tmp_path, _data_server, mon
 # the end-of-text marker is one symbol wherever a chunk boundary falls inside it (tinystories reads in CHUNKs)
 def test_data_chunk_boundary_inside_the_end_of_text_marker(tmp_path, monkeypatch):
     eot = prepare_data.EOT
-    text = "ab" + eot + "cd" + eot + "e<|f|>"  # '<' and '|' also appear outside the marker
+    text = "ab" + eot + "cd" + eot + "e<|f|>g<|end"  # '<', '|' outside the marker; it ends in part of one
     path = tmp_path / "train.txt"
     path.write_text(text, encoding="utf-8")
     chars = sorted(set(text.replace(eot, ""))) + [eot, "\ufffd"]
     lut = prepare_data._char_lut(chars, len(chars) - 1)
     want = [chars.index(c) for c in "ab"] + [len(chars) - 2] + [chars.index(c) for c in "cd"] + \
-        [len(chars) - 2] + [chars.index(c) for c in "e<|f|>"]
+        [len(chars) - 2] + [chars.index(c) for c in "e<|f|>g<|end"]
     for cut in range(1, len(eot)):  # the first boundary falls `cut` characters into the first marker
         monkeypatch.setattr(prepare_data, "CHUNK", 2 + cut)
         pieces = list(prepare_data._read_chunks(path))
@@ -1781,16 +1878,20 @@ def test_data_chunk_boundary_inside_the_end_of_text_marker(tmp_path, monkeypatch
         assert ids.tolist() == want, cut
 
 
-def test_data_fineweb_cut_found_across_chunks(tmp_path, _data_server, monkeypatch):
+# val/test cut at the first <|endoftext|> at or after the val shard's middle (8 here), else at the middle
+@pytest.mark.parametrize("eot_at, cut", [(12, 12), (None, 8)])
+def test_data_fineweb_cut_found_across_chunks(tmp_path, _data_server, monkeypatch, eot_at, cut):
     files, _, train = _data_fineweb_files()
-    val = [50256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 50256, 12, 13, 14]  # middle 8, first EOT after it: 12
+    val = [50256] + list(range(1, 16))
+    if eot_at:
+        val[eot_at] = 50256
     files["finewebedu_val_000000.bin"] = _data_shard(val)
     _data_server.files.update(files)
     monkeypatch.setattr(prepare_data, "CHUNK", 3)  # the search reads [8:11], then [11:14]
     out = prepare_data.prepare("fineweb_edu", tmp_path / "fw", base_url=_data_server.url, shards=2,
                                **_data_fast())
-    assert prepare_data.open_split(out, "val").tolist() == val[:12]
-    assert prepare_data.open_split(out, "test").tolist() == val[12:]
+    assert prepare_data.open_split(out, "val").tolist() == val[:cut]
+    assert prepare_data.open_split(out, "test").tolist() == val[cut:]
     assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]  # shards read in chunks
 
 
@@ -1931,6 +2032,40 @@ def test_data_a_downloads_folder_that_is_a_link_is_refused(tmp_path, _data_serve
     assert "downloads is a symbolic link" in _data_one_error_line(capsys.readouterr().err)
     assert {p.name: p.read_bytes() for p in (tmp_path / "elsewhere").iterdir()} == before
     assert _data_server.log == []
+
+
+# clean-up never deletes through a link planted at downloads/, whichever record names the downloads; a
+# progress.json written before "made" was recorded lists nothing through the link (and so the run finishes)
+@pytest.mark.parametrize("records", ["meta.json (--keep_downloads)", "progress.json", "progress.json before made"])
+def test_data_clean_up_never_deletes_through_a_downloads_link(tmp_path, _data_server, monkeypatch, capsys,
+                                                              records):
+    text, zipped = _data_text8()
+    _data_server.files["text8.zip"] = zipped
+    out, elsewhere = tmp_path / "t8", tmp_path / "elsewhere"
+    kw = dict(base_url=_data_server.url, **_data_fast())
+    if records.startswith("meta.json"):
+        prepare_data.prepare("text8", out, keep_downloads=True, **kw)
+    else:  # every split written, the downloads deleted, meta.json not written
+        _data_stopped_before_meta_json(monkeypatch, "text8", out, **kw)
+    if records == "progress.json before made":
+        progress = json.loads((out / "progress.json").read_text())
+        del progress["made"]
+        (out / "progress.json").write_text(json.dumps(progress))
+    shutil.rmtree(out / "downloads", ignore_errors=True)
+    elsewhere.mkdir()
+    theirs = {"text8.zip": b"their copy", "photo.jpg": b"jpeg"}
+    for name, data in theirs.items():
+        (elsewhere / name).write_bytes(data)
+    (out / "downloads").symlink_to(elsewhere)
+    _data_server.log.clear()
+    rc = prepare_data.main(["text8", "--out", str(out), "--base_url", _data_server.url])
+    if records == "progress.json before made":
+        assert rc == 0, capsys.readouterr().err
+        _data_check_text8(out, text, _data_server.url)
+    else:
+        assert rc == 2 and "downloads is a symbolic link" in _data_one_error_line(capsys.readouterr().err)
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == theirs and _data_server.log == []
+    assert (out / "downloads").is_symlink()
 
 
 def test_data_progress_json_of_the_wrong_types_starts_over(tmp_path, _data_server):
@@ -2099,6 +2234,16 @@ def test_data_planted_links_at_download_names(tmp_path, _data_server, capsys, _d
         assert rc == 0 and "is damaged" in capsys.readouterr().out
         assert not (out / name).is_symlink()
     assert prepare_data.open_split(out, "train").tolist() == train[0] + train[1]
+
+
+# Ctrl-C in the middle of a write leaves neither the file nor its temporary file
+def test_write_atomic_interrupted_leaves_no_temporary_file(tmp_path):
+    def interrupted(f):
+        f.write(b"half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data.write_atomic(tmp_path / "x.bin", interrupted)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
