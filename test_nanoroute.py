@@ -3408,6 +3408,67 @@ def test_sample_prints_text_and_tokens_per_second(_train_runs, _train_one_thread
     assert code == 0 and "longer than sequence_len=32: using its last 32" in err
 
 
+# sample.py: a count of zero or less is one line before anything loads (nothing written), and the
+# documented bounds themselves are taken: --temperature 1e-6 (--help: ">= 1e-6 and finite")
+def test_sample_settings_at_their_bounds(_train_runs, _train_one_thread, capsys):
+    routed, _ = _train_runs
+    for flag, value in (("--max_new_tokens", 0), ("--max_new_tokens", -5), ("--num_samples", 0)):
+        code, out, err = _train_main(sample, ["--out_dir", routed, flag, value], capsys)
+        assert (code, out) == (2, "")
+        assert err == f"error: {flag} {value}: must be a positive integer\n"
+    code, out, _ = _train_main(sample, ["--out_dir", routed, "--num_samples", 1,
+                                        "--max_new_tokens", 5, "--temperature", 1e-6], capsys)
+    assert code == 0 and out.count("-" * 40) == 1
+
+
+# sample.py --ckpt last reads last.pt; a folder without the checkpoint asked for says how to train
+# one into that very folder (the command, pasted, trains there, not into out/)
+def test_sample_ckpt_last_and_the_missing_checkpoint_fix(_train_runs, _train_one_thread, tmp_path,
+                                                         capsys):
+    routed, _ = _train_runs
+    run = tmp_path / "only_last"
+    run.mkdir()
+    shutil.copy(routed / "last.pt", run / "last.pt")
+    flags = ["--out_dir", run, "--num_samples", 1, "--max_new_tokens", 5, "--start", "Once"]
+    code, out, err = _train_main(sample, [*flags, "--ckpt", "last"], capsys)
+    assert code == 0 and out.startswith("Once"), err
+    code, out, err = _train_main(sample, flags, capsys)
+    fix = shlex.join(["python", "train.py", "--out_dir", str(run)])
+    assert (code, out) == (2, "")
+    assert err == f"error: no checkpoint at {run / 'best.pt'}: train one with {fix}\n"
+
+
+# sample.py: a checkpoint whose config does not build its own weights (an unknown field, a value the
+# model refuses, weights of another shape) is one line that names it, not a traceback
+def test_sample_checkpoint_that_does_not_fit_its_config_is_one_line(_train_runs, _train_one_thread,
+                                                                     tmp_path, capsys):
+    routed, _ = _train_runs
+    ckpt = torch.load(routed / "best.pt", weights_only=True)
+    for name, change in (("unknown", dict(colour="blue")), ("invalid", dict(n_head=3)),
+                         ("reshaped", dict(n_embd=64))):
+        (tmp_path / name).mkdir()
+        torch.save(dict(ckpt, config={**ckpt["config"], **change}), tmp_path / name / "best.pt")
+        path = tmp_path / name / "best.pt"
+        code, out, err = _train_main(sample, ["--out_dir", path.parent, "--max_new_tokens", 2], capsys)
+        assert (code, out) == (2, "") and err.count("\n") == 1, (name, err)
+        assert err.startswith(f"error: checkpoint {path} does not hold a model of its own config: "), err
+        assert err.endswith("; delete it or retrain\n"), (name, err)
+
+
+# sample.py's default char-level prompt is a newline (not printed): the samples are what follows one
+def test_sample_default_prompt_is_a_newline(_train_runs, _train_one_thread, capsys):
+    routed, _ = _train_runs
+
+    def greedy(*start):
+        code, out, _ = _train_main(sample, ["--out_dir", routed, "--num_samples", 1,
+                                            "--max_new_tokens", 30, "--top_k", 1, *start], capsys)
+        assert code == 0
+        return out
+    default, after_space = greedy(), greedy("--start", " ")
+    assert default == greedy("--start", "\n")[1:]  # --start's prompt is printed
+    assert default != after_space[1:]  # the check can see the prompt: the tiny model copies it
+
+
 # a run made in project/ with --data data/demo (the relative path train.py records), sampled from
 # another folder: the data folder is found from the run folder (not a nearer one of another
 # dataset); once moved away, the error names --data
@@ -3466,6 +3527,51 @@ def test_sample_routes_header_keeps_labels_apart(capsys):
     sample.show_routes(model, tokens(B=1, T=8) % 16, "wav.pt", "a prompt")
     header = next(line for line in capsys.readouterr().out.splitlines() if "emb" in line)
     assert header.split() == ["emb", "C0", "C0.ph", "C0.sp", "C1", "P", "P.ph", "P.sp", "H"]
+
+
+# sample.py --routes without --start: the prompt is the first sequence_len tokens of val, in full (a
+# prompt of exactly sequence_len tokens needs no cropping: no note)
+def test_sample_routes_default_prompt_is_the_start_of_val(_train_data, _train_runs, _train_one_thread,
+                                                          capsys):
+    demo, _ = _train_data
+    routed, _ = _train_runs
+    meta = prepare_data.load_meta(demo)
+    decode = prepare_data.decoder(meta, demo)
+    val, train_split = (decode(prepare_data.open_split(demo, split, meta)[:32].tolist())
+                        for split in ("val", "train"))
+    assert val != train_split
+    code, out, err = _train_main(sample, ["--out_dir", routed, "--routes"], capsys)
+    assert code == 0 and "sequence_len" not in err, err
+    header = f"depth routing of {routed / 'best.pt'} over a 32-token prompt: {val!r}"
+    assert out.splitlines()[0] == header
+
+
+# sample.py --routes draws what its legend says: shade ░ <=25 ▒ <=50 ▓ <=75 █ >75, a JS bar of
+# 40 blocks at ln 2, and a long prompt as "..." and its end
+def test_sample_routes_shades_bars_and_prompt_follow_the_legend(monkeypatch, capsys):
+    reads = {"layer1.attn": [0.25, 0.26, 0.49], "layer1.attn.v": [0.24, 0.51, 0.25],
+             "layer1.mlp": [0.75, 0.24, 0.01], "readout": [0.76, 0.23, 0.01]}
+    stats = dict(reads={name: dict(sources=["emb", "C0", "P"], mean_weight=w, entropy=1.0)
+                        for name, w in reads.items()},
+                 sources=["emb", "C0", "P"], js={"layer1": 0.1628, "layer2": math.log(2)},
+                 js_mean=0.43)
+    monkeypatch.setattr(sample, "routing_stats", lambda routes: stats)
+    model = GPT(GPTConfig(vocab_size=16, sequence_len=8, n_layer=2, n_head=2, n_embd=16,
+                          residual="attnres")).eval()
+    prompt = "Once upon a time, " + "the basket fell into the lake. " * 3 + "Suddenly, it b"
+    sample.show_routes(model, tokens(B=1, T=8) % 16, "rd.pt", prompt)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(f" prompt: {'...' + prompt[-57:]!r}")
+    cells = {line.split()[0]: re.findall(r"([░▒▓█]) *(\d+)", line)
+             for line in lines if line.startswith(tuple(reads))}
+    assert cells == {"layer1.attn": [("░", "25"), ("▒", "26"), ("▒", "49")],
+                     "layer1.attn.v": [("░", "24"), ("▓", "51"), ("░", "25")],
+                     "layer1.mlp": [("▓", "75"), ("░", "24"), ("░", "1")],
+                     "readout": [("█", "76"), ("░", "23"), ("░", "1")]}
+    bars = {line.split()[0]: line.split()[2:] for line in lines if line.startswith("  layer")}
+    assert bars == {"layer1": ["█" * 9], "layer2": ["█" * 40]}
+    sample.show_routes(model, tokens(B=1, T=8) % 16, "rd.pt", prompt[:60])
+    assert capsys.readouterr().out.splitlines()[0].endswith(f" prompt: {prompt[:60]!r}")
 
 
 def test_gpt2_level_run_and_sample(_train_one_thread, tmp_path, capsys, monkeypatch):

@@ -111,6 +111,66 @@ FAULTS = [
      "if not (0 <= a.temperature < math.inf):", "--temperature 0 is not refused"),
     ("sample.py", 'check_same_dataset(ckpt, path, meta, data_dir, "pass --data with the dataset it was trained on")',
      "pass", "a dataset with another vocabulary is not refused"),
+    # --- sample.py: [outside] faults, designed from the docs, --help and the module by a reviewer
+    # who had not read the tests
+    ('sample.py', 'a.temperature < math.inf', 'a.temperature <= math.inf',
+     "--temperature inf is accepted (help: '>= 1e-6 and finite'): exit 0, uniform sampling, not "
+     'one error line and exit 2 [outside]'),
+    ('sample.py', 'MIN_TEMPERATURE <= a.temperature', 'MIN_TEMPERATURE < a.temperature',
+     "--temperature 1e-6, the documented minimum ('>= 1e-6'), is refused with exit 2 [outside]"),
+    ('sample.py', 'for name in ("num_samples", "max_new_tokens"):', 'for name in ("num_samples",):',
+     '--max_new_tokens 0 (or -5) is no longer an error: exit 0 with empty samples instead of one'
+     ' error line and exit 2 [outside]'),
+    ('sample.py', 'f"{a.ckpt}.pt"', '"best.pt"',
+     "--ckpt last is ignored: text comes from best.pt (a folder with only last.pt says 'no "
+     "checkpoint at DIR/best.pt') [outside]"),
+    ('sample.py', '["--out_dir", a.out_dir]', '[]',
+     "the missing-checkpoint error's fix omits the folder: 'python train.py' (trains into out/),"
+     " not '--out_dir DIR' [outside]"),
+    ('sample.py', '    check_checkpoint_settings(ckpt, path)\n', '\n',
+     'a checkpoint config with an unknown/missing field (TypeError) gives a traceback and exit '
+     '1, not one error line and exit 2 [outside]'),
+    ('train.py', 'if vocab_size != here["vocab_size"]:', 'if vocab_size < here["vocab_size"]:',
+     "--data with a dataset whose vocabulary is LARGER than the checkpoint's is accepted "
+     'silently (docs: differs is an error) [outside]'),
+    ('sample.py', 'data_dir = a.data or find_data(', 'data_dir = find_data(',
+     '--data DIR is ignored: the recorded folder is always searched, so a moved dataset cannot '
+     'be given with --data [outside]'),
+    ('sample.py', 'path.parent, fix, dataset)', 'Path("."), fix, dataset)',
+     'the run folder and its parents are not searched for the recorded --data (docs: found from '
+     'any working folder) [outside]'),
+    ('sample.py', 'torch.manual_seed(a.seed)', 'torch.manual_seed(1337)',
+     '--seed is ignored: every seed writes the same text as the default 1337 [outside]'),
+    ('sample.py', 'n = a.num_samples * a.max_new_tokens', 'n = a.max_new_tokens',
+     "the speed line counts one sample only: '--num_samples 3 --max_new_tokens 40' reports 40 "
+     'tokens, not 120 [outside]'),
+    ('sample.py', '({n / dt:.1f} tok/s)", file=sys.stderr)', '({n / dt:.1f} tok/s)")',
+     "the speed line 'N tokens in S s (R tok/s)' goes to stdout, mixed into the text (docs: on "
+     'stderr) [outside]'),
+    ('sample.py', 'ids = ids[-config.sequence_len:]', 'ids = ids[:config.sequence_len]',
+     'a prompt longer than sequence_len is cropped to its FIRST sequence_len tokens instead of '
+     'its last (docs) [outside]'),
+    ('sample.py', 'if len(ids) > config.sequence_len:', 'if len(ids) >= config.sequence_len:',
+     'a prompt of exactly sequence_len tokens (e.g. the --routes val crop) prints a spurious '
+     "'longer than sequence_len' note [outside]"),
+    ('sample.py', 'for c in "\\n "', 'for c in " \\n"',
+     'the default char-level prompt is a space, not a newline (docs: samples each after a '
+     'newline) [outside]'),
+    ('sample.py', 'open_split(data_dir, "val", meta)', 'open_split(data_dir, "train", meta)',
+     'the --routes default prompt is the first sequence_len tokens of the TRAIN split instead of'
+     ' val (docs/help) [outside]'),
+    ('sample.py', 'math.ceil(w * 4)', 'int(w * 4)',
+     "the routes heatmap's shades are off by a quarter: 51% drawn '▒ 51' not '▓ 51' (docs: ░ "
+     '<=25 ▒ <=50 ▓ <=75 █ >75) [outside]'),
+    ('sample.py', 'round(40 * js / math.log(2))', 'round(40 * js)',
+     'the RD JS bar is not scaled to ln 2 = 40 blocks: JS 0.1628 draws 7 blocks instead of 9 '
+     '[outside]'),
+    ('sample.py', '"..." + prompt[-57:]', 'prompt[:57] + "..."',
+     "the routes header shows the START of a long prompt then '...' instead of '...' and its END"
+     ' (docs example) [outside]'),
+    ('sample.py', 'device = pick_device(a.device)', 'device = pick_device("auto")',
+     "--device is ignored: '--device mps' on a CPU-only machine runs on the CPU with exit 0 "
+     'instead of one error line, exit 2 [outside]'),
 
     # --- prepare_data.py: downloads, verification, splits, decoding
     ("prepare_data.py", "if size is not None and path.stat().st_size != size:",
