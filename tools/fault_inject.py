@@ -290,7 +290,7 @@ FAULTS = [
      'recompute/KV [outside]'),
     ('bench.py', 'if len(rs) > 1 else (rs[0], None, rs[0])',
      'if len(rs) > 0 else (rs[0], None, rs[0])',
-     "--iters 1 (docs/speed.md's profile command) crashes with a StatisticsError traceback "
+     '--iters 1 with prenorm or block in --variants crashes with a StatisticsError traceback '
      '[outside]'),
     ('bench.py', 'method="inclusive"',
      'method="exclusive"',
