@@ -4087,6 +4087,105 @@ def test_bench_smoke(tmp_path):
     assert data["machine"]["torch"] and data["args"]["shape"] == "tiny"
 
 
+# bench.py's arithmetic, checked exactly on a simulated machine: the real steps and generations run,
+# but bench.py's clock reads a counter that each of them advances by a set cost times the machine's
+# slowness(n) at that moment (n: the steps and generations before it)
+def _simulated_machine(monkeypatch, slowness):
+    clock = types.SimpleNamespace(now=0.0, n=0)
+
+    def spend(seconds):
+        clock.now += seconds * slowness(clock.n)
+        clock.n += 1
+
+    step, generate, recompute = bench.train_step, nanoroute.GPT.generate, bench.generate_recompute
+
+    def train_step(model, *rest):  # PreNorm 10 ms a step, other variants 15 ms; --against's code 2x
+        step(model, *rest)
+        other = type(model).__module__ == "nanoroute_against"
+        spend((0.010 if model.config.residual == "prenorm" else 0.015) * (2 if other else 1))
+
+    def kv(model, idx, n, **kw):  # 1 ms a token with the KV cache
+        out = generate(model, idx, n, **kw)
+        spend(0.001 * n)
+        return out
+
+    def full(model, idx, n):  # 4 ms a token recomputed
+        out = recompute(model, idx, n)
+        spend(0.004 * n)
+        return out
+
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(bench, "train_step", train_step)
+    monkeypatch.setattr(nanoroute.GPT, "generate", kv)
+    monkeypatch.setattr(bench, "generate_recompute", full)
+
+
+def test_bench_interleaved_rounds_cancel_a_slowdown_out_of_the_ratios(tmp_path, monkeypatch, capsys):
+    # a machine 3x slower from the third timed round on: the medians move, the per-round ratios do
+    # not, as round i of every variant and version ran side by side (4 timed names a round, 1 warmup)
+    _simulated_machine(monkeypatch, lambda n: 3 if n >= (1 + 2) * 4 else 1)
+    (tmp_path / "other").mkdir()  # another version: a folder holding nanoroute.py (here: this one)
+    shutil.copy(nanoroute.__file__, tmp_path / "other" / "nanoroute.py")
+    data = _bench_run(tmp_path, "--variants", "prenorm,block", "--iters", "4", "--gen_tokens", "0",
+                      "--against", str(tmp_path / "other"))
+    v = data["variants"]
+    assert list(v) == ["prenorm", "prenorm@against", "block", "block@against"]  # pairs side by side
+    for version, (prenorm, block) in {"": (10, 15), "@against": (20, 30)}.items():  # ms a step
+        for name, ms in ((f"prenorm{version}", prenorm), (f"block{version}", block)):
+            r = v[name]
+            assert r["ms_all"] == pytest.approx([ms, ms, 3 * ms, 3 * ms]), name
+            # an even number of steps: the median is the mean of the two middle ones
+            assert r["ms_median"] == pytest.approx(2 * ms) and r["ms_min"] == pytest.approx(ms), name
+            assert r["tokens_per_s"] == pytest.approx(2 * 32 * 1e3 / (2 * ms)), name
+            # the ratios to the baselines, round by round, within each version
+            assert r["paired_ratio_prenorm"] == pytest.approx([ms / prenorm] * 3), name
+            assert r["paired_ratio_block"] == pytest.approx([ms / block] * 3), name
+    for name in ("prenorm", "block"):  # this code takes half the time of that code, round by round
+        assert v[name]["paired_ratio_against"] == pytest.approx([0.5] * 3)
+    out = capsys.readouterr().out
+    assert "below 1 means this code is faster" in out
+    for name in ("prenorm", "block"):
+        assert f"| {name} | 0.500 [0.500, 0.500] | 1.000 |" in out
+
+
+def test_bench_generation_reports_the_median_of_its_repeats(tmp_path, monkeypatch):
+    # every step and generation slower than the one before: the repeats differ, the report is their
+    # median; one timed round (--iters 1) gives one per-round ratio
+    _simulated_machine(monkeypatch, lambda n: 1 + n)
+    data = _bench_run(tmp_path, "--variants", "prenorm", "--iters", "1",
+                      "--gen_variants", "prenorm,block", "--gen_repeats", "3")
+    assert data["variants"]["prenorm"]["ms_all"] == pytest.approx([20.0])  # the warm-up took 10 ms
+    assert data["variants"]["prenorm"]["paired_ratio_prenorm"] == [1.0, 1.0, 1.0]
+    assert data["generation"]["new_tokens"] == 4 and data["generation"]["repeats"] == 3
+    for name, g in data["generation"]["variants"].items():
+        assert g["speedup"] == pytest.approx(g["recompute_ms"] / g["kv_ms"]), name  # both medians
+        assert g["kv_tokens_per_s"] == pytest.approx(4 * 1e3 / g["kv_ms"]), name  # new tokens only
+        assert g["same_tokens"], name
+
+
+def test_bench_defaults_and_the_command_it_records(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    flags = ["--shape", "tiny", "--device", "cpu", "--variants", "prenorm", "--warmup", "0",
+             "--gen_variants", "prenorm", "--gen_repeats", "1"]
+    argv = [*flags, "--json", "bench.json"]  # a bare file name: written in the current folder
+    bench.main(argv)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    out = capsys.readouterr().out
+    assert data["iters"] == 10 and len(data["variants"]["prenorm"]["ms_all"]) == 10  # CPU default
+    # min(256, sequence_len) new tokens: all that fit the context after the prompt, so no note
+    assert data["generation"]["new_tokens"] == 32 and "### Generation: 32 new tokens" in out
+    assert "note:" not in out
+    command = "python bench.py " + " ".join(argv)  # the flags that made these numbers
+    assert data["machine"]["command"] == command and out.splitlines()[0].endswith("| " + command)
+
+    data = bench.main([*flags, "--iters", "1", "--gen_tokens", "0"])  # 0: no generation
+    out = capsys.readouterr().out
+    assert data["generation"]["new_tokens"] == 0 and data["generation"]["variants"] == {}
+    assert "### Generation" not in out
+    bench.main([*flags, "--iters", "1", "--gen_tokens", "33"])  # past the context: said so
+    assert "note: --gen_tokens=33 > sequence_len=32" in capsys.readouterr().out
+
+
 def test_bench_subset_without_baselines_and_profile(tmp_path, capsys):
     data = _bench_run(tmp_path, "--variants", "rezero,wav", "--gen_variants", "rezero", "--profile", "wav")
     assert list(data["variants"]) == ["rezero", "wav"]
@@ -4145,8 +4244,10 @@ def test_bench_against_bad_versions_are_one_error_line(tmp_path, capsys):
         "    if 'rd' in kw:\n"
         "        raise TypeError(\"GPTConfig() got an unexpected keyword argument 'rd'\")\n"
         "    return Config(**kw)\n")
+    (tmp_path / "syntax.py").write_text("def forward(self:\n")
     cases = {"missing.py": "no such file", "no_gpt.py": "has no GPT and GPTConfig",
              "broken.py": "importing .* failed: RuntimeError: half-edited file",
+             "syntax.py": "importing .* failed: SyntaxError: ",
              "no_rd.py": "^error: rd@against: the --against version cannot build it: TypeError: .*'rd'"}
     for file, message in cases.items():
         with pytest.raises(SystemExit) as exit_:
@@ -4156,6 +4257,15 @@ def test_bench_against_bad_versions_are_one_error_line(tmp_path, capsys):
         assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (file, err)
         assert re.search(message, err), (file, err)
 
+
+
+def test_bench_unknown_gen_variant_is_one_error_line_naming_its_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--shape", "tiny", "--device", "cpu", "--gen_variants", "prenorm,bogus"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("error: --gen_variants='prenorm,bogus': unknown variant(s) bogus; "
+                   f"choose from {','.join(bench.VARIANTS)}\n")
 
 # -----------------------------------------------------------------------------
 # Speed and memory: micro-batches, the memory estimate, MFU, the dtype, bench.py's compile guard and

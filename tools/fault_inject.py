@@ -437,6 +437,89 @@ FAULTS = [
      "ratios within the other version are taken from this version's times"),
     ("bench.py", "if not (hasattr(module, \"GPT\") and hasattr(module, \"GPTConfig\")):", "if False:",
      "--against a file that is not a nanoroute.py fails with a traceback"),
+    # --- bench.py: faults designed by an outside reviewer from the docs, README, --help and the
+    # module only, without reading the tests
+    ('bench.py', '    return statistics.median(xs)',
+     '    return statistics.median_low(xs)',
+     'with an even --iters the median ms/step (and tokens/s, ratios) is the lower middle '
+     'step, not their mean [outside]'),
+    ('bench.py', 'tokens_per_s=tokens_per_step / med)',
+     'tokens_per_s=tokens_per_step / min(times_s))',
+     'tokens/s is B*T over the fastest step, not the median: no longer B*T*1000/ms_median '
+     '[outside]'),
+    ('bench.py', 'iters = args.iters or (20 if device_type == "cuda" else 10)',
+     'iters = args.iters or (10 if device_type == "cuda" else 20)',
+     'without --iters a CPU run times 20 steps per variant, not the documented 10 (20 on '
+     'CUDA) [outside]'),
+    ('bench.py', 'self.n_new = min(256, self.T) if',
+     'self.n_new = min(256, self.T - 1) if',
+     'without --gen_tokens generation makes sequence_len - 1 new tokens, not min(256, '
+     'sequence_len) [outside]'),
+    ('bench.py', 'if self.args.gen_tokens is None else self.args.gen_tokens',
+     'if not self.args.gen_tokens else self.args.gen_tokens',
+     "--gen_tokens 0 no longer skips generation ('0 = skip' in --help): it is taken as unset "
+     '[outside]'),
+    ('bench.py', 'if n_new > T:  # prompt',
+     'if n_new >= T:  # prompt',
+     "the '--gen_tokens=N > sequence_len=T' note is printed also when they are equal (every "
+     'default run) [outside]'),
+    ('bench.py', 'kv_tokens_per_s=n_new / median(t_kv)',
+     'kv_tokens_per_s=(n_new + 1) / median(t_kv)',
+     'KV tokens/s counts the 1-token prompt as generated: (new_tokens + 1) / KV seconds [outside]'),
+    ('bench.py', 'kv_ms=1e3 * median(t_kv)',
+     'kv_ms=1e3 * min(t_kv)',
+     "with --gen_repeats > 1 'KV cache ms' is the fastest repeat, not the median; speed-up != "
+     'recompute/KV [outside]'),
+    ('bench.py', 'if len(rs) > 1 else (rs[0], None, rs[0])',
+     'if len(rs) > 0 else (rs[0], None, rs[0])',
+     '--iters 1 with prenorm or block in --variants crashes with a StatisticsError traceback '
+     '[outside]'),
+    ('bench.py', 'method="inclusive"',
+     'method="exclusive"',
+     "per-round ratio quartiles by the exclusive method: wider, may fall outside the ratios' "
+     'min..max [outside]'),
+    ('bench.py', '{"this": times[name], "that": times[name + "@against"]}, "that")["this"]',
+     '{"this": times[name + "@against"], "that": times[name]}, "that")["this"]',
+     "with --against 'this / against' is inverted: below 1 means the --against version is "
+     'faster [outside]'),
+    ('bench.py', '[name + version for name in self.variants for version in versions]',
+     '[name + version for version in versions for name in self.variants]',
+     'with --against the variants run and are listed A B A@against B@against, not each pair '
+     'side by side [outside]'),
+    ('bench.py', '    for r in range(bench.args.warmup + bench.iters):\n'
+     '        for name, (_, step_model, opt) in models.items():',
+     '    for name, (_, step_model, opt) in models.items():\n'
+     '        for r in range(bench.args.warmup + bench.iters):',
+     'training steps are not interleaved (A A A B B B): machine drift no longer cancels out '
+     'of the ratios [outside]'),
+    ('bench.py', 'parse_list(args.gen_variants, "--gen_variants")',
+     'parse_list(args.gen_variants, "--variants")',
+     'an unknown name in --gen_variants is reported as an error in --variants, the wrong flag '
+     '[outside]'),
+    ('bench.py', 'file = os.path.join(path, "nanoroute.py") if os.path.isdir(path) else path',
+     'file = os.path.join(path, "nanoroute.py") if path.endswith("/") else path',
+     "--against FOLDER fails with 'no such file' unless the folder is written with a trailing "
+     'slash [outside]'),
+    ('bench.py', "    except Exception as e:  # the user's other version",
+     "    except ImportError as e:  # the user's other version",
+     'an --against file that does not import (SyntaxError, NameError) ends in a traceback, '
+     'exit 1 [outside]'),
+    ('bench.py', 'os.makedirs(os.path.dirname(os.path.abspath(bench.args.json)), exist_ok=True)',
+     'os.makedirs(os.path.dirname(bench.args.json), exist_ok=True)',
+     "--json with a bare file name crashes after the whole benchmark (os.makedirs('')), "
+     'writes nothing [outside]'),
+    ('bench.py', '" ".join(sys.argv[1:] if argv is None else argv)',
+     '" ".join(sys.argv[1:])',
+     "main(argv) records the calling process's argv as the command, not the flags that made "
+     'the numbers [outside]'),
+    ('bench.py', 'run_bases = [base for base in ("prenorm", "block") if base in bench.variants]',
+     'run_bases = [base for base in ("prenorm", "block")]',
+     'a run whose --variants lacks prenorm or block crashes with a TypeError printing the '
+     'per-round table [outside]'),
+    ('bench.py', 'set(params) | buffers)',
+     'set(params))',
+     "the CPU memory count also counts the model's buffers (rotary tables) saved for backward "
+     '[outside]'),
 
     # --- faults in the guards, the out_dir lock, signals, sweeps and first-run output
     ("train.py", "if not 0 <= getattr(a, name) < 1:", "if not -1 <= getattr(a, name) < 3:",
