@@ -2513,21 +2513,34 @@ def test_train_writes_checkpoints_metrics_and_summary(_train_runs):
     assert best["best_val_loss"] == min(e["val_loss"] for e in evals)
 
 
+# train lines come every --log_interval steps, and at step 1 (docs/training.md)
+def test_train_lines_every_log_interval_steps_and_at_step_1(_train_data, _train_one_thread, tmp_path, capsys):
+    demo, _ = _train_data
+    argv = _train_tiny_run(demo, tmp_path, "--max_iters", 5, "--log_interval", 2, "--eval_interval", 10)
+    code, text, err = _train_main(train, argv, capsys)
+    assert code == 0, err
+    assert [r["step"] for r in _train_metrics(tmp_path) if r["type"] == "train"] == [1, 2, 4]
+    assert [line.split(" |")[0] for line in text.splitlines() if line.startswith("step ")] == [
+        "step 1", "step 2", "step 4"]
+
+
 def test_resume_is_bitwise_exact(_train_data, _train_one_thread, tmp_path, capsys):
     """N steps in one go == N/2 steps, stop, --resume to N: every weight and optimizer state equal
-    (dropout on, so the RNG state must be restored too; grad_accum 2)."""
+    (dropout on, so the RNG state must be restored too; grad_accum 2), and the milestones reached
+    before the stop are kept."""
     demo, _ = _train_data
     flags = ["--data", demo, *_TRAIN_TINY, *_TRAIN_ROUTED, "--dropout", 0.1, "--grad_accum", 2, "--max_iters", 6,
-             "--eval_interval", 4]
+             "--eval_interval", 4, "--milestones", "1K", "--dtype", "float32"]  # 512 tokens per step
     assert _train_main(train, [*flags, "--out_dir", tmp_path / "a"])[0] == 0
     code, text, _ = _train_main(train, [*flags, "--out_dir", tmp_path / "b", "--stop_after", 3],
                                 capsys)
     assert code == 0 and torch.load(tmp_path / "b" / "last.pt", weights_only=True)["step"] == 3
     assert not (tmp_path / "b" / "summary.json").exists()
-    # the line --stop_after prints is the whole command that continues the run: run as printed
+    # the line --stop_after prints is the whole command that continues the run: run as printed. It
+    # repeats --device and --dtype, which --resume does not take from last.pt
     resume = shlex.split(text.split("(--stop_after); continue with: ")[1].splitlines()[0])
     assert resume == ["python", "train.py", "--out_dir", str(tmp_path / "b"), "--resume",
-                      "--device", "cpu"]
+                      "--device", "cpu", "--dtype", "float32"]
     assert _train_main(train, resume[2:], capsys)[0] == 0
     a, b = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in "ab")
     assert a["model"].keys() == b["model"].keys()
@@ -2535,8 +2548,26 @@ def test_resume_is_bitwise_exact(_train_data, _train_one_thread, tmp_path, capsy
     for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert [r["step"] for r in _train_metrics(tmp_path / "b") if r["type"] == "train"] == [1, 2, 3, 4, 5, 6]
-    la, lb = (json.loads((tmp_path / d / "summary.json").read_text())["final"] for d in "ab")
-    assert la == lb
+    sa, sb = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
+    assert sa["final"] == sb["final"]
+    assert sa["milestones"] == sb["milestones"] and sb["milestones"]["1K"]["step"] == 2  # before the stop
+
+
+# a given --max_iters beats the checkpoint's --max_tokens on --resume: it extends the schedule
+# (docs/training.md); and --stop_after at the last step just finishes the run
+def test_resume_with_max_iters_extends_a_token_budget(_train_data, _train_one_thread, tmp_path, capsys):
+    demo, _ = _train_data
+    # 256 tokens a step: 300 tokens are 2 steps, and --stop_after 2 is the last step
+    argv = _train_tiny_run(demo, tmp_path, "--max_tokens", 300, "--stop_after", 2)
+    code, text, err = _train_main(train, argv, capsys)
+    assert code == 0, err
+    assert "done: 2 steps, 512 tokens" in text and "stopped after" not in text
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 2
+    code, text, err = _train_main(train, ["--out_dir", tmp_path, "--resume", "--max_iters", 3], capsys)
+    assert code == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["step"] == 3 and summary["train"]["max_iters"] == 3
+    assert summary["train"]["max_tokens"] is None
 
 
 def test_same_seed_runs_are_paired_across_routing_variants(_train_data, _train_one_thread, tmp_path):
@@ -2567,6 +2598,15 @@ def test_schedule_and_token_counts():
     assert train.get_lr(10, a, 100) == pytest.approx(1.0) and train.get_lr(99, a, 100) == pytest.approx(0.1)
     assert [train.count(t) for t in ("0.25B", "2B", "500M", "64K", "1000")] == [
         250_000_000, 2_000_000_000, 500_000_000, 64_000, 1000]
+
+
+# --max_tokens: steps = ceil(tokens / tokens per step); a given --max_iters beats a preset's budget
+def test_max_tokens_rounds_the_steps_up_and_a_given_max_iters_beats_a_preset_budget():
+    for tokens, steps in (("5000", 2), ("4096", 1), ("100", 1)):  # 16 x 256 = 4,096 tokens per step
+        a, _ = _train_settings(["--max_tokens", tokens])
+        assert a.max_iters == steps, tokens
+    a, _ = _train_settings(["--preset", "rd_s", "--max_iters", "5"])  # rd_s: a 2B-token budget
+    assert a.max_iters == 5 and a.max_tokens is None
 
 
 def _train_free_port():
@@ -3100,7 +3140,8 @@ def test_default_run_is_routed_and_ends_with_routing_summary(_train_data, _train
     reads = [line.split()[0] for line in lines[1:lines.index("")]]
     assert reads == ["layer0.attn", "layer0.mlp", "layer1.attn", "layer1.mlp", "readout"]
     assert lines[1].split() == ["layer0.attn", "emb", "1.00"]  # the first read sees only the embedding
-    weights = [float(w) for w in lines[5].split()[2::2]]  # readout: emb, C0, C1 with their weights
+    assert len(lines[5].split()) == 7  # readout: emb, C0, C1 with their weights; all three, no "..."
+    weights = [float(w) for w in lines[5].split()[2::2]]
     assert weights == sorted(weights, reverse=True) and sum(weights) == pytest.approx(1, abs=0.02)
     lines = text.split("\nnext:\n")[1].splitlines()
     nxt = [shlex.split(line.rsplit("  # ", 1)[0]) for line in lines]
@@ -3178,6 +3219,14 @@ def test_printed_baseline_drops_a_routing_field_of_a_config_subclass():
     b, base = _train_settings(baseline[2:], _TrainConfigWithGain)  # --read_gain 2.0: an error
     assert "--read_gain" not in baseline and base.read_gain == 1.0
     assert base.residual == "prenorm" and b.seed == 3
+
+
+def test_routing_summary_shows_the_three_heaviest_sources_and_dots_for_more():
+    four = {"sources": ["emb", "C0", "C1", "P"], "mean_weight": [0.1, 0.4, 0.2, 0.3]}
+    three = {"sources": ["emb", "C0", "P"], "mean_weight": [0.5, 0.2, 0.3]}
+    lines = train.routing_summary({"reads": {"a": four, "b": three}, "js_mean": None}).splitlines()
+    assert [line.split() for line in lines[1:]] == [["a", "C0", "0.40", "P", "0.30", "C1", "0.20", "..."],
+                                                   ["b", "emb", "0.50", "P", "0.30", "C0", "0.20"]]
 
 
 def test_prenorm_run_has_no_routing_summary(_train_data, _train_one_thread, tmp_path, capsys):
@@ -3323,6 +3372,17 @@ def test_grad_accum_clips_the_gradient_of_the_mean_loss(_train_data, _train_one_
     assert norm == pytest.approx(want, rel=1e-4) and norm > 1.0  # > grad_clip: clipping did act
     logged = [r for r in _train_metrics(out) if r["type"] == "train"][0]
     assert logged["loss"] == pytest.approx(mean.item(), rel=1e-5)  # the logged loss is that mean too
+
+
+# --grad_clip 0 is off: the same run as with a clip too large to ever act
+def test_grad_clip_0_is_off(_train_data, _train_one_thread, tmp_path):
+    demo, _ = _train_data
+    losses = []
+    for clip in (0, 1e9):
+        out = tmp_path / str(clip)
+        assert _train_main(train, _train_tiny_run(demo, out, "--max_iters", 3, "--grad_clip", clip))[0] == 0
+        losses.append([r["loss"] for r in _train_metrics(out) if r["type"] == "train"])
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
 
 
 # training: --resume keeps the best val loss and best.pt when the resumed run gets worse
@@ -4003,6 +4063,16 @@ def test_flags_are_never_abbreviated_and_a_misspelling_names_the_flag(
     assert code == 2
     wrong = " ".join(argv)
     assert err == f"error: unrecognized arguments: {wrong} (did you mean {meant}?); see --help\n"
+
+
+# bool flags take True/False/1/0 in any case (--help's epilog); alone they mean True
+def test_bool_flags_take_true_false_1_0_and_alone_mean_true():
+    parser = train.build_parser()
+    for text, value in [("True", True), ("true", True), ("1", True), ("False", False), ("false", False),
+                        ("0", False)]:
+        a = parser.parse_args(["--wav", text, "--resume", text])
+        assert a.wav is value and a.resume is value, text
+    assert parser.parse_args(["--wav"]).wav is True
 
 
 # --help lists every flag with its help: each TrainSettings and GPTConfig field, one way

@@ -98,6 +98,87 @@ FAULTS = [
     ("train.py", 'if vocab_size != here["vocab_size"]:', "if False:",
      "--resume with another dataset's vocabulary is not caught"),
 
+    # --- train.py: [outside] faults, designed from the docs, --help and the module by a reviewer who had
+    # not read the tests
+    ('train.py', '    if step < a.warmup_iters:\n',
+     '    if step <= a.warmup_iters:\n',
+     'warmup off by one: --warmup_iters 0 (allowed) crashes with ZeroDivisionError; with warmup 20'
+     ' the lr of step 21 overshoots --lr [outside]'),
+    ('train.py', 'max(1, max_iters - 1 - a.warmup_iters)',
+     'max(1, max_iters - a.warmup_iters)',
+     'the cosine no longer reaches --min_lr at the last step (--help/docs promise it): the last '
+     "train line's lr is above min_lr [outside]"),
+    ('train.py', '    if a.grad_clip > 0:\n',
+     '    if a.grad_clip >= 0:\n',
+     "--grad_clip 0 (documented 'off') clips every gradient to norm 0: the weights only decay, the"
+     ' loss does not go down [outside]'),
+    ('train.py', 'math.ceil(a.max_tokens / tokens_per_step)',
+     'a.max_tokens // tokens_per_step',
+     '--max_tokens rounds the step count down, not up (docs: ceil): 5000 tokens at 4,096 per step '
+     'trains 1 step, not 2 [outside]'),
+    ('train.py', 'if run.step % a.log_interval == 0 or run.step == 1:',
+     'if run.step % a.log_interval == 0:',
+     'no train line at step 1 (stdout and metrics.jsonl) unless --log_interval is 1 (docs: every '
+     '--log_interval steps and at step 1) [outside]'),
+    ('train.py', 'if before < n <= now]',
+     'if before <= n < now]',
+     "a milestone exactly on a step's token count is evaluated one step late; summary.json's "
+     'milestones record the wrong step/tokens [outside]'),
+    ('train.py', '["step"] <= step:',
+     '["step"] < step:',
+     "on --resume metrics.jsonl loses the eval line of the checkpoint's own step (docs: keeps the "
+     'lines up to it) [outside]'),
+    ('train.py', 'f.name not in ("out_dir", "preset", "resume", "stop_after")',
+     'f.name not in ("out_dir", "preset", "resume", "stop_after", "dtype")',
+     'the continue-with command (--stop_after / Ctrl-C) drops a given --dtype, which --resume does'
+     ' not restore: pasted, it resumes in another precision [outside]'),
+    ('train.py', 'return shlex.join([*launcher, *map(str, flags)])',
+     'return " ".join([*launcher, *map(str, flags)])',
+     'printed commands (next:, continue with:) are not shell-quoted: an --out_dir with a space '
+     'breaks when pasted [outside]'),
+    ('train.py', '"stop_after", "wandb_run"}',
+     '"stop_after", "wandb_run", "seed"}',
+     'the baseline command after next: drops a non-default --seed, so it is not paired with the '
+     'run [outside]'),
+    ('train.py', '    defaults["eval_tokens"] = default_eval_tokens(config.vocab_size, device)  # what it gets unasked\n',
+     '',
+     'the baseline command after next: always carries --eval_tokens 32768 (the resolved default) '
+     'even when none was given [outside]'),
+    ('train.py', 'if a.stop_after is not None and a.stop_after <= run.step',
+     'if a.stop_after is not None and a.stop_after < run.step',
+     "--stop_after N stops after step N+1, not N: 'stopped after step 31' for --stop_after 30 and "
+     'last.pt holds step 31 [outside]'),
+    ('train.py', '<= run.step < a.max_iters:',
+     '<= run.step:',
+     "--stop_after at or beyond --max_iters stops the run at its last step with 'stopped after', "
+     'no summary.json or routing summary [outside]'),
+    ('train.py', 'test_bpc=bpc(test_loss))',
+     'test_bpc=bpc(val_loss))',
+     "summary.json's final.test_bpc is the val bpc (copy-paste), not test_loss / ln 2 [outside]"),
+    ('train.py', 'device.type == "cpu" and vocab_size > LARGE_VOCAB',
+     'device.type == "cpu" or vocab_size > LARGE_VOCAB',
+     'default --eval_tokens on CPU at char level (demo, vocab 53) is 8,192, not 32,768 [outside]'),
+    ('train.py', 'if text.lower() in ("true", "1", "yes"):',
+     'if text.lower() in ("true", "yes"):',
+     'bool flags reject 1: --wav 1 / --resume 1 is an error, though docs and the --help epilog say'
+     ' they take 1/0 [outside]'),
+    ('train.py', '+ ("  ..." if len(read["sources"]) > top else ""))',
+     '+ ("  ..." if len(read["sources"]) >= top else ""))',
+     "the end-of-run routing summary marks reads with exactly 3 sources with '...' (README's "
+     'layer1.mlp line shows none) [outside]'),
+    ('train.py', 'run.wall_before, run.reached = ckpt.get("wall_time_s", 0.0), ckpt.get("milestones", {})',
+     'run.wall_before, run.reached = ckpt.get("wall_time_s", 0.0), {}',
+     'a resumed run forgets the milestones reached before the checkpoint: summary.json holds only '
+     'those crossed after --resume [outside]'),
+    ('train.py', '    cleanup.callback(release)\n',
+     '',
+     'OUT_DIR/train.lock is left behind after every run (docs: only while a run writes there); the'
+     " next --resume says 'taking over' [outside]"),
+    ('train.py', '        settings["max_tokens"] = None  # an explicit',
+     '        pass  # an explicit',
+     "an explicit --max_iters no longer beats a checkpoint's or preset's --max_tokens: resuming "
+     'with --max_iters 800 does not extend the schedule [outside]'),
+
     # --- sample.py
     ("sample.py", "    torch.manual_seed(a.seed)\n", "", "--seed is ignored"),
     ("sample.py", "ids = ids[-config.sequence_len:]", "ids = ids[:config.sequence_len]",
