@@ -5,6 +5,7 @@ The model tests check every routing mechanism against a small reference written 
 loops over sources (no batching, no online softmax, no custom autograd), from SPEC.md's equations.
 """
 
+import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -4341,3 +4342,67 @@ def test_pytest_configuration_lists_skip_reasons(tmp_path):
                          capture_output=True, text=True)
     assert "SKIPPED [1] test_skip.py:5: needs a thing" in out.stdout, out.stdout
 
+
+
+# -----------------------------------------------------------------------------
+# docs/testing.md's behaviour table: a row for every flag of every script, and tests that exist
+
+# rows whose test waits for a branch that changes that behaviour (named in the row: "pending: issue N")
+_TABLE_PENDING = {("bench.py", "--compile")}
+
+
+def _table_parsers():
+    """{table title: the flags and positionals of that parser}, from the scripts' own parsers."""
+    def names(parser):
+        found = set()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            found |= {o for o in action.option_strings if o.startswith("--")} or {action.dest}
+        return found
+    parsers = {"train.py": train.build_parser(), "sample.py": sample.build_parser(),
+               "prepare_data.py": prepare_data._parser(), "bench.py": bench.build_parser()}
+    sub = next(a for a in experiments.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers.update({f"experiments.py {name}": p for name, p in sub.choices.items()})
+    return {title: names(p) for title, p in parsers.items()}
+
+
+def _table_rows(text):
+    """{section title: [(first cell, last cell)]} for every table row under a ### heading."""
+    sections, title = {}, None
+    for line in text.splitlines():
+        if line.startswith("### "):
+            title = line[4:].strip()
+            sections[title] = []
+        elif title and line.startswith("| ") and not set(line) <= set("|- "):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if cells[0] not in ("flag", "promise (where)"):
+                sections[title].append((cells[0], cells[-1]))
+    return sections
+
+
+def test_behaviour_table_matches_the_parsers():
+    root = Path(__file__).resolve().parent
+    sections = _table_rows((root / "docs" / "testing.md").read_text())
+    tests = set(re.findall(r"^def (test_\w+)", Path(__file__).read_text(), re.M))
+    problems = []
+    for title, flags in _table_parsers().items():
+        rows = sections.get(title)
+        if rows is None:
+            problems.append(f"no table '### {title}'")
+            continue
+        listed = [name for first, _ in rows for name in re.findall(r"`([\w-]+)`", first)]
+        problems += [f"{title}: {flag} has no row" for flag in sorted(flags - set(listed))]
+        problems += [f"{title}: a row names {flag}, which the parser does not have" for flag in listed
+                     if flag not in flags]
+        problems += [f"{title}: {flag} has two rows" for flag in set(listed) if listed.count(flag) > 1]
+        for first, last in rows:
+            pending = {(title, f) for f in re.findall(r"`([\w-]+)`", first)} <= _TABLE_PENDING
+            if not re.search(r"`test_\w+`", last) and not (pending and last.startswith("pending: issue")):
+                problems.append(f"{title}: the row of {first} names no test")
+    assert "Promises" in sections and len(sections["Promises"]) >= 20
+    for title, rows in sections.items():
+        for first, last in rows:
+            problems += [f"{title}: the row of {first[:40]} names {t}, which test_nanoroute.py does not define"
+                         for t in re.findall(r"`(test_\w+)`", last) if t not in tests]
+    assert not problems, "docs/testing.md's behaviour table:\n" + "\n".join(problems)
