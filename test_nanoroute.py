@@ -5,6 +5,7 @@ The model tests check every routing mechanism against a small reference written 
 loops over sources (no batching, no online softmax, no custom autograd), from SPEC.md's equations.
 """
 
+import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -1637,6 +1638,26 @@ def test_data_tinystories_small_file_keeps_ordinary_characters(tmp_path, _data_s
         prepare_data.encoder(meta, out)("☃")
     assert "min_per_million" not in str(e.value) and "'☃'; remove or replace them" in str(e.value)
 
+# --v1: the V1 files by their names; --min_per_million 0 keeps a character the default 0.5 replaces (once in
+# 2.1M characters is 0.48 per million)
+def test_data_tinystories_v1_files_and_min_per_million_0_keeps_every_character(tmp_path, _data_server):
+    train = "Tom saw a cat. " * 140_000 + "é<|endoftext|>Tom saw a cat.<|endoftext|>"
+    _data_server.files.update({"TinyStories-train.txt": train.encode(),
+                               "TinyStories-valid.txt": "Tom ran é.<|endoftext|>".encode()})
+    keep = prepare_data.prepare("tinystories", tmp_path / "keep", base_url=_data_server.url, v1=True,
+                                min_per_million=0, **_data_fast())
+    meta = prepare_data.load_meta(keep)
+    assert "TinyStories-train.txt" in json.dumps(meta["source"]) and "V2" not in json.dumps(meta["source"])
+    assert meta["replaced"] == [] and "é" in meta["chars"] and meta["options"]["v1"] is True
+    default = prepare_data.prepare("tinystories", tmp_path / "default", base_url=_data_server.url, v1=True,
+                                   **_data_fast())
+    meta = prepare_data.load_meta(default)
+    assert meta["replaced"] == ["é"] and "é" not in meta["chars"]
+    assert {name for name, _ in _data_server.log} == {"TinyStories-train.txt", "TinyStories-valid.txt"}
+    with pytest.raises(prepare_data.UsageError, match="TinyStoriesV2-GPT4-"):  # without --v1: the V2 files
+        prepare_data.prepare("tinystories", tmp_path / "v2", base_url=_data_server.url, **_data_fast())
+
+
 
 # at least --min_per_million: a character exactly at the threshold is kept; the replaced ones are listed
 # commonest first; '\ufffd' (in the text, or from undecodable bytes) is the one last id, never "replaced"
@@ -2449,7 +2470,9 @@ def _train_metrics(out_dir):
 
 
 def _train_env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(_TRAIN_ROOT))
+    """The scripts importable from any folder; a PYTHONPATH already set (tools/coverage.sh's hook) is kept."""
+    path = os.pathsep.join(p for p in (str(_TRAIN_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
 
 
 @pytest.fixture(scope="module")
@@ -3453,6 +3476,175 @@ def test_eval_and_generation_are_deterministic_with_dropout(_train_data, _train_
                                   "--top_k", 1, "--seed", seed], capsys)[1] for seed in (1, 2)]
     assert texts[0] == texts[1] and texts[0].count("-" * 40) == 2
 
+# --grad_clip: the gradient norm is clipped to it; 0 is off, the same run as one never clipped
+def test_train_grad_clip_clips_and_0_is_off(_train_data, _train_one_thread, tmp_path):
+    demo, _ = _train_data
+    weights = {}
+    for clip in ("0", "1e9", "1e-3"):  # 1e9: clip_grad_norm_ scales by exactly 1.0, as if never clipped
+        argv = ["--data", demo, "--out_dir", tmp_path / clip, *_TRAIN_TINY, "--residual", "prenorm",
+                "--max_iters", 3, "--eval_interval", 10, "--grad_clip", clip]
+        assert _train_main(train, argv)[0] == 0
+        weights[clip] = torch.load(tmp_path / clip / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(weights["0"][k], weights["1e9"][k]) for k in weights["0"])
+    assert not all(torch.equal(weights["0"][k], weights["1e-3"][k]) for k in weights["0"])
+
+
+# --grad_accum 2: a step is batch_size x grad_accum x sequence_len tokens, in every count that uses it:
+# the logged tokens, tokens_seen, the steps --max_tokens gives, the step a milestone is crossed at
+def test_train_grad_accum_counts_the_tokens_of_every_micro_step(_train_data, _train_one_thread, tmp_path,
+                                                                capsys):
+    demo, _ = _train_data
+    argv = ["--data", demo, "--out_dir", tmp_path, *_TRAIN_TINY, "--residual", "prenorm", "--batch_size", 4,
+            "--grad_accum", 2, "--max_tokens", 900, "--milestones", "500", "--log_interval", 2,
+            "--eval_interval", 10]
+    code, text, _ = _train_main(train, argv, capsys)
+    assert code == 0 and "training: 4 steps x 256 tokens (batch 4 x accum 2 x 32)" in text  # ceil(900 / 256)
+    lines = _train_metrics(tmp_path)
+    assert [(r["step"], r["tokens"]) for r in lines if r["type"] == "train"] == [(1, 256), (2, 512), (4, 1024)]
+    evals = [(r["step"], r["tokens"], r["milestone"]) for r in lines if r["type"] == "eval"]
+    assert evals == [(0, 0, None), (2, 512, "500"), (4, 1024, None)]  # 500 is crossed during step 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["train"]["max_iters"], summary["step"], summary["tokens_seen"]) == (4, 4, 1024)
+    at_2 = next(r for r in lines if r["type"] == "eval" and r["step"] == 2)
+    assert summary["milestones"] == {"500": dict(step=2, tokens=512, val_loss=at_2["val_loss"])}
+
+
+# --stop_after at a step without an evaluation, then --resume: every record of the run (metrics.jsonl's
+# steps, tokens, lr, losses and milestones; summary.json; best.pt) is the uninterrupted run's, and the stop
+# writes no best.pt of a model that was never evaluated
+def test_resume_bookkeeping_equals_an_uninterrupted_run(_train_data, _train_one_thread, tmp_path):
+    demo, _ = _train_data
+    flags = ["--data", demo, *_TRAIN_TINY, "--residual", "prenorm", "--grad_accum", 2, "--max_iters", 6,
+             "--eval_interval", 4, "--milestones", "1K,2.5K"]  # 512 tokens a step: crossed in steps 2 and 5
+    assert _train_main(train, [*flags, "--out_dir", tmp_path / "whole"])[0] == 0
+    part = tmp_path / "part"
+    assert _train_main(train, [*flags, "--out_dir", part, "--stop_after", 3])[0] == 0
+    stopped_best = torch.load(part / "best.pt", weights_only=True)
+    evals_so_far = [r for r in _train_metrics(part) if r["type"] == "eval"]
+    assert [r["step"] for r in evals_so_far] == [0, 2] and stopped_best["step"] in (0, 2)
+    assert stopped_best["best_val_loss"] == min(r["val_loss"] for r in evals_so_far)
+    assert torch.load(part / "last.pt", weights_only=True)["milestones"]["1K"]["step"] == 2
+    assert _train_main(train, ["--out_dir", part, "--resume", "--device", "cpu"])[0] == 0
+
+    timing = {"tok_per_s", "ms_per_step", "elapsed_s"}
+    whole, resumed = ([{k: v for k, v in r.items() if k not in timing} for r in _train_metrics(d)]
+                      for d in (tmp_path / "whole", part))
+    assert resumed == whole
+    assert [r["milestone"] for r in whole if r["type"] == "eval"] == [None, "1K", None, "2.5K", None]
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (tmp_path / "whole", part)]
+    for s in summaries:
+        del s["wall_time_s"], s["train"]["out_dir"], s["train"]["resume"]  # how each was invoked
+    assert summaries[1] == summaries[0]
+    best = [torch.load(d / "best.pt", weights_only=True) for d in (tmp_path / "whole", part)]
+    assert best[1]["step"] == best[0]["step"] and best[1]["best_val_loss"] == best[0]["best_val_loss"]
+    assert all(torch.equal(best[0]["model"][k], best[1]["model"][k]) for k in best[0]["model"])
+
+
+# --preset: its values, an explicit flag over them (and said so at start), an explicit --max_iters over its
+# --max_tokens; with --resume the checkpoint's config wins and a preset value that differs from it is an error
+def test_train_preset_values_explicit_flags_and_resume(tmp_path, capsys):
+    a, model, _ = train.resolve_settings({"preset": "rd_s"})
+    assert (a.data, a.grad_accum, a.max_tokens, a.milestones, a.lr) == (
+        "data/fineweb_edu", 8, 2_000_000_000, "0.25B,0.5B,1B,2B", 6e-4)
+    assert [model[k] for k in ("n_layer", "n_embd", "n_head", "sequence_len", "residual", "rd")] == [
+        16, 576, 9, 1024, "attnres", "decoupled"]
+    a, model, _ = train.resolve_settings({"preset": "rd_s", "max_iters": 10, "n_layer": 4, "lr": 1e-3})
+    assert (a.max_iters, a.max_tokens, a.lr, model["n_layer"], model["n_embd"]) == (10, None, 1e-3, 4, 576)
+    with pytest.raises(prepare_data.UsageError, match="not both"):
+        train.resolve_settings({"max_iters": 5, "max_tokens": 1000})
+    train.read_settings({"preset": "rd_m", "n_layer": 4, "out_dir": str(tmp_path)}, 1, True)
+    printed = capsys.readouterr().out
+    assert printed.startswith("preset rd_m: ") and " n_layer=24 (overridden: 4) " in printed
+    assert " lr=0.0003 " in printed and " grad_accum=8 " in printed
+
+    a, model, _ = train.resolve_settings({"preset": "wav24"})
+    assert (model["wav"], model["n_layer"], a.max_iters, a.max_tokens, a.lr) == (True, 24, 20000, None, 1e-3)
+    ckpt = dict(config=dict(model, vocab_size=53), train_args=dataclasses.asdict(a))  # a wav24 run's last.pt
+    resumed, config, _ = train.resolve_settings({"max_iters": 30000}, ckpt, "x/last.pt")
+    assert config == ckpt["config"] and (resumed.max_iters, resumed.lr, resumed.data) == (30000, 1e-3,
+                                                                                          "data/tinystories")
+    with pytest.raises(prepare_data.UsageError, match="--n_layer 48 conflicts with x/last.pt's n_layer=24"):
+        train.resolve_settings({"preset": "wav48"}, ckpt, "x/last.pt")
+
+
+# --lr, --min_lr, --warmup_iters, --weight_decay, --beta1, --beta2: the schedule the log shows (warmup 0: the
+# peak at once; min_lr at the last step) and AdamW's own settings in the checkpoint
+def test_train_optimizer_flags_reach_adamw(_train_data, _train_one_thread, tmp_path):
+    demo, _ = _train_data
+    argv = ["--data", demo, "--out_dir", tmp_path, *_TRAIN_TINY, "--residual", "prenorm", "--max_iters", 3,
+            "--eval_interval", 10, "--lr", 0.01, "--min_lr", 0.001, "--warmup_iters", 0,
+            "--weight_decay", 0.05, "--beta1", 0.8, "--beta2", 0.9]
+    assert _train_main(train, argv)[0] == 0
+    lrs = [r["lr"] for r in _train_metrics(tmp_path) if r["type"] == "train"]
+    assert lrs == pytest.approx([0.01, 0.0055, 0.001])
+    groups = torch.load(tmp_path / "last.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.05]  # matrices decay, the rest does not
+    assert all(tuple(g["betas"]) == (0.8, 0.9) for g in groups)
+    a = train.argparse.Namespace(lr=1.0, min_lr=0.0, warmup_iters=0)
+    assert train.get_lr(0, a, 5) == 1.0 and train.get_lr(4, a, 5) == pytest.approx(0.0)
+
+
+# every model flag reaches GPTConfig: summary.json's and last.pt's config, the header and the weights
+def test_train_model_flags_reach_the_config(_train_data, _train_one_thread, tmp_path, capsys):
+    demo, _ = _train_data
+    given = dict(sequence_len=16, n_layer=3, n_head=8, n_embd=32, dropout=0.1, bias=True, residual="attnres",
+                 attnres_block=4, wav=True, wav_bases="phase", wav_rho=2.0, wav_detail_bias=-1.0,
+                 wav_readout_details=True, wav_learned_bases=True, rd="average", fast_routing=False)
+    argv = ["--data", demo, "--out_dir", tmp_path, *_TRAIN_TINY, "--max_iters", 1]
+    for name, value in given.items():
+        argv += [f"--{name}", value]
+    code, text, _ = _train_main(train, argv, capsys)
+    assert code == 0, text
+    config = json.loads((tmp_path / "summary.json").read_text())["config"]
+    assert {k: config[k] for k in given} == given
+    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert ckpt["config"] == config
+    assert ("model: 3 layers x 32, 8 heads, sequence_len 16, residual attnres (block 4, wav True, "
+            "rd average)") in text
+    plain = GPT(GPTConfig(**dict(config, bias=False))).state_dict()
+    assert set(ckpt["model"]) == set(GPT(GPTConfig(**config)).state_dict()) > set(plain)  # the biases
+
+
+# --dtype bfloat16 trains under bf16 autocast on the CPU too; auto and float32 are float32 there
+def test_train_dtype_bfloat16_autocasts_and_float32_does_not(_train_data, _train_runs, _train_one_thread,
+                                                                tmp_path, capsys):
+    demo, _ = _train_data
+    _, prenorm = _train_runs  # the same flags, --dtype auto
+    argv = ["--data", demo, "--out_dir", tmp_path, *_TRAIN_TINY, "--residual", "prenorm", "--max_iters", 1,
+            "--dtype", "bfloat16"]
+    code, text, _ = _train_main(train, argv, capsys)
+    assert code == 0 and "1 process(es) on cpu, bfloat16" in text
+    auto, bf16 = (_train_metrics(d) for d in (prenorm, tmp_path))
+    assert [r["step"] for r in auto] == [r["step"] for r in bf16]
+    for a, b in zip(auto, bf16):
+        key = "loss" if a["type"] == "train" else "val_loss"
+        assert a[key] != b[key] and a[key] == pytest.approx(b[key], abs=0.05)  # rounded, not another model
+    cpu = torch.device("cpu")
+    assert train.pick_dtype("auto", cpu) == train.pick_dtype("float32", cpu) == torch.float32
+
+
+# --compile: the model goes through torch.compile (here with the eager backend: inductor would spend a
+# minute compiling C++; the wrapper and its parameter names are the same), and the checkpoint's names are plain
+def test_train_compile_compiles_and_saves_plain_names(_train_data, _train_runs, _train_one_thread, tmp_path,
+                                                       monkeypatch):
+    demo, _ = _train_data
+    _, prenorm = _train_runs
+    compiled, real = [], torch.compile
+
+    def compile_eager(model, **kwargs):
+        compiled.append(model)
+        return real(model, backend="eager")
+    monkeypatch.setattr(torch, "compile", compile_eager)
+    argv = ["--data", demo, "--out_dir", tmp_path, *_TRAIN_TINY, "--residual", "prenorm", "--max_iters", 1,
+            "--compile"]
+    assert _train_main(train, argv)[0] == 0
+    assert len(compiled) == 1 and isinstance(compiled[0], GPT)
+    state = torch.load(tmp_path / "last.pt", weights_only=True)["model"]
+    assert list(state) == list(compiled[0].state_dict())  # no _orig_mod. prefix
+    eager = torch.load(prenorm / "last.pt", weights_only=True)["model"]
+    assert all(torch.allclose(state[k], eager[k], atol=1e-6) for k in eager)  # the same training step
+
+
 # -----------------------------------------------------------------------------
 # sample.py
 
@@ -3738,6 +3930,57 @@ def test_sample_long_prompt_keeps_its_end(_train_runs, _train_one_thread, capsys
                                           "--start", prompt], capsys)
     assert code == 0 and "using its last 32" in err
     assert out.startswith(prompt[-32:]) and not out.startswith(prompt[:32])
+
+# --ckpt: best (the default) reads best.pt, last reads last.pt (here a folder whose two files are two runs)
+def test_sample_ckpt_best_and_last_read_their_files(_train_runs, _train_one_thread, tmp_path, capsys):
+    routed, prenorm = _train_runs
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(routed / "best.pt", mixed / "best.pt")
+    shutil.copy(prenorm / "last.pt", mixed / "last.pt")
+
+    def run(out_dir, *flags):
+        return _train_main(sample, ["--out_dir", out_dir, "--num_samples", 1, "--max_new_tokens", 20,
+                                    "--temperature", 1.0, "--seed", 3, *flags], capsys)
+    assert run(mixed)[:2] == run(mixed, "--ckpt", "best")[:2] == run(routed)[:2]
+    assert run(mixed, "--ckpt", "last")[:2] == run(prenorm, "--ckpt", "last")[:2]
+    code, out, _ = run(mixed, "--routes")
+    assert code == 0 and out.startswith(f"depth routing of {mixed / 'best.pt'} ")
+    code, _, err = run(mixed, "--routes", "--ckpt", "last")  # the prenorm run's
+    assert code == 2 and f"{mixed / 'last.pt'} is a residual=prenorm model" in err
+
+
+# --start FILE:path reads the prompt from that file; --num_samples and --max_new_tokens give that many samples
+# of exactly that many new characters; the default prompt (a newline) is not printed; --routes without --start
+# reads the first sequence_len tokens of val
+def test_sample_start_file_and_the_default_prompt(_train_data, _train_runs, _train_one_thread, tmp_path,
+                                                  monkeypatch, capsys):
+    demo, _ = _train_data
+    routed, _ = _train_runs
+    prompt = "Tom saw a cat."
+    (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)  # a relative FILE: path is read from the working folder
+
+    def run(*flags):
+        return _train_main(sample, ["--out_dir", routed, "--device", "cpu", "--seed", 1, *flags], capsys)
+    code, out, err = run("--start", "FILE:prompt.txt", "--num_samples", 2, "--max_new_tokens", 7)
+    samples = out.split("-" * 40 + "\n")
+    assert code == 0 and len(samples) == 3 and samples[-1] == "" and "14 tokens in" in err
+    # each sample: the prompt, 7 new characters and print's newline
+    assert all(s.startswith(prompt) and len(s) == len(prompt) + 7 + 1 for s in samples[:2])
+    assert run("--start", prompt, "--num_samples", 2, "--max_new_tokens", 7)[1] == out
+    code, _, err = run("--start", "FILE:missing.txt")
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "missing.txt" in err
+
+    code, default, _ = run("--num_samples", 1, "--max_new_tokens", 9)
+    assert code == 0 and len(default.split("-" * 40 + "\n")[0]) == 9 + 1
+    assert run("--start", "\n", "--num_samples", 1, "--max_new_tokens", 9)[1] == "\n" + default
+
+    code, out, _ = run("--routes")
+    meta = prepare_data.load_meta(demo)
+    val = prepare_data.decoder(meta, demo)(prepare_data.open_split(demo, "val")[:32].tolist())
+    assert code == 0 and f"over a 32-token prompt: {val!r}" in out.splitlines()[0]
+
 
 
 # sampling: GPT-2 decoding joins bytes before UTF-8, so multi-byte characters split over tokens survive
@@ -4326,6 +4569,38 @@ def test_bench_against_bad_versions_are_one_error_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (file, err)
         assert re.search(message, err), (file, err)
+
+# bench.py's shape overrides, --iters, --warmup, --gen_tokens 0 (no generation), --gen_repeats, --threads
+def test_bench_flags_override_the_shape(tmp_path, monkeypatch):
+    steps, recomputes = [], []
+    train_step, recompute = bench.train_step, bench.generate_recompute
+    monkeypatch.setattr(bench, "train_step", lambda *a: steps.append(1) or train_step(*a))
+    monkeypatch.setattr(bench, "generate_recompute", lambda *a: recomputes.append(1) or recompute(*a))
+    shape = dict(n_layer=1, n_embd=16, n_head=4, sequence_len=8, vocab_size=50, batch_size=3)
+    flags = ["--shape", "tiny", "--device", "cpu", "--variants", "prenorm", "--iters", 3,
+             *[x for k, v in shape.items() for x in (f"--{k}", v)]]
+    threads = torch.get_num_threads()
+    try:
+        counts = {}
+        for warmup in (0, 2):
+            steps.clear()
+            torch.set_num_threads(2)  # --threads 1 changes it
+            out = bench.main([str(x) for x in [*flags, "--warmup", warmup, "--gen_tokens", 0, "--threads", 1]])
+            counts[warmup] = len(steps)
+            assert torch.get_num_threads() == 1 and out["machine"]["threads"] == 1
+        gen = ["--gen_tokens", 2, "--gen_variants", "prenorm", "--gen_repeats", 2]
+        out = bench.main([str(x) for x in [*flags, *gen]])
+    finally:
+        torch.set_num_threads(threads)
+    assert counts[2] - counts[0] == 2  # two untimed rounds of the one variant
+    assert out["shape"] == shape and len(out["variants"]["prenorm"]["ms_all"]) == 3
+    v = out["variants"]["prenorm"]
+    assert v["params"] == GPT(GPTConfig(**{k: shape[k] for k in shape if k != "batch_size"})).get_num_params()
+    assert v["tokens_per_s"] == pytest.approx(3 * 8 / (v["ms_median"] / 1e3))
+    assert len(recomputes) == 1 + 2 and out["generation"]["repeats"] == 2  # a warm-up, then the repeats
+    assert bench.main(["--shape", "tiny", "--device", "cpu", "--variants", "prenorm", "--iters", "1",
+                       "--gen_tokens", "0"])["generation"]["variants"] == {}
+
 
 
 
@@ -5231,6 +5506,40 @@ def test_exp_custom_sweep_runs_two_at_once_resumes_and_reports(_train_data, tmp_
     assert experiments.main(argv) == 0  # the same command again: both finished, nothing runs
     assert capsys.readouterr().out.count("skip ") == 2
 
+_EXP_FAKE_DDP_TRAIN = """
+import json, os, sys
+from pathlib import Path
+argv = sys.argv[1:]
+with open(os.environ["EXP_CALLS"], "a") as f:
+    f.write(json.dumps(dict(argv=argv, rank=os.environ["RANK"], world=os.environ["WORLD_SIZE"])) + "\\n")
+if os.environ["RANK"] == "0":
+    summary = Path(argv[argv.index("--out_dir") + 1]) / "summary.json"
+    summary.write_text(json.dumps(dict(final=dict(val_loss=1.5))))
+"""
+
+
+# --torchrun N: each run is torchrun --standalone --nproc_per_node=N train.py -- ...: N processes of it;
+# without --out the run folders go to runs/NAME
+def test_exp_sweep_torchrun_and_the_default_out(tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(_EXP_FAKE_DDP_TRAIN)
+    monkeypatch.setenv("EXP_CALLS", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setattr(experiments, "TRAIN", str(fake))
+    monkeypatch.chdir(tmp_path)
+    prepare_data.prepare("demo", tmp_path / "data" / "demo", demo_mb=0.01)
+    capsys.readouterr()
+    argv = ["sweep", "tiny", "--seeds", "0", "--variants", "prenorm", "--torchrun", "2"]
+    assert experiments.main([*argv, "--dry_run"]) == 0
+    command = capsys.readouterr().out.splitlines()[0]
+    assert " -m torch.distributed.run --standalone --nproc_per_node=2 " in command
+    assert f" {fake} -- " in command and " --out_dir runs/tiny/prenorm_L4_s0" in command
+    assert experiments.main(argv) == 0
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert sorted((c["rank"], c["world"]) for c in calls) == [("0", "2"), ("1", "2")]
+    assert all("--rd" in c["argv"] for c in calls)  # after --: torchrun does not take it for its --rdzv_*
+    assert (tmp_path / "runs" / "tiny" / "prenorm_L4_s0" / "summary.json").exists()
+
+
 
 # the report states the routing block of each group's AttnRes variants, and flags groups where they differ
 def test_exp_report_states_the_routing_block(tmp_path):
@@ -5764,3 +6073,67 @@ def test_pytest_configuration_lists_skip_reasons(tmp_path):
                          capture_output=True, text=True)
     assert "SKIPPED [1] test_skip.py:5: needs a thing" in out.stdout, out.stdout
 
+
+
+# -----------------------------------------------------------------------------
+# docs/testing.md's behaviour table: a row for every flag of every script, and tests that exist
+
+# rows whose test waits for a branch that changes that behaviour (named in the row: "pending: issue N")
+_TABLE_PENDING = {("bench.py", "--compile")}
+
+
+def _table_parsers():
+    """{table title: the flags and positionals of that parser}, from the scripts' own parsers."""
+    def names(parser):
+        found = set()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            found |= {o for o in action.option_strings if o.startswith("--")} or {action.dest}
+        return found
+    parsers = {"train.py": train.build_parser(), "sample.py": sample.build_parser(),
+               "prepare_data.py": prepare_data._parser(), "bench.py": bench.build_parser()}
+    sub = next(a for a in experiments.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers.update({f"experiments.py {name}": p for name, p in sub.choices.items()})
+    return {title: names(p) for title, p in parsers.items()}
+
+
+def _table_rows(text):
+    """{section title: [(first cell, last cell)]} for every table row under a ### heading."""
+    sections, title = {}, None
+    for line in text.splitlines():
+        if line.startswith("### "):
+            title = line[4:].strip()
+            sections[title] = []
+        elif title and line.startswith("| ") and not set(line) <= set("|- "):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if cells[0] not in ("flag", "promise (where)"):
+                sections[title].append((cells[0], cells[-1]))
+    return sections
+
+
+def test_behaviour_table_matches_the_parsers():
+    root = Path(__file__).resolve().parent
+    sections = _table_rows((root / "docs" / "testing.md").read_text())
+    tests = set(re.findall(r"^def (test_\w+)", Path(__file__).read_text(), re.M))
+    problems = []
+    for title, flags in _table_parsers().items():
+        rows = sections.get(title)
+        if rows is None:
+            problems.append(f"no table '### {title}'")
+            continue
+        listed = [name for first, _ in rows for name in re.findall(r"`([\w-]+)`", first)]
+        problems += [f"{title}: {flag} has no row" for flag in sorted(flags - set(listed))]
+        problems += [f"{title}: a row names {flag}, which the parser does not have" for flag in listed
+                     if flag not in flags]
+        problems += [f"{title}: {flag} has two rows" for flag in set(listed) if listed.count(flag) > 1]
+        for first, last in rows:
+            pending = {(title, f) for f in re.findall(r"`([\w-]+)`", first)} <= _TABLE_PENDING
+            if not re.search(r"`test_\w+`", last) and not (pending and last.startswith("pending: issue")):
+                problems.append(f"{title}: the row of {first} names no test")
+    assert "Promises" in sections and len(sections["Promises"]) >= 20
+    for title, rows in sections.items():
+        for first, last in rows:
+            problems += [f"{title}: the row of {first[:40]} names {t}, which test_nanoroute.py does not define"
+                         for t in re.findall(r"`(test_\w+)`", last) if t not in tests]
+    assert not problems, "docs/testing.md's behaviour table:\n" + "\n".join(problems)
