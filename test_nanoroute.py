@@ -3612,7 +3612,7 @@ def test_train_dtype_bfloat16_autocasts_and_float32_does_not(_train_data, _train
     argv = ["--data", demo, "--out_dir", tmp_path, *_TRAIN_TINY, "--residual", "prenorm", "--max_iters", 1,
             "--dtype", "bfloat16"]
     code, text, _ = _train_main(train, argv, capsys)
-    assert code == 0 and "1 process(es) on cpu, bfloat16" in text
+    assert code == 0 and re.search(r"1 process\(es\) on cpu \(\d+ threads? each\), bfloat16;", text)
     auto, bf16 = (_train_metrics(d) for d in (prenorm, tmp_path))
     assert [r["step"] for r in auto] == [r["step"] for r in bf16]
     for a, b in zip(auto, bf16):
@@ -4322,7 +4322,7 @@ def test_train_help_lists_every_flag_with_its_help(capsys):
     code, text, _ = _train_main(train, ["--help"], capsys)
     flat = " ".join(text.split())  # argparse wraps the help text
     fields = [*dataclasses.fields(train.TrainSettings), *dataclasses.fields(GPTConfig)]
-    assert code == 0 and len(fields) == 26 + len(dataclasses.fields(GPTConfig))
+    assert code == 0 and len(fields) == 27 + len(dataclasses.fields(GPTConfig))
     for f in fields:
         assert f"--{f.name} " in flat and " ".join(f.metadata["help"].split()) in flat, f.name
     assert "--max_tokens N token budget" in flat
@@ -4434,8 +4434,9 @@ def _simulated_machine(monkeypatch, slowness):
 
 def test_bench_interleaved_rounds_cancel_a_slowdown_out_of_the_ratios(tmp_path, monkeypatch, capsys):
     # a machine 3x slower from the third timed round on: the medians move, the per-round ratios do
-    # not, as round i of every variant and version ran side by side (4 timed names a round, 1 warmup)
-    _simulated_machine(monkeypatch, lambda n: 3 if n >= (1 + 2) * 4 else 1)
+    # not, as round i of every variant and version ran side by side (4 timed names a round; each
+    # model's first step, then 1 warm-up round, are not timed)
+    _simulated_machine(monkeypatch, lambda n: 3 if n >= (1 + 1 + 2) * 4 else 1)
     (tmp_path / "other").mkdir()  # another version: a folder holding nanoroute.py (here: this one)
     shutil.copy(nanoroute.__file__, tmp_path / "other" / "nanoroute.py")
     data = _bench_run(tmp_path, "--variants", "prenorm,block", "--iters", "4", "--gen_tokens", "0",
@@ -4466,7 +4467,9 @@ def test_bench_generation_reports_the_median_of_its_repeats(tmp_path, monkeypatc
     _simulated_machine(monkeypatch, lambda n: 1 + n)
     data = _bench_run(tmp_path, "--variants", "prenorm", "--iters", "1",
                       "--gen_variants", "prenorm,block", "--gen_repeats", "3")
-    assert data["variants"]["prenorm"]["ms_all"] == pytest.approx([20.0])  # the warm-up took 10 ms
+    # the first step and the warm-up took 10 and 20 ms, the timed step 30
+    assert data["variants"]["prenorm"]["ms_all"] == pytest.approx([30.0])
+    assert data["first_steps"]["prenorm"]["first_step_s"] == pytest.approx(0.010)
     assert data["variants"]["prenorm"]["paired_ratio_prenorm"] == [1.0, 1.0, 1.0]
     assert data["generation"]["new_tokens"] == 4 and data["generation"]["repeats"] == 3
     for name, g in data["generation"]["variants"].items():
