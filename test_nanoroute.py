@@ -3449,6 +3449,48 @@ def test_torchrun_resume_is_bitwise_exact(_train_data, _train_one_thread, tmp_pa
     assert _train_metrics(tmp_path / "whole")[-1]["val_loss"] == _train_metrics(tmp_path / "part")[-1]["val_loss"]
 
 
+@pytest.mark.parametrize("how, code", [("None", 0), ("SystemExit(2)", 2), ("SystemExit(130)", 130),
+                                       ("SystemExit(None)", 0), ("RuntimeError('a bug')", None)])
+def test_a_torchrun_worker_leaves_with_its_exit_code(tmp_path, how, code):
+    """A worker skips the interpreter's teardown (where gloo's threads can abort it) but keeps its exit
+    code, its atexit handlers (wandb's) and its buffered output; a bug is left to raise with its traceback."""
+    script = f"""import atexit, sys, train
+atexit.register(lambda: open({str(tmp_path / 'atexit')!r}, "w").close())
+print("buffered", end="")
+train.leave_worker({how})
+print(" returned")
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_train_env(),
+                         timeout=60)
+    if code is None:  # leave_worker returned: the interpreter ends as usual
+        assert run.returncode == 0 and run.stdout == "buffered returned\n"
+    else:
+        assert run.returncode == code and run.stdout == "buffered", run.stderr
+    assert (tmp_path / "atexit").exists()
+
+
+@pytest.mark.parametrize("body, code, err", [("pass", 0, ""), ("raise train.UsageError('bad input')", 2,
+                                                                  "error: bad input\n")])
+def test_run_safely_ends_a_process_of_a_process_group(tmp_path, body, code, err):
+    """With a process group (torchrun), run_safely destroys it and ends the process itself: the
+    interpreter's teardown, where an object's __del__ would run, never comes."""
+    script = f"""import torch.distributed as dist, train
+class Teardown:
+    def __del__(self):
+        print("teardown")
+keep = Teardown()
+dist.init_process_group("gloo", init_method={(tmp_path / 'store').as_uri()!r}, rank=0, world_size=1)
+with train.run_safely():
+    print("trained")
+    {body}
+print("after")
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_train_env(),
+                         timeout=60)
+    assert (run.returncode, run.stdout, run.stderr[-len(err):] if err else "") == (code, "trained\n", err), \
+        run.stderr
+
+
 # training and sampling: evaluation and generation turn dropout off
 def test_eval_and_generation_are_deterministic_with_dropout(_train_data, _train_runs, _train_one_thread, tmp_path,
                                                             capsys):

@@ -19,6 +19,7 @@ what keeps a run safe (the out_dir lock, signals, checkpoints, RNG states, metri
 """
 
 import argparse
+import atexit
 import dataclasses
 import json
 import math
@@ -1038,6 +1039,25 @@ def run_safely():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+            leave_worker(sys.exc_info()[1])
+
+
+def leave_worker(exc):
+    """A torchrun worker ends here, its process group destroyed: the atexit handlers run (wandb's
+    among them), then the process exits with os._exit, skipping the interpreter's teardown. In that
+    teardown a gloo thread can still release a tensor and abort the process ("terminate called
+    without an active exception", SIGABRT), which torchrun reports as a failed run. exc: the
+    exception on its way out; a SystemExit gives the exit code, a bug keeps its traceback."""
+    if exc is not None and not isinstance(exc, SystemExit):
+        return
+    code = 0 if exc is None or exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or terminal: nothing left to show
+            pass
+    os._exit(code)
 
 
 def failure_line(e):

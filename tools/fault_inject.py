@@ -95,6 +95,12 @@ FAULTS = [
      "the DDP evaluation loss is the sum over processes"),
     ("train.py", "rows[run.rank::run.world]", "rows[:a.batch_size // run.world]",
      "every DDP process trains on the same rows"),
+    ("train.py", "            leave_worker(sys.exc_info()[1])", "            pass",
+     "a torchrun worker goes through the interpreter's teardown, where gloo can abort it"),
+    ("train.py", "    code = 0 if exc is None or exc.code is None else exc.code if isinstance(exc.code, int) else 1",
+     "    code = 0", "a torchrun worker that failed exits 0"),
+    ("train.py", "    atexit._run_exitfuncs()\n", "",
+     "a torchrun worker leaves without running its atexit handlers (wandb's)"),
     ("train.py", 'if vocab_size != here["vocab_size"]:', "if False:",
      "--resume with another dataset's vocabulary is not caught"),
 
