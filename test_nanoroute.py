@@ -327,6 +327,24 @@ def test_wav_details_start_at_exp_minus_2_of_state():
     assert checked > 0
 
 
+@pytest.mark.parametrize("coefficients", [[1], [-1], [2.5], [0], [1, -1, 0], [-1, 1, 1], [0, 1], [-1, -1]])
+def test_combine_is_the_weighted_sum_for_any_coefficients(coefficients):
+    """combine(c, u) = Σ c_i·u_i exactly, whatever the first coefficient (a basis of one's own may start
+    at −1 or 0), and for learned coefficients (0-d tensors, the first at 1 as at init) each gets the
+    gradient ⟨dL/dsum, u_i⟩."""
+    us = [torch.randn(2, 3, 4) for _ in coefficients]
+    want = sum(c * u for c, u in zip(coefficients, us))
+    torch.testing.assert_close(nanoroute.combine(coefficients, us), want, rtol=0, atol=1e-6)
+    learned = [torch.tensor(float(c), requires_grad=True) for c in coefficients]
+    g = torch.randn(2, 3, 4)
+    total = nanoroute.combine(learned, us)
+    torch.testing.assert_close(total, want, rtol=0, atol=1e-6)
+    (total * g).sum().backward()
+    for c, u in zip(learned, us):
+        assert c.grad is not None
+        torch.testing.assert_close(c.grad, (u * g).sum())
+
+
 def test_wav_bases_are_explicit_signed_sums():
     cfg = GPTConfig(**TINY, residual="attnres", wav=True, attnres_block=6)
     model = GPT(cfg)
