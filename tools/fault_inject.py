@@ -574,8 +574,8 @@ FAULTS = [
      'with --against the variants run and are listed A B A@against B@against, not each pair '
      'side by side [outside]'),
     ('bench.py', '    for r in range(bench.args.warmup + bench.iters):\n'
-     '        for name, (_, step_model, opt) in models.items():',
-     '    for name, (_, step_model, opt) in models.items():\n'
+     '        for name, m in models.items():',
+     '    for name, m in models.items():\n'
      '        for r in range(bench.args.warmup + bench.iters):',
      'training steps are not interleaved (A A A B B B): machine drift no longer cancels out '
      'of the ratios [outside]'),
@@ -591,8 +591,8 @@ FAULTS = [
      "    except ImportError as e:  # the user's other version",
      'an --against file that does not import (SyntaxError, NameError) ends in a traceback, '
      'exit 1 [outside]'),
-    ('bench.py', 'os.makedirs(os.path.dirname(os.path.abspath(bench.args.json)), exist_ok=True)',
-     'os.makedirs(os.path.dirname(bench.args.json), exist_ok=True)',
+    ('bench.py', 'os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)',
+     'os.makedirs(os.path.dirname(args.json), exist_ok=True)',
      "--json with a bare file name crashes after the whole benchmark (os.makedirs('')), "
      'writes nothing [outside]'),
     ('bench.py', '" ".join(sys.argv[1:] if argv is None else argv)',
