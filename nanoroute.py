@@ -248,14 +248,11 @@ def depth_read(query, bias, values):
 
 def combine(coefficients, updates):
     """Σ_i c_i·u_i over a block's updates; c_i a number (a sign) or a 0-d tensor (a learned coefficient).
-    The sum starts at the first update itself when its coefficient is 1: Full AttnRes's block of one
-    update is that update, not a copy."""
-    pairs = list(zip(coefficients, updates))
-    if isinstance(coefficients[0], (int, float)) and coefficients[0] == 1:
-        total, pairs = updates[0], pairs[1:]
-    else:
-        total = torch.zeros_like(updates[0])
-    for c, u in pairs:
+    The sum starts at c_0·u_0, which is u_0 itself for the number 1: Full AttnRes's block of one update
+    is that update, not a copy."""
+    c0, u0 = coefficients[0], updates[0]
+    total = u0 if isinstance(c0, (int, float)) and c0 == 1 else c0 * u0
+    for c, u in zip(coefficients[1:], updates[1:]):
         total = torch.add(total, u, alpha=c) if isinstance(c, (int, float)) else torch.addcmul(total, c, u)
     return total
 

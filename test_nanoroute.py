@@ -4581,8 +4581,11 @@ def test_bench_against_times_another_version_in_the_same_rounds(tmp_path, capsys
     log = []
     monkeypatch.setattr(builtins, "_nanoroute_bench_log", log, raising=False)
     forward = GPT.forward
-    monkeypatch.setattr(GPT, "forward", lambda self, *a, **k: (
-        log.append(("this", self.config.residual, torch.is_grad_enabled())), forward(self, *a, **k))[1])
+
+    def logged_forward(self, *args, **kwargs):
+        log.append(("this", self.config.residual, torch.is_grad_enabled()))
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(GPT, "forward", logged_forward)
     src = Path(nanoroute.__file__).read_text()
     other = src.replace("    def forward(self, idx, targets=None, return_routes=False):\n",
                         "    def forward(self, idx, targets=None, return_routes=False):\n"
