@@ -1670,9 +1670,11 @@ def _routing_bytes_per_token(config, e):
     if config.rd == "average":  # ½(h + h_v), kept where both reads are PartialMerge's
         total += 4 * d * sum(1 for s in range(0, n_sub, 2) if s % m)
     # a block's piece is made anew by each update, and kept when a later read of the block sees it
-    # (all but the last update of a completed block); each completed block's sources
+    # (all but the last update of a completed block; with learned bases the last too: its
+    # coefficient's gradient needs it); each completed block's sources
     completed = n_sub // m
-    total += 4 * d * (n_sub - completed + sources * completed)
+    kept = n_sub if config.wav_learned_bases else n_sub - completed
+    total += 4 * d * (kept + sources * completed)
     starts = range(0, n_sub, m)
     for b, start in enumerate(starts):  # per read and source: logits, norms, weights
         S = 1 + sources * b
