@@ -396,7 +396,7 @@ def preset_shape(name):
     256 characters (a char-level dataset's own is smaller)."""
     preset = train.PRESETS[name]
     vocab = prepare_data.GPT2_VOCAB if "fineweb" in preset["data"] else 256
-    rows = preset.get("micro_batch") or preset["batch_size"]
+    rows = train.rows_per_forward(preset["batch_size"], preset.get("micro_batch", 0), 1)
     return dict({k: preset[k] for k in MODEL_FIELDS[:-1]}, batch_size=rows, vocab_size=vocab)
 
 
@@ -689,8 +689,7 @@ def memory_table(gpus=(1, 8)):
         shape, settings = preset_shape(preset), train.PRESETS[preset]
         T = shape["sequence_len"]
         for world in gpus:
-            share = settings["batch_size"] // world
-            per_forward = min(settings.get("micro_batch") or share, share)
+            per_forward = train.rows_per_forward(settings["batch_size"], settings.get("micro_batch", 0), world)
             cells = []
             for values in nanoroute.VARIANTS.values():
                 config = nanoroute.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS}, **values)

@@ -1708,8 +1708,7 @@ def gpu_notes(run):
 def memory_line(config, a, world, device, dtype):
     """The estimated peak memory per GPU next to the GPU's own, and a warning (with a
     --micro_batch that fits) when the estimate exceeds FIT_SHARE of it."""
-    share = a.batch_size // world
-    rows = min(a.micro_batch or share, share)
+    share, rows = a.batch_size // world, rows_per_forward(a.batch_size, a.micro_batch, world)
     usable = FIT_SHARE * torch.cuda.get_device_properties(device).total_memory
 
     def peak(rows):
@@ -1725,6 +1724,13 @@ def memory_line(config, a, world, device, dtype):
     fix = f"--micro_batch {fits[-1]}" if fits else "a smaller model, --sequence_len or more GPUs"
     return (line + f"\nwarning: that is more than {FIT_SHARE:.0%} of this GPU's memory: the run "
             f"may stop out of memory; try {fix} (the same batches, in smaller forwards)")
+
+
+def rows_per_forward(batch_size, micro_batch, world):
+    """The sequences one process runs per forward: its share of a micro-step (--batch_size over
+    the processes), or --micro_batch of them when that is smaller (0: the whole share)."""
+    share = batch_size // world
+    return min(micro_batch or share, share)
 
 
 @contextmanager
