@@ -743,9 +743,10 @@ def _val_test_cut(tokens):
 
 def _check_encoder_json(path):
     try:
-        return None if EOT in json.loads(path.read_text(encoding="utf-8")) else "no <|endoftext|>"
-    except (ValueError, TypeError) as e:
-        return f"not GPT-2's encoder.json: {e}"
+        problem = _encoder_problem(json.loads(path.read_text(encoding="utf-8")))
+    except ValueError as e:  # not JSON, or not UTF-8
+        problem = str(e)
+    return problem and f"not GPT-2's encoder.json: {problem}"
 
 
 def _check_vocab_bpe(path):
@@ -1106,19 +1107,34 @@ def _bytes_to_unicode():
     return dict(zip(bs, map(chr, cs)))
 
 
+def _encoder_problem(vocab):
+    """Why vocab, encoder.json's content, is not GPT-2's encoder.json, else None: an object of
+    byte-level tokens (each character one byte of GPT-2's table) and their ids below GPT2_VOCAB,
+    <|endoftext|> at GPT2_EOT. Checked where the file is downloaded (a mirror's, with no hash) and
+    where it is read."""
+    if not isinstance(vocab, dict) or not vocab:
+        return "not a JSON object of tokens and their ids"
+    chars = set(_bytes_to_unicode().values())
+    for token, i in vocab.items():
+        if not (type(i) is int and 0 <= i < GPT2_VOCAB and all(c in chars for c in token)):
+            return f"{token!r}: {i!r} is not a byte-level token and an id below {GPT2_VOCAB}"
+    if vocab.get(EOT) != GPT2_EOT:
+        return f"{EOT} is not id {GPT2_EOT}"
+    return None
+
+
 def _gpt2_table(data_dir):
     """{id: bytes} from the local encoder.json (its ids are also GPT-2's BPE merge ranks)."""
     path = Path(data_dir) / "encoder.json"
     if not path.exists():
         raise UsageError(f"{path} is missing; prepare the folder again: "
                         f"{_command(Path(data_dir), 'fineweb_edu')}")
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
     vocab = _read_object(path)
-    tokens_ok = vocab and all(type(i) is int and all(c in byte_of for c in t) for t, i in vocab.items())
-    if not (tokens_ok and EOT in vocab):
-        raise UsageError(f"{path} is not GPT-2's encoder.json (byte-level tokens and their ids, "
-                         f"{EOT} among them); prepare the folder again: "
-                         f"{_command(Path(data_dir), 'fineweb_edu')}")
+    problem = _encoder_problem(vocab)
+    if problem:
+        raise UsageError(f"{path} is not GPT-2's encoder.json ({problem}); prepare the "
+                         f"folder again: {_command(Path(data_dir), 'fineweb_edu')}")
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
     return {i: bytes(byte_of[c] for c in tok) for tok, i in vocab.items()}
 
 

@@ -1784,9 +1784,13 @@ def test_data_corrupt_shard_is_rejected(tmp_path, _data_server, capsys, bad):
     assert not list(out.rglob(name + "*"))
 
 
-# a mirror's encoder.json that is no JSON object is refused with one line (a JSON number: TypeError inside)
-@pytest.mark.parametrize("served", [b"50256", b"not json"])
-def test_data_mirror_encoder_json_that_is_no_object_is_one_line(tmp_path, _data_server, capsys, served):
+# a mirror's encoder.json (no hash to check) that is not GPT-2's is refused with one line, by the check
+# sample.py's decoding makes too: no JSON object, <|endoftext|> in a list or at another id, a token
+# that is not byte-level ("\n" is "Ċ" in GPT-2's table), an id past the vocabulary
+@pytest.mark.parametrize("served", [b"50256", b"not json", b'["<|endoftext|>"]', b'{"<|endoftext|>": 3}',
+                                    b'{"<|endoftext|>": 50256, "a\\n": 1}',
+                                    b'{"<|endoftext|>": 50256, "a": 50257}'])
+def test_data_mirror_encoder_json_that_is_not_gpt2s_is_one_line(tmp_path, _data_server, capsys, served):
     files, _, _ = _data_fineweb_files()
     _data_server.files.update({**files, "encoder.json": served})
     out = tmp_path / "fw"
@@ -2384,7 +2388,8 @@ def test_data_damaged_encoder_json_is_one_line(tmp_path):
     meta = dict(level="gpt2", vocab_size=prepare_data.GPT2_VOCAB)
     eot = '"<|endoftext|>": 50256'
     for damage in (b"\xff\xfe not json", b"[1, 2]", b'{"a": 1}', '{%s, "a": "1"}' % eot,  # no EOT; an id a string
-                   '{%s, "\\u0100\\u3042": 5}' % eot):  # a character that is no byte of GPT-2's table
+                   '{%s, "\\u0100\\u3042": 5}' % eot,  # a character that is no byte of GPT-2's table
+                   '{"<|endoftext|>": 7}', '{%s, "a": -1}' % eot):  # EOT at another id; an id below 0
         (tmp_path / "encoder.json").write_bytes(damage if isinstance(damage, bytes) else damage.encode())
         with pytest.raises(prepare_data.UsageError, match="is not GPT-2's encoder.json"):
             prepare_data.decoder(meta, tmp_path)
