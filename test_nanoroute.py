@@ -3473,24 +3473,30 @@ def test_torchrun_resume_is_bitwise_exact(_train_data, _train_one_thread, tmp_pa
     assert _train_metrics(tmp_path / "whole")[-1]["val_loss"] == _train_metrics(tmp_path / "part")[-1]["val_loss"]
 
 
-@pytest.mark.parametrize("how, code", [("None", 0), ("SystemExit(2)", 2), ("SystemExit(130)", 130),
-                                       ("SystemExit(None)", 0), ("RuntimeError('a bug')", None)])
-def test_a_torchrun_worker_leaves_with_its_exit_code(tmp_path, how, code):
+def test_a_torchrun_worker_leaves_with_its_exit_code(tmp_path):
     """A worker skips the interpreter's teardown (where gloo's threads can abort it) but keeps its exit
-    code, its atexit handlers (wandb's) and its buffered output; a bug is left to raise with its traceback."""
-    script = f"""import atexit, sys, train
-atexit.register(lambda: open({str(tmp_path / 'atexit')!r}, "w").close())
+    code, its atexit handlers (wandb's) and its buffered output; a bug is left to raise with its traceback.
+    One process per case, two at a time."""
+    def leave(case, how):
+        script = f"""import atexit, sys, train
+atexit.register(lambda: open({str(tmp_path / case)!r}, "w").close())
 print("buffered", end="")
 train.leave_worker({how})
 print(" returned")
 """
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_train_env(),
-                         timeout=60)
-    if code is None:  # leave_worker returned: the interpreter ends as usual
-        assert run.returncode == 0 and run.stdout == "buffered returned\n"
-    else:
-        assert run.returncode == code and run.stdout == "buffered", run.stderr
-    assert (tmp_path / "atexit").exists()
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_train_env(),
+                              timeout=60)
+    cases = {"None": 0, "SystemExit(2)": 2, "SystemExit(130)": 130, "SystemExit(None)": 0,
+             "RuntimeError('a bug')": None}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {how: pool.submit(leave, f"atexit{i}", how) for i, how in enumerate(cases)}
+    for i, (how, code) in enumerate(cases.items()):
+        run = runs[how].result()
+        if code is None:  # leave_worker returned: the interpreter ends as usual
+            assert (run.returncode, run.stdout) == (0, "buffered returned\n"), (how, run.stderr)
+        else:
+            assert (run.returncode, run.stdout) == (code, "buffered"), (how, run.stderr)
+        assert (tmp_path / f"atexit{i}").exists(), how
 
 
 @pytest.mark.parametrize("body, code, err", [("pass", 0, ""), ("raise train.UsageError('bad input')", 2,
