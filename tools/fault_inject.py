@@ -9,7 +9,7 @@ Fault injection: does the test suite notice small, realistic bugs in nanoroute's
 
 For each fault it copies the repository's git-tracked files (as they are in the working tree) to a
 temporary folder, applies that one edit, and runs the README's test command there, stopping at the
-first failure: python -m pytest -q -x -p no:cacheprovider. A failing suite kills the fault; a passing
+first failure: python -m pytest -q -x -rfE -p no:cacheprovider. A failing suite kills the fault; a passing
 one lets it survive. To stop sooner, a small plugin runs the test sections nearest the edited file
 first (train.py: "Training and sampling", then "Bad input", then the rest); every test still runs
 unless one fails, so a fault is killed exactly when the suite in its usual order would fail.
@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_COMMAND = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "_fault_order"]
+# -rfE: the summary names the failing test (pyproject.toml's -rs alone would not)
+TEST_COMMAND = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", "-p", "_fault_order"]
 
 # the sections of test_nanoroute.py (the words after "# " in their header lines) to run first, per file
 SECTIONS_FIRST = {"nanoroute.py": ["Model"], "prepare_data.py": ["Data", "Training"],
