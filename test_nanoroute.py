@@ -4868,7 +4868,9 @@ def test_mfu_peak_comes_from_the_gpu_and_dtype():
              "NVIDIA H100 NVL": (835e12, 418e12), "NVIDIA H200": (989e12, 494e12),
              "NVIDIA H200 NVL": (835e12, 418e12), "NVIDIA L4": (121e12, 60e12),
              "NVIDIA GeForce RTX 4090": (165e12, 83e12), "NVIDIA L40S": (None, None),
-             "Tesla T4": (None, None), "NVIDIA GeForce RTX 3090": (None, None)}
+             "Tesla T4": (None, None), "NVIDIA GeForce RTX 3090": (None, None),
+             "NVIDIA RTX A1000": (None, None), "NVIDIA GeForce RTX 4090 D": (None, None),
+             "NVIDIA GeForce RTX 4090 Laptop GPU": (None, None), "NVIDIA H800": (None, None)}
     for name, expected in peaks.items():
         found = train.peak_flops(name, torch.bfloat16), train.peak_flops(name, torch.float32)
         assert found == expected, name

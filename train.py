@@ -1753,14 +1753,15 @@ def out_of_memory_is_usage_error():
 # NVL (H200 Tensor Core GPU data sheet): as H100 SXM / NVL. L4 (L4 Tensor Core GPU data sheet):
 # bf16 121T, TF32 60T. GeForce RTX 4090 (NVIDIA Ada GPU architecture white paper, appendix A, bf16
 # with float32 accumulation): 165T, TF32 83T. float32 means TF32: train.py turns TF32 on. The
-# patterns are tried in order on torch.cuda.get_device_name().
+# patterns are tried in order on torch.cuda.get_device_name(); whole names only, so that an RTX
+# A1000, an L40S, an RTX 4090 D or a laptop's RTX 4090 (other, lower peaks) count as unknown.
 PEAK_FLOPS = [
-    (r"H100.*PCIe", 756e12, 378e12),
-    (r"H[12]00.*NVL", 835e12, 418e12),
-    (r"H100|H200", 989e12, 494e12),
-    (r"A100", 312e12, 156e12),
+    (r"\bH100\b.*PCIe", 756e12, 378e12),
+    (r"\bH[12]00\b.*NVL", 835e12, 418e12),
+    (r"\bH[12]00\b", 989e12, 494e12),
+    (r"\bA100\b", 312e12, 156e12),
     (r"\bL4\b", 121e12, 60e12),
-    (r"RTX 4090", 165e12, 83e12),
+    (r"RTX 4090$", 165e12, 83e12),
 ]
 
 
