@@ -335,10 +335,10 @@ class Bench:
     def __post_init__(self):
         self.device_type = torch.device(self.device).type
         self.B, self.T = self.shape["batch_size"], self.shape["sequence_len"]
-        self.amp, self.dtype = contextlib.nullcontext(), torch.float32
-        if self.device_type == "cuda":
-            self.amp = torch.autocast(self.device_type, dtype=torch.bfloat16)
-            self.dtype = torch.bfloat16
+        # as train.py's --dtype auto: bf16 autocast on a GPU with native bf16, else float32 (TF32)
+        self.dtype = train.pick_dtype("auto", torch.device(self.device))
+        self.amp = (torch.autocast(self.device_type, dtype=self.dtype) if self.dtype == torch.bfloat16
+                    else contextlib.nullcontext())
         # the timed names: each variant, and VARIANT@against right after it with --against
         versions = ("", "@against") if self.against else ("",)
         self.timed = [name + version for name in self.variants for version in versions]
@@ -368,8 +368,10 @@ def setup(args, argv):
     device = str(pick_device(args.device))  # a clear error for a typo, or CUDA asked for where there is none
     device_type = torch.device(device).type
     if device_type == "cuda":
+        torch.cuda.set_device(device)  # cuda:1 too: synchronize and the memory counts follow it
         torch.backends.cuda.matmul.allow_tf32 = True  # as train.py
         torch.backends.cudnn.allow_tf32 = True
+    dtype = train.pick_dtype("auto", torch.device(device))
     base = preset_shape(args.preset) if args.preset else SHAPES[args.shape]
     shape = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
     iters = args.iters or (20 if device_type == "cuda" else 10)
@@ -378,7 +380,7 @@ def setup(args, argv):
                    device_name=torch.cuda.get_device_name(device) if device_type == "cuda"
                    else cpu_name(),
                    cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
-                   dtype="bf16 autocast" if device_type == "cuda" else "fp32", compiled=args.compile,
+                   dtype="bf16 autocast" if dtype == torch.bfloat16 else "fp32", compiled=args.compile,
                    compile_backend=args.compile_backend if args.compile else None,
                    command="python bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"bench: {machine['device_name']} ({machine['cpu_count']} CPUs, {machine['threads']} threads), "
@@ -580,7 +582,7 @@ def print_training(bench, results):
               " not an allocator peak")
     if cuda and not bench.peak:
         print(f"note: MFU left out: no peak FLOP/s known for {bench.machine['device_name']} in "
-              "bf16 (train.PEAK_FLOPS)")
+              f"{str(bench.dtype).removeprefix('torch.')} (train.PEAK_FLOPS)")
     print("estimated = train.estimate_memory, the eager step's peak; first step: its own time, "
           "with --compile its compiling (never in ms/step)")
     print(md_table(header, rows))

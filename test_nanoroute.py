@@ -3282,6 +3282,21 @@ def test_prenorm_run_has_no_routing_summary(_train_data, _train_one_thread, tmp_
     assert code == 0 and "\nrouting (" not in text and text.split("\nnext:\n")[1].count("python ") == 1
 
 
+# --device under torchrun: cuda is each process's own GPU (LOCAL_RANK); cuda:N with several GPUs visible
+# would put every process on GPU N: one line. One process, or one GPU visible per process: as given
+def test_device_cuda_under_torchrun_is_the_process_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert train.pick_device("cuda", local_rank=3, world=8) == torch.device("cuda:3")
+    assert train.pick_device("auto", local_rank=3, world=8) == torch.device("cuda:3")
+    assert train.pick_device("cuda:1") == torch.device("cuda:1")  # one process: any GPU
+    with pytest.raises(train.UsageError, match=r"^--device cuda:0 under torchrun: every process would run on "
+                                               r"that one GPU; give --device cuda"):
+        train.pick_device("cuda:0", local_rank=3, world=8)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # CUDA_VISIBLE_DEVICES: one GPU each
+    assert train.pick_device("cuda:0", local_rank=3, world=8) == torch.device("cuda:0")
+
+
 # --device mps: used where torch has MPS (Apple silicon), else one clear line; auto prefers cuda, mps, cpu
 def test_device_mps_where_available_else_one_line(_train_data, _train_runs, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -5103,7 +5118,10 @@ def test_gpu_bench_tiny_compiled(cuda, tmp_path, capsys):
     out = bench.main(["--shape", "tiny", "--device", "cuda", "--variants", "prenorm,rd",
                       "--iters", "2", "--warmup", "1", "--gen_tokens", "4", "--gen_repeats", "1",
                       "--compile", "--json", str(tmp_path / "bench.json")])
-    known = train.peak_flops(torch.cuda.get_device_name(), torch.bfloat16) is not None
+    native = train.bf16_native(torch.cuda.get_device_capability())  # else float32, as train.py's auto
+    assert out["machine"]["dtype"] == ("bf16 autocast" if native else "fp32")
+    dtype = torch.bfloat16 if native else torch.float32
+    known = train.peak_flops(torch.cuda.get_device_name(), dtype) is not None
     for name, r in out["variants"].items():
         assert r["compiled"] is True and r["compile_s"] > 0 and r["memory_bytes"] > 0, name
         assert (r["mfu"] is not None) == known and (r["mfu"] is None or 0 < r["mfu"] < 1), name

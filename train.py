@@ -324,8 +324,9 @@ def block_note(config):
             f"both --attnres_block {config.routing_block} (experiments.py sweeps do)")
 
 
-def pick_device(name, local_rank=0):
-    """auto: CUDA, else Apple's MPS, else the CPU."""
+def pick_device(name, local_rank=0, world=1):
+    """auto: CUDA, else Apple's MPS, else the CPU. Under torchrun (world > 1) "cuda" is process
+    LOCAL_RANK's GPU; a cuda:N where several GPUs are visible would put every process on GPU N."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
@@ -336,6 +337,10 @@ def pick_device(name, local_rank=0):
         raise UsageError("--device mps: MPS (Apple silicon GPU) is not available here; use --device cpu")
     if name == "cuda":
         name = f"cuda:{local_rank}"  # under torchrun: one GPU per process
+    elif name.startswith("cuda:") and world > 1 and torch.cuda.device_count() > 1:
+        raise UsageError(f"--device {name} under torchrun: every process would run on that one GPU; "
+                         "give --device cuda (each process takes the GPU of its LOCAL_RANK) or "
+                         "choose the GPUs with CUDA_VISIBLE_DEVICES")
     return torch.device(name)
 
 
@@ -382,10 +387,10 @@ def start_processes(device_name):
     """(rank, world, device). torchrun sets RANK, WORLD_SIZE and LOCAL_RANK: one process per GPU."""
     ddp = "RANK" in os.environ
     rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) if ddp else (0, 1, 0)
-    device = pick_device(device_name, local_rank)
+    device = pick_device(device_name, local_rank, world)
+    if device.type == "cuda":  # also for one process on cuda:1: pinned memory and NCCL follow it
+        torch.cuda.set_device(device)
     if ddp:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return rank, world, device
 
