@@ -47,6 +47,14 @@ import sample
 import train
 from nanoroute import GPT, GPTConfig, js_divergence, routing_stats
 
+
+@pytest.fixture(autouse=True)
+def _tf32_as_before():
+    """train.py and bench.py turn TF32 on in this process; a later float32 test on CUDA must not inherit it."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
 # -----------------------------------------------------------------------------
 # Model: a loop-based reference of the routing math (SPEC.md), and the tests against it
 
