@@ -5033,18 +5033,45 @@ def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     status = [line.split()[:2] for line in (results / "status.txt").read_text().splitlines()]
     assert status == [["tests", "0"], ["eager", "0"], ["memory_rd_m", "0"], ["memory_wav48", "0"],
-                      ["compiled", "0"]]
+                      ["compiled_prenorm", "0"], ["compiled_rd", "0"]]
     assert "1 passed" in (results / "tests.txt").read_text()
-    for name in ("bench_eager", "bench_compiled", "memory_rd_m", "memory_wav48"):
+    for name in ("bench_eager", "bench_compiled_prenorm", "bench_compiled_rd", "memory_rd_m", "memory_wav48"):
         data = json.loads((results / f"{name}.json").read_text())
         assert data["complete"] and data["variants"], name
+        if name.startswith("bench_compiled_"):  # one bench.py per variant
+            assert list(data["variants"]) == [name.removeprefix("bench_compiled_")]
         for r in data["variants"].values():
             assert r["memory_bytes"] > 0 and r["memory_estimate_bytes"] > 0
-            assert r["compiled"] is (True if name == "bench_compiled" else None), name
+            assert r["compiled"] is (True if name.startswith("bench_compiled") else None), name
     wav48 = json.loads((results / "memory_wav48.json").read_text())
     assert list(wav48["variants"]) == ["prenorm", "block", "wav"]
     summary = (results / "summary.md").read_text()
-    assert "| compiled | ok |" in summary and "## compiled\n" in summary and "| rd |" in summary
+    assert "| compiled_rd | ok |" in summary and "## compiled\n" in summary
+    compiled = summary.split("## compiled\n")[1].split("\n## ")[0]
+    assert [row.split(" | ")[0] for row in compiled.splitlines() if row.startswith("| ") and "yes |" in row] \
+        == ["| prenorm", "| rd"]
+
+
+def test_gpu_check_script_keeps_going_past_its_time_limits(tmp_path):
+    # every part cut at 1 s (python and torch take longer to start): each says so and the next one
+    # still runs; the compiled variants share one limit, so the second is not run; a limit of 0 (for
+    # timeout, none) is refused before anything is written
+    script = _TRAIN_ROOT / "tools" / "gpu_check.sh"
+    run = subprocess.run(["bash", str(script), "cpu", str(tmp_path / "bad")], capture_output=True, text=True,
+                         env=dict(_train_env(), GPU_CHECK_LIMITS="60 60 0 60"), timeout=60)
+    assert (run.returncode, run.stderr) == (2, 'error: GPU_CHECK_LIMITS="60 60 0 60": give four whole numbers of '
+                                               'seconds, at least 1 each (tests eager memory compiled)\n')
+    assert not (tmp_path / "bad").exists()
+    results = tmp_path / "cut"
+    run = subprocess.run(["bash", str(script), "cpu", str(results)], capture_output=True, text=True, timeout=120,
+                         env=dict(_train_env(), GPU_CHECK_LIMITS="1 1 1 1", GPU_CHECK_VARIANTS="prenorm,rd"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    status = [line.split()[:2] for line in (results / "status.txt").read_text().splitlines()]
+    assert status == [["tests", "124"], ["eager", "124"], ["memory_rd_m", "124"], ["memory_wav48", "124"],
+                      ["compiled_prenorm", "124"], ["compiled_rd", "not_run"]]
+    summary = (results / "summary.md").read_text()
+    assert "| eager | 124 (time limit) |" in summary and "| compiled_rd | not run (time limit used up) |" in summary
+    assert "tests: == tests: stopped at its time limit (1 s)" in summary
 
 
 @pytest.fixture
