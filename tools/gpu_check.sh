@@ -5,7 +5,8 @@
 #
 # Four parts, in this order, each writing its own file in RESULTS_DIR as it finishes (bench.py
 # rewrites its JSON as it measures), so that a time limit loses only the part it cut:
-#   1. tests.txt            the CUDA tests: NANOROUTE_TEST_DEVICE=cuda python -m pytest -q -m gpu
+#   1. tests.txt            the CUDA tests: NANOROUTE_TEST_DEVICE=cuda python -m pytest -v -m gpu
+#                           (a line per test as it ends: a cut keeps the results so far)
 #   2. bench_eager.json     bench.py at gpu12 (12 layers, n_embd 768, T 1024, B 16, bf16): prenorm,
 #                           block, wav, rd: ms/step, tokens/s, MFU, peak memory, first step
 #   3. memory_rd_m.json     one training step's peak memory at the rd_m and wav48 shapes (B = the
@@ -72,7 +73,7 @@ part() {  # part NAME LIMIT COMMAND...: run it under a time limit, record its ex
 
 bench=("$python" bench.py --gen_tokens 0 --iters "$iters")
 # shellcheck disable=SC2086  # GPU_CHECK_TESTS is a list of pytest arguments
-part tests "$limit_tests" env ${test_env[@]+"${test_env[@]}"} "$python" -m pytest -q \
+part tests "$limit_tests" env ${test_env[@]+"${test_env[@]}"} "$python" -m pytest -v \
     -p no:cacheprovider ${GPU_CHECK_TESTS:--m gpu} > "$out/tests.txt" 2>&1
 tail -n 3 "$out/tests.txt"
 part eager "$limit_eager" "${bench[@]}" --variants "$variants" "${shape[@]}" \
