@@ -5063,7 +5063,26 @@ def test_gpu_check_script_keeps_going_past_its_time_limits(tmp_path):
     assert (run.returncode, run.stderr) == (2, 'error: GPU_CHECK_LIMITS="60 60 0 60": give four whole numbers of '
                                                'seconds, at least 1 each (tests eager memory compiled)\n')
     assert not (tmp_path / "bad").exists()
-    results = tmp_path / "cut"
+    # RESULTS_DIR: not a folder of other files (they are left alone), nor through a link
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "summary.md").write_text("mine")
+    (tmp_path / "link").symlink_to(tmp_path / "notes")
+    (tmp_path / "planted").mkdir()  # an earlier check's folder, with a link where summary.md goes
+    (tmp_path / "planted" / "status.txt").write_text("")
+    (tmp_path / "planted" / "summary.md").symlink_to(tmp_path / "notes" / "summary.md")
+    refusals = {"notes": "notes is not an empty folder nor an earlier check's results: give a new RESULTS_DIR",
+                "link": "link is not an empty folder nor an earlier check's results: give a new RESULTS_DIR",
+                "planted": "planted/summary.md is a link, which this check does not follow: remove it or give a "
+                           "new RESULTS_DIR"}
+    for folder, why in refusals.items():
+        run = subprocess.run(["bash", str(script), "cpu", str(tmp_path / folder)], capture_output=True, text=True,
+                             env=_train_env(), timeout=60)
+        assert (run.returncode, run.stderr) == (2, f"error: {tmp_path}/{why}\n")
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["summary.md"]
+    assert (tmp_path / "notes" / "summary.md").read_text() == "mine"
+    results = tmp_path / "cut"  # an earlier check's folder: its status lines are replaced, not added to
+    results.mkdir()
+    (results / "status.txt").write_text("tests 0 99\n")
     run = subprocess.run(["bash", str(script), "cpu", str(results)], capture_output=True, text=True, timeout=120,
                          env=dict(_train_env(), GPU_CHECK_LIMITS="1 1 1 1", GPU_CHECK_VARIANTS="prenorm,rd"))
     assert run.returncode == 0, run.stdout + run.stderr

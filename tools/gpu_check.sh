@@ -57,6 +57,18 @@ for limit in "$limit_tests" "$limit_eager" "$limit_memory" "$limit_compiled"; do
         exit 2
     fi
 done
+# RESULTS_DIR: new, empty, or an earlier check's (its files are replaced); never another folder's
+# files, never through a link
+if [ -e "$out" ] && ! { [ -d "$out" ] && [ ! -L "$out" ] && { [ -f "$out/status.txt" ] || [ -z "$(ls -A "$out")" ]; }; }; then
+    echo "error: $out is not an empty folder nor an earlier check's results: give a new RESULTS_DIR" >&2
+    exit 2
+fi
+for name in status.txt tests.txt summary.md; do
+    if [ -L "$out/$name" ]; then
+        echo "error: $out/$name is a link, which this check does not follow: remove it or give a new RESULTS_DIR" >&2
+        exit 2
+    fi
+done
 mkdir -p "$out" || exit 2
 : > "$out/status.txt"
 
