@@ -348,9 +348,8 @@ class Bench:
         # the same fixed batch for every variant and step
         self.x, self.y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
         self.n_new = min(256, self.T) if self.args.gen_tokens is None else self.args.gen_tokens
-        self.peak = None  # MFU's peak FLOP/s (CUDA, a GPU in train.PEAK_FLOPS)
-        if self.device_type == "cuda":
-            self.peak = train.peak_flops(self.machine["device_name"], self.dtype)
+        # MFU's peak FLOP/s: a GPU in train.PEAK_FLOPS, else None (no CPU's name is in it)
+        self.peak = train.peak_flops(self.machine["device_name"], self.dtype)
         self.out = dict(machine=self.machine, args=vars(self.args), shape=self.shape,
                         iters=self.iters, complete=False, first_steps={}, variants={},
                         generation={})
@@ -500,7 +499,7 @@ def time_training(bench, models):
 
 def variant_result(bench, name, m, times):
     """One variant's record: its step times, whether they ran compiled, parameters, routing block,
-    memory (measured, and train.py's estimate) and MFU (CUDA, a GPU in train.PEAK_FLOPS)."""
+    memory (measured, and train.py's estimate) and MFU (a GPU in train.PEAK_FLOPS)."""
     cuda, model = bench.device_type == "cuda", m.model
     res = summarize(times, bench.B * bench.T)
     res.update(bench.out["first_steps"][name])

@@ -4596,9 +4596,20 @@ def test_bench_defaults_and_the_command_it_records(tmp_path, monkeypatch, capsys
     assert "note: --gen_tokens=33 > sequence_len=32" in capsys.readouterr().out
 
 
-def test_bench_subset_without_baselines_and_profile(tmp_path, capsys):
+def test_bench_subset_without_baselines_and_profile(tmp_path, capsys, monkeypatch):
+    # a CPU never has a peak in train.PEAK_FLOPS: one of 1 TFLOP/s here shows MFU's arithmetic, from the
+    # median step of B·T tokens
+    asked = []
+    monkeypatch.setattr(train, "peak_flops", lambda name, dtype: asked.append((name, dtype)) or 1e12)
     data = _bench_run(tmp_path, "--variants", "rezero,wav", "--gen_variants", "rezero", "--profile", "wav")
     assert list(data["variants"]) == ["rezero", "wav"]
+    assert asked == [(data["machine"]["device_name"], torch.float32)]
+    shape = data["shape"]
+    for name, r in data["variants"].items():
+        model = GPT(GPTConfig(**{k: shape[k] for k in bench.MODEL_FIELDS}, **bench.VARIANTS[name]))
+        tokens = shape["batch_size"] * shape["sequence_len"]
+        flops = model.flops_per_token() * tokens / (r["ms_median"] / 1e3)
+        assert r["mfu"] == pytest.approx(flops / 1e12, rel=1e-9) and r["ms_median"] != r["ms_min"], name
     assert all(v["ratio_prenorm"] is None and v["ratio_block"] is None and v["paired_ratio_block"] is None
                for v in data["variants"].values())
     assert list(data["generation"]["variants"]) == ["rezero"]
