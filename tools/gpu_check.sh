@@ -79,7 +79,8 @@ part() {  # part NAME LIMIT COMMAND...: run it under a time limit, record its ex
     timeout "$limit" "$@"
     local rc=$?
     echo "$name $rc $((SECONDS - start))" >> "$out/status.txt"
-    [ $rc = 124 ] && echo "== $name: stopped at its time limit ($limit s); what it wrote is kept"
+    # on a line of its own: the part may have been cut in the middle of one
+    [ $rc = 124 ] && printf '\n== %s: stopped at its time limit (%s s); what it wrote is kept\n' "$name" "$limit"
     return 0
 }
 
