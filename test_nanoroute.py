@@ -4979,31 +4979,34 @@ def test_bench_compiles_every_model_and_says_which_did(tmp_path, monkeypatch, ca
     # torch._dynamo keeps at most recompile_limit compiled versions of one function over all models
     # (8: --against's 16 models would overflow it); a limit of 1 shows the same with 4 small models.
     # Each version of nanoroute.py takes one (--against loads this file again, as other code), and
-    # bench.py raises the limit for its run
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    # bench.py raises the limit for its run. (Dynamo's own patch, not monkeypatch: monkeypatch would
+    # delete the setting afterwards, and every later torch.compile in the suite would fail.)
     argv = ["--shape", "tiny", "--device", "cpu", "--variants", "prenorm,block",
             "--against", nanoroute.__file__, "--iters", "1", "--warmup", "0", "--gen_tokens", "0",
             "--compile", "--compile_backend", "eager"]
     torch._dynamo.reset()
+    before = torch._dynamo.config.recompile_limit
     try:
-        out = bench.main(argv)
-        for name, r in out["variants"].items():
-            assert r["compiled"] is True and r["graphs"] == 1, name
-            # compile time: the first step less a timed one (the median), never negative
-            assert r["compile_s"] == max(0.0, r["first_step_s"] - r["ms_median"] / 1e3), name
-        assert torch._dynamo.config.recompile_limit == 1  # back as it was after the run
-        assert "| yes: 1 graph(s)" in capsys.readouterr().out
-        # without the raised limit the second model falls back: the report says so
-        torch._dynamo.reset()
-        monkeypatch.setattr(bench, "compile_limit", lambda b: contextlib.nullcontext())
-        out = bench.main([a for a in argv if a not in ("--against", nanoroute.__file__)])
-        assert {k: v["compiled"] for k, v in out["variants"].items()} == {
-            "prenorm": True, "block": False}
-        printed = capsys.readouterr().out
-        assert "block: " in printed and "NOT compiled: dynamo fell back to eager" in printed
-        assert "| NO: eager fallback |" in printed
+        with torch._dynamo.config.patch(recompile_limit=1):
+            out = bench.main(argv)
+            for name, r in out["variants"].items():
+                assert r["compiled"] is True and r["graphs"] == 1, name
+                # compile time: the first step less a timed one (the median), never negative
+                assert r["compile_s"] == max(0.0, r["first_step_s"] - r["ms_median"] / 1e3), name
+            assert torch._dynamo.config.recompile_limit == 1  # back as it was after the run
+            assert "| yes: 1 graph(s)" in capsys.readouterr().out
+            # without the raised limit the second model falls back: the report says so
+            torch._dynamo.reset()
+            monkeypatch.setattr(bench, "compile_limit", lambda b: contextlib.nullcontext())
+            out = bench.main([a for a in argv if a not in ("--against", nanoroute.__file__)])
+            assert {k: v["compiled"] for k, v in out["variants"].items()} == {
+                "prenorm": True, "block": False}
+            printed = capsys.readouterr().out
+            assert "block: " in printed and "NOT compiled: dynamo fell back to eager" in printed
+            assert "| NO: eager fallback |" in printed
     finally:
         torch._dynamo.reset()
+    assert torch._dynamo.config.recompile_limit == before  # for the tests after this one
     with pytest.raises(SystemExit):
         bench.main([*argv[:-1], "no_such_backend"])
     err = capsys.readouterr().err
