@@ -6,13 +6,16 @@ Fault injection: does the test suite notice small, realistic bugs in nanoroute's
     python tools/fault_inject.py --only train.py     # the faults of one file
     python tools/fault_inject.py --list              # print the faults, run nothing
     python tools/fault_inject.py --match "learned"   # the faults whose description says "learned"
+    python tools/fault_inject.py --near --jobs 2     # only the test sections nearest each file (quicker)
 
 For each fault it copies the repository's git-tracked files (as they are in the working tree) to a
 temporary folder, applies that one edit, and runs the README's test command there, stopping at the
 first failure: python -m pytest -q -x -rfE -p no:cacheprovider. A failing suite kills the fault; a passing
 one lets it survive. To stop sooner, a small plugin runs the test sections nearest the edited file
 first (train.py: "Training and sampling", then "Bad input", then the rest); every test still runs
-unless one fails, so a fault is killed exactly when the suite in its usual order would fail.
+unless one fails, so a fault is killed exactly when the suite in its usual order would fail. With
+--near only those nearest sections run: quicker, and a fault that survives them is reported as
+surviving although the rest of the suite might still kill it (the counts can only be lower).
 A fault whose old snippet is not found exactly once is reported as stale (the code moved on: refresh
 the snippet) and not counted. The unmodified copy is run first: if it fails, the counts mean nothing
 and the tool says so. Prints killed/total per file and every survivor.
@@ -36,7 +39,8 @@ TEST_COMMAND = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:ca
 # the sections of test_nanoroute.py (the words after "# " in their header lines) to run first, per file
 SECTIONS_FIRST = {"nanoroute.py": ["Model"], "prepare_data.py": ["Data", "Training"],
                   "train.py": ["Training", "Bad input", "Speed"], "sample.py": ["Training", "Bad input"],
-                  "experiments.py": ["Experiments"], "bench.py": ["Benchmark", "Speed"]}
+                  "experiments.py": ["Experiments"], "bench.py": ["Benchmark", "Speed"],
+                  "tools/gpu_check.sh": ["Speed", "Benchmark"]}
 # the plugin, written next to the copy's tests: reorders the collected tests, changes nothing else
 ORDER_PLUGIN = """
 import os, re
@@ -53,6 +57,9 @@ def pytest_collection_modifyitems(session, config, items):
         section = next((s for i, s in reversed(headers[path]) if i <= line), "")
         return next((k for k, f in enumerate(first) if section.startswith(f)), len(first))
     items[:] = sorted(items, key=rank)  # stable: the usual order inside each group
+    if os.environ.get("FAULT_NEAR_ONLY") and first:  # --near: the nearest sections alone
+        config.hook.pytest_deselected(items=[i for i in items if rank(i) == len(first)])
+        items[:] = [i for i in items if rank(i) < len(first)]
 """
 
 # (file, old snippet, new snippet, what the fault does). Each is one small edit a person could make.
@@ -1115,8 +1122,9 @@ def snapshot():
     return {name: (ROOT / name).read_bytes() for name in names}
 
 
-def run_suite(files, fault, timeout):
-    """Apply one fault (None: none) to a fresh copy and run the tests: (status, seconds, first failure)."""
+def run_suite(files, fault, timeout, near=False, order_of=None):
+    """Apply one fault (None: none) to a fresh copy and run the tests: (status, seconds, first failure).
+    The tests run in the order (and with --near, the selection) of the fault's file, or of order_of."""
     with tempfile.TemporaryDirectory(prefix="nanoroute_fault_") as tmp:
         tmp = Path(tmp)
         for name, data in files.items():
@@ -1124,9 +1132,13 @@ def run_suite(files, fault, timeout):
             (tmp / name).write_bytes(data)
         (tmp / "_fault_order.py").write_text(ORDER_PLUGIN, encoding="utf-8")
         env = _clean_env()
-        if fault is not None:
-            file, old, new, _ = fault
+        file = fault[0] if fault is not None else order_of
+        if file is not None:
             env["FAULT_SECTIONS_FIRST"] = ",".join(SECTIONS_FIRST.get(file, []))
+            if near:
+                env["FAULT_NEAR_ONLY"] = "1"
+        if fault is not None:
+            _, old, new, _ = fault
             text = (tmp / file).read_text(encoding="utf-8")
             if text.count(old) != 1:
                 return "stale", 0.0, f"old snippet found {text.count(old)} times"
@@ -1154,6 +1166,9 @@ def main(argv=None):
     p.add_argument("--only", metavar="FILE", help="only the faults of this file, e.g. train.py")
     p.add_argument("--timeout", type=int, default=900, help="seconds per suite run; longer counts as killed")
     p.add_argument("--match", metavar="TEXT", help="only the faults whose description contains TEXT")
+    p.add_argument("--near", action="store_true",
+                   help="run only the test sections nearest each fault's file (a survivor there may "
+                        "still be killed by the rest of the suite)")
     p.add_argument("--list", action="store_true", help="print the faults and exit")
     a = p.parse_args(argv)
     files = sorted({f[0] for f in FAULTS})
@@ -1168,17 +1183,24 @@ def main(argv=None):
             print(f"{i:3d} {file:<16} {what}" + ("" if found == 1 else f"  [stale: found {found} times]"))
         return 0
 
-    print(f"{len(faults)} faults, {a.jobs} at a time; first the unmodified suite", flush=True)
+    print(f"{len(faults)} faults, {a.jobs} at a time; first the unmodified suite, in the usual order and in "
+          "each file's", flush=True)
     results = {}
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
         files = snapshot()
-        baseline = pool.submit(run_suite, files, None, a.timeout)
-        futures = {pool.submit(run_suite, files, f, a.timeout): i for i, f in enumerate(faults)}
-        status, seconds, why = baseline.result()
-        if status != "survived":
-            print(f"WARNING: the unmodified suite fails ({why}): every fault will look killed", flush=True)
-        else:
-            print(f"unmodified suite passes ({seconds:.0f} s)", flush=True)
+        # a test that passes alone but not after others (one leaves a setting changed) would make
+        # every fault of that file look killed: the unmodified code runs in each order the faults use
+        orders = [None] + sorted({f[0] for f in faults})
+        baselines = {o: pool.submit(run_suite, files, None, a.timeout, a.near and o is not None, o) for o in orders}
+        futures = {pool.submit(run_suite, files, f, a.timeout, a.near): i for i, f in enumerate(faults)}
+        for order, baseline in baselines.items():
+            status, seconds, why = baseline.result()
+            where = "in the usual order" if order is None else f"in {order}'s order" + (" (--near)" * a.near)
+            if status != "survived":
+                print(f"WARNING: the unmodified suite fails {where} ({why}): those faults will look killed",
+                      flush=True)
+            else:
+                print(f"unmodified suite passes {where} ({seconds:.0f} s)", flush=True)
         for future in concurrent.futures.as_completed(futures):
             i = futures[future]
             results[i] = future.result()
@@ -1186,7 +1208,8 @@ def main(argv=None):
             file, _, _, what = faults[i]
             print(f"{status:<8} {file:<16} {what} ({seconds:.0f} s; {why})", flush=True)
 
-    print("\nper file: killed / counted (stale faults are not counted)")
+    print("\nper file: killed / counted (stale faults are not counted)" +
+          ("; --near: only the nearest test sections ran" if a.near else ""))
     for file in files:
         mine = [results[i][0] for i, f in enumerate(faults) if f[0] == file]
         counted = [s for s in mine if s != "stale"]
