@@ -4598,12 +4598,15 @@ def test_bench_defaults_and_the_command_it_records(tmp_path, monkeypatch, capsys
 
 def test_bench_subset_without_baselines_and_profile(tmp_path, capsys, monkeypatch):
     # a CPU never has a peak in train.PEAK_FLOPS: one of 1 TFLOP/s here shows MFU's arithmetic, from the
-    # median step of B·T tokens
+    # median step of B·T tokens, over the peak of the precision run: bf16 autocast, as on a GPU with
+    # native bf16 (train.py's --dtype auto)
     asked = []
     monkeypatch.setattr(train, "peak_flops", lambda name, dtype: asked.append((name, dtype)) or 1e12)
+    monkeypatch.setattr(train, "pick_dtype", lambda name, device: torch.bfloat16)
     data = _bench_run(tmp_path, "--variants", "rezero,wav", "--gen_variants", "rezero", "--profile", "wav")
     assert list(data["variants"]) == ["rezero", "wav"]
-    assert asked == [(data["machine"]["device_name"], torch.float32)]
+    assert asked == [(data["machine"]["device_name"], torch.bfloat16)]
+    assert data["machine"]["dtype"] == "bf16 autocast"
     shape = data["shape"]
     for name, r in data["variants"].items():
         model = GPT(GPTConfig(**{k: shape[k] for k in bench.MODEL_FIELDS}, **bench.VARIANTS[name]))
@@ -5033,6 +5036,23 @@ def test_bench_saves_what_it_measured_as_it_goes(tmp_path, monkeypatch):
     assert all(r["first_step_s"] > 0 for r in data["first_steps"].values())
     assert {k: len(v) for k, v in data["rounds_ms"].items()} == {"prenorm": 2, "block": 2, "rd": 2}
     assert list(data["variants"]) == ["prenorm"] and data["variants"]["prenorm"]["memory_bytes"] > 0
+    # cut in the second timed round (the steps: each model's first, then round 1 of three models): the
+    # first round is kept
+    steps, step = [], bench.train_step
+
+    def cut_in_round_2(*args):
+        steps.append(1)
+        if len(steps) == 3 + 3 + 2:
+            raise KeyboardInterrupt
+        return step(*args)
+    monkeypatch.setattr(bench, "train_step", cut_in_round_2)
+    monkeypatch.setattr(bench, "variant_result", result)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--shape", "tiny", "--device", "cpu", "--variants", "prenorm,block,rd",
+                    "--iters", "2", "--warmup", "0", "--gen_tokens", "0", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["complete"] is False and data["variants"] == {}
+    assert {k: len(v) for k, v in data["rounds_ms"].items()} == {"prenorm": 1, "block": 1, "rd": 1}
 
 
 def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path):
@@ -5065,6 +5085,79 @@ def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path):
     compiled = summary.split("## compiled\n")[1].split("\n## ")[0]
     assert [row.split(" | ")[0] for row in compiled.splitlines() if row.startswith("| ") and "yes |" in row] \
         == ["| prenorm", "| rd"]
+
+
+_GPU_CHECK_FAKE_PYTHON = """#!{python}
+# stands in for python in tools/gpu_check.sh: logs each command, with the NANOROUTE_TEST_DEVICE it gets;
+# "pytest" takes 2 s; bench.py writes the JSON of a run stopped early: its first variant timed, every
+# variant's first step (compiled) taken. The summary (python -) is the real python's
+import json, os, sys, time
+if sys.argv[1:2] == ["-"]:
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+with open({log!r}, "a") as f:
+    f.write(json.dumps([os.environ.get("NANOROUTE_TEST_DEVICE"), sys.argv[1:]]) + "\\n")
+if "pytest" in sys.argv:
+    time.sleep(2)
+    print("== 1 passed in 2.00s ==")
+if "bench.py" in sys.argv:
+    variants = sys.argv[sys.argv.index("--variants") + 1].split(",")
+    record = dict(ms_median=10.0, tokens_per_s=1000.0, mfu=0.25, memory_bytes=2**20,
+                  memory_estimate_bytes=2**21, first_step_s=1.5, compiled=None)
+    data = dict(machine=dict(device_name="GPU", torch="2", dtype="bf16 autocast", command="bench"),
+                shape=dict(n_layer=12), complete=False, variants=dict([(variants[0], record)][:len(variants) - 1]),
+                first_steps={{v: dict(first_step_s=1.5) for v in variants}})
+    with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
+        json.dump(data, f)
+"""
+
+
+def test_gpu_check_script_on_a_gpu_runs_the_documented_commands(tmp_path):
+    # the script's own logic in its GPU mode, with python replaced by a stand-in (no GPU here): the
+    # commands of each part, their settings and time limits, the default folders, the seconds of each
+    # part, and the summary of runs stopped early
+    (tmp_path / "tools").mkdir()
+    shutil.copy(_TRAIN_ROOT / "tools" / "gpu_check.sh", tmp_path / "tools")
+    fake, log = tmp_path / "fake_python", tmp_path / "calls.jsonl"
+    fake.write_text(_GPU_CHECK_FAKE_PYTHON.format(python=sys.executable, log=str(log)))
+    fake.chmod(0o755)
+    env = {k: v for k, v in _train_env().items() if not k.startswith("GPU_CHECK_")}
+    start = time.monotonic()
+    run = subprocess.run(["bash", str(tmp_path / "tools" / "gpu_check.sh")], capture_output=True, text=True,
+                         env=dict(env, PYTHON=str(fake)), timeout=120)
+    wall = time.monotonic() - start
+    assert run.returncode == 0, run.stdout + run.stderr
+    rel = "results/gpu_check"  # the default folder on a GPU, in the repository
+    out = tmp_path / rel
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    bench = ["bench.py", "--gen_tokens", "0", "--iters", "10"]
+    gpu12 = ["--shape", "gpu12", "--device", "cuda"]
+    assert calls == [
+        ["cuda", ["-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu"]],
+        [None, [*bench, "--variants", "prenorm,block,wav,rd", *gpu12, "--json", f"{rel}/bench_eager.json"]],
+        [None, ["bench.py", "--preset", "rd_m", "--variants", "prenorm,block,rd", "--iters", "1", "--warmup", "0",
+                "--gen_tokens", "0", "--json", f"{rel}/memory_rd_m.json"]],
+        [None, ["bench.py", "--preset", "wav48", "--variants", "prenorm,block,wav", "--iters", "1", "--warmup", "0",
+                "--gen_tokens", "0", "--json", f"{rel}/memory_wav48.json"]],
+        *([None, [*bench, "--variants", v, *gpu12, "--compile", "--compile_backend", "inductor", "--json",
+                  f"{rel}/bench_compiled_{v}.json"]] for v in ("prenorm", "block", "wav", "rd"))]
+    limits = re.findall(r"^== (\w+) \(at most (\d+) s\)", run.stdout, re.M)
+    assert limits[:4] == [("tests", "190"), ("eager", "45"), ("memory_rd_m", "35"), ("memory_wav48", "35")]
+    assert limits[4][0] == "compiled_prenorm" and int(limits[4][1]) in (214, 215)  # 215 s for all four
+    # each part's own seconds: together no more than the whole run (each rounds up by at most 1)
+    status = [line.split() for line in (out / "status.txt").read_text().splitlines()]
+    assert [row[:2] for row in status] == [[name, "0"] for name, _ in limits]
+    assert int(status[0][2]) >= 1 and sum(int(row[2]) for row in status) <= wall + len(status)
+    summary = (out / "summary.md").read_text()
+    assert "tests: == 1 passed in 2.00s ==" in summary
+    assert "## eager (incomplete: stopped before the end)" in summary
+    assert "| prenorm | 10.0 | 1000 | 25.0 | 1.0 | 2.0 | 1.5 | - |" in summary
+    assert "| rd | - | - | - | - | - | 1.5 | not timed |" in summary  # first step taken, then stopped
+    compiled = summary.split("## compiled")[1].split("\n## ")[0]
+    assert compiled.count("| not timed |") == 4 and "(incomplete: stopped before the end)" in compiled
+    # on the CPU the default folder is another
+    run = subprocess.run(["bash", str(tmp_path / "tools" / "gpu_check.sh"), "cpu"], capture_output=True, text=True,
+                         env=dict(env, PYTHON=str(fake), GPU_CHECK_VARIANTS="prenorm"), timeout=120)
+    assert run.returncode == 0 and (tmp_path / "results" / "gpu_check_cpu" / "summary.md").exists()
 
 
 def test_gpu_check_script_keeps_going_past_its_time_limits(tmp_path):
