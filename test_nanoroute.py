@@ -2806,6 +2806,17 @@ def test_metrics_resume_from_step_0_no_duplicates_atomic_rewrite_and_damaged_byt
         ("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
 
 
+def test_a_lock_of_another_users_live_process_is_not_taken_over(monkeypatch):
+    # os.kill(pid, 0) answers PermissionError for a live process of another user (root here gets no
+    # such answer, so the kernel's answer is stood in for): alive, its lock is not stale
+    assert train.process_alive(os.getpid())
+    for error, alive in ((PermissionError, True), (ProcessLookupError, False)):
+        def kill(pid, signum, error=error):
+            raise error(pid)
+        monkeypatch.setattr(train.os, "kill", kill)
+        assert train.process_alive(12345) is alive, error
+
+
 def test_out_dir_lock_is_held_during_the_run_and_a_stale_one_is_taken_over(_train_data, _train_one_thread, tmp_path,
                                                                            monkeypatch, capsys):
     demo, _ = _train_data
