@@ -3629,7 +3629,12 @@ def test_resume_bookkeeping_equals_an_uninterrupted_run(_train_data, _train_one_
     assert [r["step"] for r in evals_so_far] == [0, 2] and stopped_best["step"] in (0, 2)
     assert stopped_best["best_val_loss"] == min(r["val_loss"] for r in evals_so_far)
     assert torch.load(part / "last.pt", weights_only=True)["milestones"]["1K"]["step"] == 2
+    before_stop = max(r["elapsed_s"] for r in _train_metrics(part) if r["type"] == "eval")
     assert _train_main(train, ["--out_dir", part, "--resume", "--device", "cpu"])[0] == 0
+    # the wall time counts every segment: it goes on from the stopped run's, never back
+    elapsed = [r["elapsed_s"] for r in _train_metrics(part) if r["type"] == "eval"]
+    assert elapsed == sorted(elapsed) and elapsed[-1] > before_stop
+    assert json.loads((part / "summary.json").read_text())["wall_time_s"] >= elapsed[-1]
 
     timing = {"tok_per_s", "ms_per_step", "elapsed_s"}
     whole, resumed = ([{k: v for k, v in r.items() if k not in timing} for r in _train_metrics(d)]
