@@ -3690,6 +3690,8 @@ def test_train_optimizer_flags_reach_adamw(_train_data, _train_one_thread, tmp_p
     groups = torch.load(tmp_path / "last.pt", weights_only=True)["optimizer"]["param_groups"]
     assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.05]  # matrices decay, the rest does not
     assert all(tuple(g["betas"]) == (0.8, 0.9) for g in groups)
+    edge, _, _ = train.resolve_settings({"beta1": 0.0, "beta2": 0.0})
+    train.check_settings(edge, 1)  # 0 is in [0, 1): AdamW without momentum, as documented
     a = train.argparse.Namespace(lr=1.0, min_lr=0.0, warmup_iters=0)
     assert train.get_lr(0, a, 5) == 1.0 and train.get_lr(4, a, 5) == pytest.approx(0.0)
 
@@ -4877,6 +4879,13 @@ def test_micro_batch_that_does_not_divide_is_one_line(_train_data, tmp_path, cap
                                    capsys)
         assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
+    # under torchrun it divides each process's share: 4 divides a --batch_size of 12, not the 6 of 2 processes
+    a, _, _ = train.resolve_settings({"batch_size": 12, "micro_batch": 4})
+    train.check_micro_batch(a, 1)
+    with pytest.raises(train.UsageError, match=r"^--micro_batch 4 does not divide the 6 sequences each process "
+                                               r"runs per micro-step \(--batch_size 12 over 2 process\(es\)\): "
+                                               r"choose one of 1, 2, 3 or 0"):
+        train.check_micro_batch(a, 2)
 
 
 def test_out_of_memory_is_one_line_and_keeps_last_pt(_train_data, _train_one_thread, tmp_path,
