@@ -3130,6 +3130,9 @@ def test_default_eval_tokens_depends_on_vocabulary_and_device():
     assert train.default_eval_tokens(50257, cpu) == 8192 < train.default_eval_tokens(27, cpu) == 32768
     assert train.default_eval_tokens(50257, cuda) == 32768 and train.default_eval_tokens(1024, cpu) == 32768
     assert train.build_parser().get_default("eval_tokens") is None  # None: resolved once data and device are known
+    # --eval_tokens is a floor: whole batches of rows x T tokens, enough to reach it (at least one)
+    shapes = [train.eval_offsets(10 ** 6, 32, 4, tokens, 0).shape for tokens in (1, 128, 129, 300)]
+    assert shapes == [(1, 4), (1, 4), (2, 4), (3, 4)]
 
 
 # train.py says once when the automatic routing block differs from Block AttnRes's at that depth
@@ -4972,6 +4975,7 @@ def test_train_log_leaves_the_first_step_out_of_tokens_per_s(_train_data, _train
         if not first:
             first.append(run.step)
             clock[0] += 100.0
+        clock[0] += {6: 2.0, 8: 2.0}.get(run.step + 1, 0.0)  # steps 6 and 8 take 3 s, the others 1 s
         return step(run, lr)
     monkeypatch.setattr(train, "train_step", compiling_first)
     out = tmp_path / "rate"
@@ -4988,8 +4992,10 @@ def test_train_log_leaves_the_first_step_out_of_tokens_per_s(_train_data, _train
     assert lines[1]["ms_per_step"] == 101000
     assert re.search(r"^step 1 \| loss \S+ \| lr \S+ \| first step 101000\.0 ms \(warm-up: not in "
                      r"tok/s\)$", stdout, re.M), stdout
-    for s in (4, 8):  # step 3, the resumed run's first, is left out of the step-4 line
-        assert lines[s]["ms_per_step"] == 1000 and lines[s]["tok_per_s"] == 8 * 32, lines[s]
+    # step 3, the resumed run's first, is left out of the step-4 line; the step-8 line is the mean of
+    # steps 5 to 8 (1, 3, 1 and 3 s), not the last step's time
+    assert lines[4]["ms_per_step"] == 1000 and lines[4]["tok_per_s"] == 8 * 32, lines[4]
+    assert lines[8]["ms_per_step"] == 2000 and lines[8]["tok_per_s"] == 8 * 32 / 2, lines[8]
 
 
 def test_bench_preset_times_its_shape_and_memory_table_prints_every_estimate(tmp_path, capsys):
