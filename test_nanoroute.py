@@ -4889,6 +4889,9 @@ def test_micro_batch_that_does_not_divide_is_one_line(_train_data, tmp_path, cap
                                                r"runs per micro-step \(--batch_size 12 over 2 process\(es\)\): "
                                                r"choose one of 1, 2, 3 or 0"):
         train.check_micro_batch(a, 2)
+    odd, _, _ = train.resolve_settings({"batch_size": 7})  # the default --micro_batch 0 too
+    with pytest.raises(train.UsageError, match=r"^--batch_size 7 is not divisible by the 2 processes"):
+        train.check_settings(odd, 2)
 
 
 def test_out_of_memory_is_one_line_and_keeps_last_pt(_train_data, _train_one_thread, tmp_path,
