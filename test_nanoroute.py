@@ -1309,6 +1309,25 @@ def _data_stopped_before_meta_json(monkeypatch, *args, **kw):
 # -----------------------------------------------------------------------------
 # demo
 
+# an unfinished folder prepared again with other options starts over: no split of the old options is kept
+def test_data_unfinished_folder_with_other_options_is_made_anew(tmp_path, monkeypatch):
+    finish = prepare_data._finish_split
+
+    def stop_after_train(out, state, split, chunks, dtype):
+        if split != "train":
+            raise KeyboardInterrupt  # as Ctrl-C once train.bin is written
+        finish(out, state, split, chunks, dtype)
+    monkeypatch.setattr(prepare_data, "_finish_split", stop_after_train)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data.prepare("demo", tmp_path / "a", seed=1, demo_mb=0.01)
+    assert (tmp_path / "a" / "train.bin").exists() and not (tmp_path / "a" / "meta.json").exists()
+    monkeypatch.setattr(prepare_data, "_finish_split", finish)
+    prepare_data.prepare("demo", tmp_path / "a", seed=2, demo_mb=0.01)
+    prepare_data.prepare("demo", tmp_path / "b", seed=2, demo_mb=0.01)  # the same options, at once
+    for name in ("train.bin", "val.bin", "test.bin", "meta.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
 def test_data_demo_deterministic_and_readable(tmp_path):
     a = prepare_data.prepare("demo", tmp_path / "a")
     b = prepare_data.prepare("demo", tmp_path / "b")
@@ -1883,6 +1902,11 @@ def test_data_retry_wait_doubles_up_to_600_seconds(tmp_path, _data_server, monke
     assert prepare_data.main(args) == 2
     assert "failed after 5 tries (HTTP 503)" in _data_one_error_line(capsys.readouterr().err)
     assert waits == [200, 400, 600, 600]
+    # an empty NANOROUTE_RETRY_BACKOFF (exported, blank) counts as unset: the default 1 s
+    waits.clear()
+    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "")
+    assert prepare_data.main([*args[:-1], "1"]) == 2
+    assert waits == [1.0]
 
 
 # --base_url wins over $NANOROUTE_BASE_URL (a flag typed now over a setting made earlier)
@@ -2155,6 +2179,11 @@ def test_data_a_failed_first_download_leaves_no_folder_and_says_each_retry(tmp_p
         line = _data_one_error_line(err)
         assert "failed after 3 tries" in line and hint in line and "re-run" in line
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["empty"]  # no data/; the user's folder stays
+    # every official site's files (a folder URL and its files) get the official hint, a mirror's the other
+    official = (prepare_data.TINYSTORIES_URL + "TinyStories-train.txt",
+                prepare_data.FINEWEB_URL + "finewebedu_val_000000.bin", prepare_data.GPT2_URL + "encoder.json")
+    assert all("from a mirror with --base_url URL" in prepare_data._mirror_hint(url) for url in official)
+    assert "the mirror given by --base_url" in prepare_data._mirror_hint(refused + "/mirror/encoder.json")
 
 
 def test_data_two_runs_preparing_one_folder_take_turns(tmp_path, capsys):
@@ -4068,6 +4097,17 @@ def test_sample_ckpt_best_and_last_read_their_files(_train_runs, _train_one_thre
 # --start FILE:path reads the prompt from that file; --num_samples and --max_new_tokens give that many samples
 # of exactly that many new characters; the default prompt (a newline) is not printed; --routes without --start
 # reads the first sequence_len tokens of val
+# sample.py: an empty prompt file and a NaN temperature are one line each, exit 2, no traceback
+def test_sample_empty_prompt_file_and_nan_temperature_are_one_line(_train_runs, tmp_path, capsys):
+    routed, _ = _train_runs
+    (tmp_path / "empty.txt").write_text("")
+    cases = {("--start", f"FILE:{tmp_path / 'empty.txt'}"): "--start is empty: give at least one character",
+             ("--temperature", "nan"): "--temperature nan: must be > 0, at least 1e-06 and finite"}
+    for flags, message in cases.items():
+        code, _, err = _train_main(sample, ["--out_dir", routed, "--device", "cpu", *flags], capsys)
+        assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
 def test_sample_start_file_and_the_default_prompt(_train_data, _train_runs, _train_one_thread, tmp_path,
                                                   monkeypatch, capsys):
     demo, _ = _train_data
