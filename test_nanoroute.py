@@ -5689,7 +5689,10 @@ def test_exp_heatmap_finds_the_data_from_another_folder(tmp_path, monkeypatch, c
     runs_dir = _exp_routed_run(tmp_path, recorded="demo")
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
+    opened, open_split = [], prepare_data.open_split
+    monkeypatch.setattr(prepare_data, "open_split", lambda d, split: opened.append(split) or open_split(d, split))
     assert experiments.main(["report", str(runs_dir), "--heatmap", "rd_L2_s0"]) == 0
+    assert opened == ["val"]  # the routes are averaged over val crops (docs/experiments.md)
     shutil.move(tmp_path / "demo", tmp_path / "store")
     (tmp_path / "data_root").mkdir()
     shutil.move(tmp_path / "store", tmp_path / "data_root" / "demo")
