@@ -331,12 +331,11 @@ class Bench:
     shape: dict  # SHAPES[--shape] (or the --preset's) with the flags' overrides
     iters: int
     machine: dict
+    dtype: torch.dtype  # as train.py's --dtype auto: bf16 autocast on a GPU with native bf16, else float32
 
     def __post_init__(self):
         self.device_type = torch.device(self.device).type
         self.B, self.T = self.shape["batch_size"], self.shape["sequence_len"]
-        # as train.py's --dtype auto: bf16 autocast on a GPU with native bf16, else float32 (TF32)
-        self.dtype = train.pick_dtype("auto", torch.device(self.device))
         self.amp = (torch.autocast(self.device_type, dtype=self.dtype) if self.dtype == torch.bfloat16
                     else contextlib.nullcontext())
         # the timed names: each variant, and VARIANT@against right after it with --against
@@ -388,7 +387,7 @@ def setup(args, argv):
           + ", ".join(f"{k}={v}" for k, v in shape.items()))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    return Bench(args, variants, gen_variants, against, device, shape, iters, machine)
+    return Bench(args, variants, gen_variants, against, device, shape, iters, machine, dtype)
 
 
 def preset_shape(name):
