@@ -34,6 +34,8 @@ Never pickle. With --base_url URL or $NANOROUTE_BASE_URL, every file is fetched 
 
 import argparse
 import contextlib
+import difflib
+import functools
 import errno
 import hashlib
 import json
@@ -95,50 +97,6 @@ LIMITS = {"seed": (int, 0, 2 ** 63 - 1, ""),
           "shards": (int, 1, 99, ""),  # the dataset has 99 train shards
           "min_per_million": (float, 0, 1_000_000, " per million characters")}
 MAX_WAIT = 600
-
-
-class UsageError(Exception):
-    """A problem the user can fix (bad input, a missing or damaged file, a full disk); its message is one
-    line that says what failed and what to do. Every script prints it as `error: ...` and exits with
-    code 2. Defined here, in the module every other script imports, so there is one such type."""
-
-
-# Names a user may bring from nanoGPT or habit, and this project's flag for each ("did you mean").
-FLAG_SYNONYMS = {"learning_rate": "lr", "block_size": "sequence_len", "context_len": "sequence_len",
-                 "n_layers": "n_layer", "n_heads": "n_head", "d_model": "n_embd", "gradient_accumulation_steps":
-                 "grad_accum", "max_steps": "max_iters", "iters": "max_iters", "out": "out_dir", "init_from": "resume",
-                 "eval_iters": "eval_tokens", "decay_lr": "min_lr", "lr_decay_iters": "max_iters"}
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse as every script here uses it: no abbreviations (--max_iter is refused, not taken as
-    --max_iters), and a bad flag is one `error: ...` line with exit code 2 (no usage block), naming the
-    nearest flag when there is one; --help stays full."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message):
-        print(f"error: {message}{self.suggestion(message)}; see --help", file=sys.stderr)
-        sys.exit(2)
-
-    def suggestion(self, message):
-        import difflib  # noqa: PLC0415 (only for a bad flag)
-        match = re.search(r"unrecognized arguments: (--?[\w-]+)", message)
-        if not match:
-            return ""
-        flags = {o.lstrip("-") for a in self._all_actions() for o in a.option_strings if o.startswith("--")}
-        wrong = match[1].lstrip("-").replace("-", "_")
-        known = {name: name for name in flags} | {k: v for k, v in FLAG_SYNONYMS.items() if v in flags}
-        close = difflib.get_close_matches(wrong, known, n=1, cutoff=0.7)
-        return f" (did you mean --{known[close[0]]}?)" if close else ""
-
-    def _all_actions(self):  # this parser's actions and its subcommands'
-        for action in self._actions:
-            yield action
-            for sub in getattr(action, "choices", None) or {}:
-                if isinstance(action.choices, dict) and isinstance(action.choices[sub], argparse.ArgumentParser):
-                    yield from action.choices[sub]._actions
 
 
 class _Transient(Exception):
@@ -240,7 +198,7 @@ def _fetch(url, part):
 
 def _open_part(part, append):
     """part opened to append (or truncated): never through a symbolic link (O_NOFOLLOW)."""
-    flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
     return open(part, "ab" if append else "wb", opener=lambda path, _: os.open(path, flags, 0o666))
 
 
@@ -264,81 +222,6 @@ def _url(official, base_url):
 
 # -----------------------------------------------------------------------------
 # Writing outputs: atomically, and remembering finished splits in progress.json.
-
-class _Sink:
-    """The file object write_atomic hands to its writer: every write goes through _write, and the first
-    OSError is kept, because torch.save turns it into an unrelated RuntimeError ("unexpected pos")."""
-
-    def __init__(self, f):
-        self.f, self.error = f, None
-
-    def write(self, data):
-        try:
-            return _write(self.f, data)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-
-    def flush(self):
-        self.f.flush()
-
-
-def write_atomic(path, write):
-    """Write path so that a crash, a full disk or Ctrl-C never leaves a partial file under its name:
-    write(f) fills a new temporary file next to path, which is flushed to the disk (fsync) before it
-    is renamed over path, and the folder is fsynced after, so that the rename itself survives a power
-    cut. On any failure the temporary file is deleted and path is left as it was. The temporary file
-    has a fresh name and is created with O_EXCL | O_NOFOLLOW: a symbolic link or a leftover file
-    under any name is never written through (a link at path itself is replaced, not followed)."""
-    path = Path(path)
-    f = _new_temp_file(path)
-    tmp = Path(f.name)
-    try:
-        with f:
-            sink = _Sink(f)
-            try:
-                write(sink)
-            except Exception:
-                if sink.error is not None:
-                    raise sink.error from None
-                raise
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
-
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # 0 where the system has no symbolic links to refuse
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_BINARY", 0)
-
-
-def _new_temp_file(path):
-    """A new file tmpXXXXXXXX.NAME.tmp next to path, open for writing. O_EXCL never opens a name that
-    exists (a file or a link); mode 0o666 less the umask is any new file's (mkstemp's is 0600)."""
-    for _ in range(100):
-        tmp = path.with_name(f"tmp{os.urandom(4).hex()}.{path.name}.tmp")
-        try:
-            return open(tmp, "wb", opener=lambda name, _: os.open(name, _NEW_FILE, 0o666))
-        except FileExistsError:
-            continue  # taken (a leftover of a killed run, or a planted link): draw another name
-    raise FileExistsError(errno.EEXIST, "no free temporary name", str(tmp))
-
-
-def _is_temp(name):
-    return re.fullmatch(r"tmp[0-9a-f]{8}\..+\.tmp", name) is not None
-
-
-def write_json(path, obj):
-    """obj as indented UTF-8 JSON, written atomically (write_atomic)."""
-    write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1, ensure_ascii=False).encode() + b"\n"))
-
 
 def _write_bin(path, chunks, dtype):
     """Write token arrays to path atomically; returns the number of tokens."""
@@ -398,7 +281,7 @@ def _claim(out, name):
     """UsageError unless out may be prepared as `name`: empty, or recorded as `name` (finished or not).
     So someone else's files are never overwritten or deleted, and another dataset is never replaced."""
     made_as = _made_as(out)
-    if made_as is None and any(not _is_temp(p.name) for p in out.iterdir()):
+    if made_as is None and any(not p.name.endswith(".tmp") for p in out.iterdir()):
         raise UsageError(f"{out} is not empty and holds no dataset of prepare_data.py (no meta.json or "
                          "progress.json of one): nothing is written there, so that none of its files is "
                          "overwritten or deleted; give a new or empty folder")
@@ -973,6 +856,15 @@ def _started_as(data_dir):
     return None
 
 
+def dataset_folder(name):
+    """--data as a folder: a bare name (no slash) is ./NAME when that is a prepared dataset, else
+    data/NAME, where `python prepare_data.py NAME` puts it."""
+    path = Path(name)
+    if len(path.parts) == 1 and not (path / "meta.json").exists():
+        return Path("data") / path
+    return path
+
+
 def load_meta(data_dir):
     """Read and check data_dir/meta.json; UsageError says which command prepares the folder."""
     d = Path(data_dir)
@@ -1183,6 +1075,93 @@ def encoder(meta, data_dir):
             ids += [index[p]] if p in reserved else [index[c] for c in p]
         return ids
     return encode
+
+
+
+# =============================================================================
+# Below this banner: what every script shares, each rule in one place. A user's mistake is one
+# UsageError, printed by one handler (cli) as one `error:` line with exit code 2; flags are never
+# abbreviated; every file the project writes goes through write_atomic.
+# =============================================================================
+
+class UsageError(Exception):
+    """A problem the user can fix (bad input, a missing or damaged file); its message says what
+    failed and what to do. cli prints it as one `error: ...` line and exits with code 2."""
+
+
+def cli(main):
+    """A script's main(argv=None) as a command: a UsageError, or an OSError (a full disk, a folder
+    that cannot be written), is one `error:` line and exit code 2; anything else is a bug and keeps
+    its traceback."""
+    @functools.wraps(main)
+    def run(argv=None):
+        try:
+            return main(argv)
+        except UsageError as e:
+            message = str(e)
+        except OSError as e:
+            message = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+        print("error: " + " ".join(message.split()), file=sys.stderr)
+        sys.exit(2)
+    return run
+
+
+# Names a user may bring from nanoGPT or habit, and this project's flag for each ("did you mean").
+FLAG_SYNONYMS = {"learning_rate": "lr", "block_size": "sequence_len", "context_len": "sequence_len",
+                 "n_layers": "n_layer", "n_heads": "n_head", "d_model": "n_embd",
+                 "gradient_accumulation_steps": "grad_accum", "max_steps": "max_iters",
+                 "iters": "max_iters", "out": "out_dir", "init_from": "resume"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse as every script uses it: no abbreviations (--max_iter is refused, not taken for
+    --max_iters), and a bad flag is one `error:` line, exit code 2, naming the nearest flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        wrong = re.search(r"unrecognized arguments: --?([\w-]+)", message)
+        flags = {o[2:] for a in self._actions for o in a.option_strings if o.startswith("--")}
+        flags |= {f for p in self._subparsers_of() for a in p._actions for o in a.option_strings
+                  if o.startswith("--") for f in [o[2:]]}
+        known = {f: f for f in flags} | {k: v for k, v in FLAG_SYNONYMS.items() if v in flags}
+        close = difflib.get_close_matches(wrong[1], known, n=1, cutoff=0.7) if wrong else []
+        hint = f" (did you mean --{known[close[0]]}?)" if close else ""
+        print(f"error: {message}{hint}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+    def _subparsers_of(self):
+        return [p for a in self._actions if isinstance(a, argparse._SubParsersAction)
+                for p in a.choices.values()]
+
+
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once: a written file gets the mode any new file would (mkstemp's is 0600)
+
+
+def write_atomic(path, data):
+    """Write path whole or not at all: `data` (bytes, or a function that writes to a binary file)
+    goes to a new temporary file in the same folder (mkstemp: a fresh name, so a link planted at a
+    fixed name is never followed), which is fsynced and then renamed over path (os.replace). On any
+    failure the temporary file is removed and path is left as it was."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            data(f) if callable(data) else f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path, obj):
+    write_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False).encode() + b"\n")
 
 
 # -----------------------------------------------------------------------------
