@@ -1,23 +1,26 @@
 """
 nanoroute: a minimal GPT whose residual stream is a choice of depth routing.
 
-    residual = prenorm | rezero | layerscale | attnres
+    residual = prenorm | rezero | layerscale | denseformer | attnres
     on top of attnres:  wav = True   (WAV v1 multi-resolution block sources)
                         rd  = decoupled | tied | average | frozen_v   (RD-AttnRes)
+                        route_heads = H (multi-head depth reads), route_static = True (a control)
 
-Read top-down: config, Transformer pieces, the routing (pool, read, write, RD's routes, readout), the
-GPT, generation, diagnostics; below the banner, a generic fast kernel for the reads. "# SPEC: <section>"
-points to SPEC.md, "# choice:" to its list of choices the papers leave open; docs/routing.md says how
-to change the routing.
+Read top-down: config, Transformer pieces, the routing (pool, read, write, RD's routes, readout),
+the GPT, generation, diagnostics; below the banner, a generic fast kernel for the reads.
+"# SPEC: <section>" points to SPEC.md, "# choice:" to its list of choices the papers leave open;
+docs/routing.md says how to change the routing.
 
 References:
 1) nanoGPT model.py, A. Karpathy: https://github.com/karpathy/nanoGPT/blob/master/model.py
 2) Attention Residuals, Kimi Team, arXiv:2603.15031 (Full / Block AttnRes, two-phase reads)
 3) WAV v1, K. Wang 2026, arXiv:2606.06564v1 (phase and split detail bases)
 4) RD-AttnRes, K. Wang 2026, arXiv:2608.01075 (role-decoupled attention reads)
-5) ReZero, Bachlechner et al. 2020, arXiv:2003.04887
-6) LayerScale (CaiT), Touvron et al. 2021, arXiv:2103.17239
-7) RoFormer (rotary position embedding), Su et al. 2021, arXiv:2104.09864
+5) Multi-head attention residuals (MHAR), arXiv:2607.27230 (H softmaxes over depth per read)
+6) DenseFormer, Pagliardini et al. 2024, arXiv:2402.02622 (depth-weighted averages)
+7) ReZero, Bachlechner et al. 2020, arXiv:2003.04887
+8) LayerScale (CaiT), Touvron et al. 2021, arXiv:2103.17239
+9) RoFormer (rotary position embedding), Su et al. 2021, arXiv:2104.09864
 """
 
 import contextlib
@@ -30,39 +33,56 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-RESIDUALS = ("prenorm", "rezero", "layerscale", "attnres")
-RD_MODES = ("off", "decoupled", "tied", "average", "frozen_v")
+RESIDUALS = ("prenorm", "rezero", "layerscale", "denseformer", "attnres")
 WAV_BASES = {"phase": ("phase",), "split": ("split",), "both": ("phase", "split")}
 EPS = 1e-6  # RMSNorm epsilon, for sublayer inputs and routing keys alike
 
 
+class RD(NamedTuple):
+    """A mode of RD-AttnRes (SPEC: RD-AttnRes). value: attention's value route, None (one read
+    feeds Q, K and V), "learned", "frozen" (its query stays zero) or "tied" (the Q/K read itself,
+    w^V ≡ w^QK); average: Q, K and V all read ½(h^QK + h^V)."""
+    value: str = None
+    average: bool = False
+
+
+# The one table of RD's modes: reads_before, sublayer_inputs and the diagnostics read it.
+RD_MODES = {"off": RD(), "decoupled": RD("learned"), "tied": RD("tied"),
+            "average": RD("learned", average=True), "frozen_v": RD("frozen")}
+
+
 def setting(default, help, needs=None):
-    """A config field with its help text (train.py's --help). needs="attnres" or "wav" marks a field of
-    the depth routing: it is an error unless residual=attnres (and wav=True), and routing_fields lists it."""
+    """A config field with its help text (train.py's --help). needs="attnres" or "wav" marks a
+    field of the depth routing: an error unless residual=attnres (and wav=True)."""
     return field(default=default, metadata=dict(help=help, needs=needs))
 
 
 @dataclass
 class GPTConfig:
     vocab_size: int = setting(256, "vocabulary size")
-    sequence_len: int = setting(256, "context length in tokens (\"block\" means a routing block here)")
+    sequence_len: int = setting(256, "context length in tokens (\"block\" is a routing block)")
     n_layer: int = setting(6, "Transformer layers; each has two sublayers (attention, MLP)")
     n_head: int = setting(6, "attention heads (head size n_embd/n_head, even)")
     n_embd: int = setting(384, "width of the residual stream")
     dropout: float = setting(0.0, "dropout probability")
     bias: bool = setting(False, "biases in Linear layers")
-    residual: str = setting("prenorm", "prenorm | rezero | layerscale | attnres")
-    attnres_block: int = setting(0, "sublayers per routing block; 1 = Full AttnRes; 0 = auto: whole layers, at "
-                                    "most 8 blocks (at least 4 sublayers with WAV)", needs="attnres")
-    wav: bool = setting(False, "WAV v1 detail sources (needs residual=attnres)", needs="attnres")
-    wav_bases: str = setting("both", "phase | split | both", needs="wav")
-    wav_rho: float = setting(4.0, "cap on the detached RMS-matching scale of detail sources", needs="wav")
-    wav_detail_bias: float = setting(-2.0, "initial logit offset of every detail source", needs="wav")
-    wav_readout_details: bool = setting(False, "let the final readout read detail sources too", needs="wav")
-    wav_learned_bases: bool = setting(False, "learn the detail bases: a coefficient per sublayer and basis, "
-                                             "started at the signs (beyond WAV v1)", needs="wav")
-    rd: str = setting("off", "off | decoupled | tied | average | frozen_v (needs residual=attnres)", needs="attnres")
-    fast_routing: bool = setting(True, "False: the readable reference read (slow; for checking)", needs="attnres")
+    residual: str = setting("prenorm", " | ".join(RESIDUALS))
+    attnres_block: int = setting(0, "sublayers per routing block; 1 = Full AttnRes; 0 = auto: whole "
+                                 "layers, at most 8 blocks (at least 4 sublayers with WAV)", "attnres")
+    wav: bool = setting(False, "WAV v1 detail sources", "attnres")
+    wav_bases: str = setting("both", "phase | split | both", "wav")
+    wav_rho: float = setting(4.0, "cap on the detached RMS-matching scale of details", "wav")
+    wav_detail_bias: float = setting(-2.0, "initial logit offset of every detail source", "wav")
+    wav_readout_details: bool = setting(False, "the final readout reads detail sources too", "wav")
+    wav_learned_bases: bool = setting(False, "learn the detail bases: a coefficient per sublayer "
+                                      "and basis, started at the signs (beyond WAV v1)", "wav")
+    rd: str = setting("off", " | ".join(RD_MODES) + " (RD-AttnRes)", "attnres")
+    route_heads: int = setting(1, "H softmaxes over depth per read, each on 1/H of the width "
+                               "(MHAR; 1 = AttnRes)", "attnres")
+    route_static: bool = setting(False, "control: every read weighs its sources by learned "
+                                 "logits that ignore the input (no query)", "attnres")
+    fast_routing: bool = setting(True, "False: the readable reference read (slow; to check or "
+                                 "step through in a debugger)", "attnres")
 
     def __post_init__(self):
         self.validate()
@@ -70,19 +90,21 @@ class GPTConfig:
     def validate(self):
         def bad(name, fix):
             raise ValueError(f"{name}={getattr(self, name)!r}: {fix}")
-        for f in ("vocab_size", "sequence_len", "n_layer", "n_head", "n_embd"):
+        for f in ("vocab_size", "sequence_len", "n_layer", "n_head", "n_embd", "route_heads"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 bad(f, "must be a positive integer")
-        if self.n_embd % self.n_head:
-            bad("n_embd", f"must be divisible by n_head={self.n_head}")
+        for f in ("n_head", "route_heads"):
+            if self.n_embd % getattr(self, f):
+                bad(f, f"must divide n_embd={self.n_embd}")
         if (self.n_embd // self.n_head) % 2:
-            bad("n_head", f"head size n_embd/n_head={self.n_embd // self.n_head} must be even for rotary embeddings")
+            bad("n_head", f"head size n_embd/n_head={self.n_embd // self.n_head} must be even "
+                "for rotary embeddings")
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "must be in [0, 1)")
         for f, allowed in (("residual", RESIDUALS), ("rd", RD_MODES), ("wav_bases", WAV_BASES)):
             if getattr(self, f) not in allowed:
                 bad(f, f"must be one of {', '.join(allowed)}")
-        # a routing knob where it has no effect is an error, not silently ignored (needs=, see setting)
+        # a routing knob where it has no effect is an error, not silently ignored (needs=)
         for f in fields(self):
             needs, changed = f.metadata.get("needs"), getattr(self, f.name) != f.default
             if changed and needs and self.residual != "attnres":
@@ -96,7 +118,7 @@ class GPTConfig:
         if not math.isfinite(self.wav_detail_bias):
             bad("wav_detail_bias", "must be a finite number (e.g. -2.0)")
         if self.wav and self.attnres_block and (self.attnres_block % 2 or self.attnres_block < 4):
-            # SPEC: WAV needs an even block (zero-sum bases) of at least 4 (m = 2 makes phase == split)
+            # SPEC: WAV needs an even block (zero-sum bases) of at least 4 (m = 2: phase == split)
             bad("attnres_block", "WAV needs an even routing block of at least 4 sublayers, e.g. 4")
         if self.wav and self.n_layer < 2:
             bad("n_layer", "WAV needs at least 2 layers (one routing block of 4 sublayers)")
@@ -115,25 +137,34 @@ class GPTConfig:
 
 
 def routing_fields(config_class=GPTConfig):
-    """The fields of the depth routing: residual and every field with needs= (a subclass's too). A
-    paired baseline without routing (--residual prenorm) drops them all."""
+    """residual and every field of the depth routing (needs=): a paired baseline without routing
+    (--residual prenorm) drops them all."""
     return ("residual",) + tuple(f.name for f in fields(config_class) if f.metadata.get("needs"))
 
 
-# The routing variants this codebase compares, as GPTConfig values (train.py's presets, experiments.py's
-# sweeps and bench.py use this table). All three fields are always given, so one variant's values never
-# leak into another (a preset with wav=True, then --residual attnres --wav False --rd off, is Block AttnRes).
+# The variants this codebase compares, as GPTConfig values: train.py's presets, experiments.py's
+# sweeps and bench.py read this table. A new variant is one line here (and its test).
 VARIANTS = {
-    "prenorm": dict(residual="prenorm", wav=False, rd="off"),
-    "rezero": dict(residual="rezero", wav=False, rd="off"),
-    "layerscale": dict(residual="layerscale", wav=False, rd="off"),
-    "block": dict(residual="attnres", wav=False, rd="off"),  # Block AttnRes: the parent of WAV and RD
-    "wav": dict(residual="attnres", wav=True, rd="off"),
-    "rd": dict(residual="attnres", wav=False, rd="decoupled"),
-    "rd_tied": dict(residual="attnres", wav=False, rd="tied"),
-    "rd_average": dict(residual="attnres", wav=False, rd="average"),
-    "rd_frozen_v": dict(residual="attnres", wav=False, rd="frozen_v"),
+    "prenorm": dict(residual="prenorm"),
+    "rezero": dict(residual="rezero"),
+    "layerscale": dict(residual="layerscale"),
+    "denseformer": dict(residual="denseformer"),
+    "block": dict(residual="attnres"),  # Block AttnRes: the parent of WAV and RD
+    "block_static": dict(residual="attnres", route_static=True),  # its input-independent control
+    "block_h4": dict(residual="attnres", route_heads=4),  # multi-head depth reads (MHAR)
+    "wav": dict(residual="attnres", wav=True),
+    "rd": dict(residual="attnres", rd="decoupled"),
+    "rd_tied": dict(residual="attnres", rd="tied"),
+    "rd_average": dict(residual="attnres", rd="average"),
+    "rd_frozen_v": dict(residual="attnres", rd="frozen_v"),
 }
+
+
+def variant(name):
+    """VARIANTS[name] with every field a variant may set (the others' defaults), so that nothing of
+    a preset or another variant leaks into it (a wav preset run as block gets wav=False)."""
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    return {k: defaults[k] for row in VARIANTS.values() for k in row} | VARIANTS[name]
 
 
 # -----------------------------------------------------------------------------
@@ -144,7 +175,7 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),), eps=EPS)
 
 
-def rotary_tables(sequence_len, head_dim, base=10000.0):  # choice: rotary positions, e = token embedding
+def rotary_tables(sequence_len, head_dim, base=10000.0):  # choice: rotary positions, e = wte(idx)
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
     freqs = torch.outer(torch.arange(sequence_len).float(), inv_freq)  # (T, hs/2)
     return freqs.cos(), freqs.sin()
@@ -161,7 +192,8 @@ class KVCache:
     mixes sources of the same token, so it is recomputed per new token at no extra cost."""
 
     def __init__(self, config, batch, device, dtype):
-        shape = (config.n_layer, batch, config.n_head, config.sequence_len, config.n_embd // config.n_head)
+        hs = config.n_embd // config.n_head
+        shape = (config.n_layer, batch, config.n_head, config.sequence_len, hs)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0  # tokens already in the cache
@@ -188,16 +220,17 @@ class CausalSelfAttention(nn.Module):
             q, k, v = self.c_attn(x).split(C, dim=2)
         else:  # SPEC: RD-AttnRes, queries and keys read h^QK, values read h^V (same weights)
             w_qk, w_v = self.c_attn.weight.split([2 * C, C])
-            b_qk, b_v = self.c_attn.bias.split([2 * C, C]) if self.c_attn.bias is not None else (None, None)
+            bias = self.c_attn.bias
+            b_qk, b_v = bias.split([2 * C, C]) if bias is not None else (None, None)
             q, k = F.linear(x, w_qk, b_qk).split(C, dim=2)
             v = F.linear(x_v, w_v, b_v)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         # with a cache: prefill (empty cache) is causal; a single new token sees every cached key
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=T > 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1,
+                                           dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -214,14 +247,17 @@ class MLP(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Depth routing (residual=attnres). SPEC: Attention Residuals, WAV v1, RD-AttnRes. A routing block is the
-# list of its updates; each source of the pool is named and is an explicit combination of one block's
-# updates; a read is a softmax over the key-normed pool. The kernel below the banner computes the same.
+# Depth routing (residual=attnres). SPEC: Attention Residuals, WAV v1, RD-AttnRes. A routing
+# block is the list of its updates; each source of the pool is named and is an explicit
+# combination of one block's updates; a read is a softmax over the key-normed pool. The kernel
+# below the banner computes the same.
 
 def float32(x):
     """Context for routing math: autocast off, which would run it in bf16 (entered only when on)."""
     device = x.device.type
-    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+    if torch.is_autocast_enabled(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
 
 
 def mean_square(v):  # per-token mean(v²) in float32 (B, T): one fused reduction
@@ -229,92 +265,127 @@ def mean_square(v):  # per-token mean(v²) in float32 (B, T): one fused reductio
         return torch.linalg.vector_norm(v.float(), dim=-1).square() / v.size(-1)
 
 
+class Read(NamedTuple):
+    """A depth read: the input of layer `layer`'s attention (role "attn": Q and K, and V unless
+    RD reads it apart), RD's value route ("attn.v"), the MLP's ("mlp"), or the final readout."""
+    layer: int
+    role: str
+
+    def __str__(self):  # its name in routes and metrics: layer0.attn, layer0.attn.v, ..., readout
+        return "readout" if self.role == "readout" else f"layer{self.layer}.{self.role}"
+
+    @property
+    def key(self):  # its parameters' name (ParameterDict keys cannot contain ".")
+        return str(self).replace(".", "_")
+
+
 class Source(NamedTuple):
-    """A named source of the pool: emb, C0, C0.phase, C0.split, ..., and the partial block's P, P.phase, ..."""
+    """A named source of the pool: emb, C0, C0.phase, C0.split, ..., the partial block's P, ..."""
     name: str
-    value: torch.Tensor  # (B, T, d), float32; None where only the name and basis matter (see route)
-    basis: str = None  # None for a state source, else its detail basis (its logit gets a detail bias)
+    value: torch.Tensor  # (B, T, d), float32; None where only the name and basis matter (route)
+    basis: str = None  # None for a state source, else its detail basis (a detail bias applies)
 
 
-def depth_read(query, bias, values):
-    """SPEC: one read, h = Σ_s α_s v_s, α = softmax_s(wᵀ RMSNorm(v_s) + bias_s), no 1/sqrt(d); query (d,),
-    bias (S,), S values (B, T, d) -> h (B, T, d), α (S, B, T). The kernel below the banner is faster."""
+def depth_read(query, bias, values, heads=1):
+    """SPEC: one read, h = Σ_s α_s v_s, α = softmax_s(wᵀ RMSNorm(v_s) + bias_s), no 1/sqrt(d);
+    query (d,), bias (S,), S values (B, T, d) -> h (B, T, d), α (S, B, T, H). With H heads
+    (MHAR) head k weighs the sources by its slice of w against the same slice of the normed
+    keys, and mixes that slice of the values. The kernel below the banner is faster."""
     with float32(values[0]):  # SPEC: Numerics, key RMS, logits and softmax in float32
         V = torch.stack([v.float() for v in values])  # (S, B, T, d)
-        logits = norm(V) @ query.float() + bias.float()[:, None, None]  # (S, B, T)
-        weights = logits.softmax(0)
-        return (weights[..., None] * V).sum(0), weights
+        keys = norm(V).unflatten(-1, (heads, -1))  # (S, B, T, H, d/H)
+        # an elementwise product and sum, not a matmul: autocast would run that in bf16 when
+        # backward() is called inside an autocast block
+        logits = (keys * query.float().view(heads, -1)).sum(-1) + bias.float()[:, None, None, None]
+        weights = logits.softmax(0)  # (S, B, T, H)
+        return (weights[..., None] * V.unflatten(-1, (heads, -1))).sum(0).flatten(-2), weights
 
 
 def combine(coefficients, updates):
-    """Σ_i c_i·u_i over a block's updates; c_i a number (a sign) or a 0-d tensor (a learned coefficient).
-    The sum starts at c_0·u_0, which is u_0 itself for the number 1: Full AttnRes's block of one update
-    is that update, not a copy."""
+    """Σ_i c_i·u_i over a block's updates; c_i a number (a sign) or a 0-d tensor (learned). The
+    sum starts at c_0·u_0, which is u_0 itself for the number 1: Full AttnRes's block of one
+    update is that update, not a copy."""
     c0, u0 = coefficients[0], updates[0]
     total = u0 if isinstance(c0, (int, float)) and c0 == 1 else c0 * u0
     for c, u in zip(coefficients[1:], updates[1:]):
-        total = torch.add(total, u, alpha=c) if isinstance(c, (int, float)) else torch.addcmul(total, c, u)
+        total = torch.add(total, u, alpha=c) if isinstance(c, (int, float)) else \
+            torch.addcmul(total, c, u)
     return total
 
 
 def matching_scale(state_ms, detail_ms, rho):
-    """SPEC: WAV stability 2, from mean squares: s = min(ρ, rms(C) / (rms(D) + ε)) per token. Computed
-    without gradient: it sets how much a selected detail contributes, not where the gradient goes."""
+    """SPEC: WAV stability 2, from mean squares: s = min(ρ, rms(C) / (rms(D) + ε)) per token.
+    Without gradient: it sets how much a selected detail contributes, not where gradients go."""
     return (state_ms.sqrt() / (detail_ms.sqrt() + EPS)).clamp(max=rho)
 
 
 class DepthRouting:
-    """The routing of residual=attnres, inherited by GPT: parameters, the pool, the read, RD's routes, the loop."""
+    """The routing of residual=attnres, inherited by GPT: parameters, pool, read, RD, the loop."""
 
     def init_routing(self, config):
         d, n_sub = config.n_embd, 2 * config.n_layer
         self.bases = list(self.detail_signs(0))  # WAV's detail bases (none without WAV)
-        self.read_names = [r for l in range(n_sub + 1) for r in self.reads_before(l)]
-        # a zero pseudo-query per read (SPEC); choice: none for the first sublayer (it reads e alone) nor for
-        # rd=frozen_v's value route; one detail bias per read and basis
-        learned = [r for r in self.read_names if not r.startswith("layer0.attn")
-                   and not (config.rd == "frozen_v" and r.endswith(".v"))]
-        self.query = nn.ParameterDict({_key(r): nn.Parameter(torch.zeros(d)) for r in learned})
-        with_details = [r for r in learned if r != "readout" or config.wav_readout_details]
-        self.detail_bias = nn.ParameterDict({_key(r): nn.Parameter(torch.full((len(self.bases),), config.wav_detail_bias))
-                                             for r in with_details} if self.bases else {})
+        self.reads = [read for l in range(n_sub + 1) for read in self.reads_before(l)]
+        # routing parameters per read, but for the first sublayer's (it reads e alone: choice) and
+        # rd=frozen_v's value route: a zero pseudo-query (SPEC), or with route_static a logit per
+        # source, zero (uniform: equal to Block AttnRes at init); a detail bias per basis
+        learned = [r for r in self.reads if r not in self.reads_before(0)
+                   and not (r.role == "attn.v" and RD_MODES[config.rd].value == "frozen")]
+        self.query = nn.ParameterDict({} if config.route_static else
+                                      {r.key: nn.Parameter(torch.zeros(d)) for r in learned})
+        self.static_logits = nn.ParameterDict({r.key: nn.Parameter(torch.zeros(self.pool_size(r)))
+                                               for r in learned} if config.route_static else {})
+        detailed = [r for r in learned if r.role != "readout" or config.wav_readout_details]
+        beta = torch.full((len(self.bases),), config.wav_detail_bias)
+        self.detail_bias = nn.ParameterDict({r.key: nn.Parameter(beta.clone()) for r in detailed}
+                                            if self.bases else {})
         self.register_buffer("frozen_query", torch.zeros(d), persistent=False)
-        self.register_buffer("frozen_detail_bias", torch.full((len(self.bases),), config.wav_detail_bias),
-                             persistent=False)
-        if config.wav_learned_bases:  # SPEC: Learnable bases, a coefficient per sublayer and basis, from the signs
+        self.register_buffer("frozen_detail_bias", beta, persistent=False)
+        self.masked = {}  # routing interventions: {Read: names of the sources it may not read}
+        if config.wav_learned_bases:  # SPEC: Learnable bases, a coefficient per sublayer and basis
             signs = [[float(s) for s in self.detail_signs(l).values()] for l in range(n_sub)]
             self.basis_coefficients = nn.Parameter(torch.tensor(signs))  # (2·n_layer, bases)
         if config.fast_routing and type(self).block_sources is not DepthRouting.block_sources:
-            raise ValueError(f"fast_routing=True: {type(self).__name__} overrides block_sources, which the fast "
-                             "kernel cannot follow. Its contract: the partial block's sources are the linear "
-                             "combinations of the block's updates that block_coefficients gives, each detail "
-                             "RMS-matched to the state with a detached scale, and it never builds them. Change "
-                             "completed blocks in complete(), the bases in detail_signs(), or build the model "
-                             "with fast_routing=False (docs/routing.md)")
+            raise ValueError(
+                f"fast_routing=True: {type(self).__name__} overrides block_sources, which the fast "
+                "kernel cannot follow. Its contract: the partial block's sources are the linear "
+                "combinations of the block's updates that block_coefficients gives, each detail "
+                "RMS-matched to the state with a detached scale, and it never builds them. Change "
+                "completed blocks in complete(), the bases in detail_signs(), or build the model "
+                "with fast_routing=False (docs/routing.md)")
 
     def reads_before(self, l):
-        """The reads that feed sublayer l, in forward order: one (two with RD's value route) for attention,
-        one for an MLP; "before" sublayer 2·n_layer is the final readout (SPEC)."""
-        j = l // 2
+        """The reads that feed sublayer l, in forward order: attention's (and RD's value route),
+        the MLP's; "before" sublayer 2·n_layer is the final readout (SPEC)."""
         if l == 2 * self.config.n_layer:
-            return ["readout"]
+            return [Read(self.config.n_layer, "readout")]
         if l % 2:
-            return [f"layer{j}.mlp"]
-        return [f"layer{j}.attn"] + ([f"layer{j}.attn.v"] if self.config.rd in ("decoupled", "average", "frozen_v")
-                                     else [])
+            return [Read(l // 2, "mlp")]
+        value_read = RD_MODES[self.config.rd].value in ("learned", "frozen")
+        return [Read(l // 2, "attn")] + ([Read(l // 2, "attn.v")] if value_read else [])
 
-    # ----- the pool ------------------------------------------------------------------
+    def pool_size(self, read):
+        """How many sources a read sees (route_static's logits): e, per completed block its state
+        and details, the same for the partial block (the readout: states only, by default)."""
+        m, l = self.config.routing_block, 2 * read.layer + (read.role == "mlp")
+        per_block = 1 + len(self.bases)
+        if read.role == "readout" and not self.config.wav_readout_details:
+            per_block = 1
+        return 1 + per_block * (l // m) + (per_block if l % m else 0)
+
+    # ----- the pool --------------------------------------------------------------
     def detail_signs(self, l):
-        """SPEC: WAV v1 bases. Sublayer l's sign in each basis ({} without WAV): phase +1 attention, −1 MLP;
-        split +1 in the first half of a full block (i < m/2, also when partial). Add a basis here."""
+        """SPEC: WAV v1 bases. Sublayer l's sign in each basis ({} without WAV): phase +1 for
+        attention, −1 for an MLP; split +1 in the first half of a full block (i < m/2, also when
+        partial). Add a basis here."""
         m = self.config.routing_block
         signs = {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
         return {basis: signs[basis] for basis in self.config.detail_bases}
 
     def block_coefficients(self, first, n):
-        """How the sources of a block combine its n updates (sublayers first, ..., first+n-1): the state's
-        row of ones, then a row per detail basis, its signs (SPEC: WAV v1) or, with wav_learned_bases, the
-        learned coefficients: lists of numbers, or a (1 + bases, n) tensor."""
+        """How the sources of a block combine its n updates (sublayers first, ..., first+n-1): the
+        state's row of ones, then a row per detail basis, its signs (SPEC: WAV v1) or, with
+        wav_learned_bases, the learned coefficients: lists of numbers, or a (1 + bases, n) tensor."""
         if not self.config.wav_learned_bases:
             signs = [self.detail_signs(l) for l in range(first, first + n)]
             return [[1] * n] + [[s[basis] for s in signs] for basis in self.bases]
@@ -322,103 +393,121 @@ class DepthRouting:
         return torch.cat([torch.ones_like(learned[:1]), learned])
 
     def block_sources(self, name, block, first):
-        """SPEC: the sources of the block of updates `block` (sublayers first, ...), explicitly: the state
-        C = Σ u_i, then per detail basis D = Σ c_i·u_i RMS-matched to C (stability 2)."""
-        state, *details = [combine(row, block) for row in self.block_coefficients(first, len(block))]
+        """SPEC: the sources of the block of updates `block` (sublayers first, ...), explicitly:
+        the state C = Σ u_i, then per detail basis D = Σ c_i·u_i RMS-matched to C (stability 2)."""
+        rows = self.block_coefficients(first, len(block))
+        state, *details = [combine(row, block) for row in rows]
         with torch.no_grad():
-            scales = [matching_scale(mean_square(state), mean_square(d), self.config.wav_rho) for d in details]
+            scales = [matching_scale(mean_square(state), mean_square(d), self.config.wav_rho)
+                      for d in details]
         values = [state] + [d * s[..., None] for d, s in zip(details, scales)]
         return [s._replace(value=v) for s, v in zip(self.block_source_names(name), values)]
 
-    def block_source_names(self, name):  # a block's sources without their values: the state, then its details
+    def block_source_names(self, name):  # a block's sources without values: the state, its details
         return [Source(name, None)] + [Source(f"{name}.{basis}", None, basis) for basis in self.bases]
 
     def complete(self, b, block, pool):
-        """SPEC: block b is complete: its sources C_b (and details) join the pool. Add other sources here."""
+        """SPEC: block b is complete: its sources C_b (and details) join the pool. Add sources here."""
         return pool + self.block_sources(f"C{b}", block, b * self.config.routing_block)
 
-    # ----- the read ------------------------------------------------------------------
-    def route(self, name, sources):
-        """A read's pseudo-query (d,) and its logit bias per source (S,): 0 for a state source, the read's
-        detail bias for its basis (SPEC: WAV stability 1). It sees the sources' names and bases, not their
-        values (the fast kernel never builds the partial block's)."""
-        learned = _key(name) in self.query
-        query = self.query[_key(name)] if learned else self.frozen_query
-        beta = self.detail_bias[_key(name)] if _key(name) in self.detail_bias else self.frozen_detail_bias
+    # ----- the read --------------------------------------------------------------
+    def route(self, read, sources):
+        """A read's pseudo-query (d,) and its logit bias per source (S,): 0 for a state source, the
+        read's detail bias for its basis (SPEC: WAV stability 1), plus route_static's logits, and
+        −inf for a masked source. It sees the sources' names and bases, not their values (the
+        fast kernel never builds the partial block's)."""
+        key = read.key
+        query = self.query[key] if key in self.query else self.frozen_query
+        beta = self.detail_bias[key] if key in self.detail_bias else self.frozen_detail_bias
         bias = {None: query.new_zeros(()), **{basis: beta[k] for k, basis in enumerate(self.bases)}}
-        return query, torch.stack([bias[s.basis] for s in sources])
+        bias = torch.stack([bias[s.basis] for s in sources])
+        if key in self.static_logits:  # SPEC: Controls, static routing
+            bias = bias + self.static_logits[key]
+        if self.masked.get(read):  # SPEC: Controls, interventions: logit −inf, then renormalised
+            hidden = torch.tensor([s.name in self.masked[read] for s in sources])
+            if hidden.all():
+                raise ValueError(f"masking every source of {read} leaves it nothing to read")
+            bias = bias.masked_fill(hidden.to(bias.device), -math.inf)
+        return query, bias
 
     def block_reads(self, pool, first, sublayers, cache, previous):
-        """The reads before `sublayers` (a routing block that starts at sublayer `first`, or the readout),
-        each over the pool and the block's own sources, which a read sees from the block's second sublayer
-        on. The one place that picks the kernel below the banner or depth_read (fast_routing=False; choice:
-        generation with a KV cache, one token at a time, has nothing to batch)."""
-        details = sublayers[0] < 2 * self.config.n_layer or self.config.wav_readout_details  # choice: the readout
+        """The reads before `sublayers` (a routing block that starts at sublayer `first`, or the
+        readout), each over the pool and the block's own sources, which a read sees from the
+        block's second sublayer on. The one place that picks the kernel below the banner or
+        depth_read (fast_routing=False; choice: generation with a KV cache, one token at a time,
+        has nothing to batch)."""
+        n_sub, heads = 2 * self.config.n_layer, self.config.route_heads
+        details = sublayers[0] < n_sub or self.config.wav_readout_details  # choice: the readout
         if not self.config.fast_routing or (cache is not None and not torch.is_grad_enabled()):
             return ReferenceReads(self, pool, first, details)
         partial = [s for s in self.block_source_names("P") if details or s.basis is None]
-        sources = {name: pool + (partial if l > first else []) for l in sublayers for name in self.reads_before(l)}
+        sources = {read: pool + (partial if l > first else [])
+                   for l in sublayers for read in self.reads_before(l)}
         rows = self.block_coefficients(first, sublayers[-1] - first)[:len(partial)]
         match = functools.partial(matching_scale, rho=self.config.wav_rho)
-        return BlockReads({name: self.route(name, s) for name, s in sources.items()}, [(s.name, s.value) for s in pool],
-                          rows, match, previous, sources)
+        routes = {read: self.route(read, s) for read, s in sources.items()}
+        return BlockReads(routes, [(s.name, s.value) for s in pool], rows, match, previous,
+                          sources, heads)
 
-    def read(self, reads, name, block, routes):
-        """Read `name` over its sources: h (B, T, d). With routes (return_routes), it records the read's
-        weights over its sources too (RD tied: also as the value route, which is the same read)."""
-        h, weights, sources = reads(name, block, keep_weights=routes is not None)
+    def read(self, reads, read, block, routes):
+        """The read `read` over its sources: h (B, T, d). With routes (return_routes) it records
+        the read's weights over its sources (RD tied: also as the value route, the same read)."""
+        h, weights, sources = reads(read, block, keep_weights=routes is not None)
         if routes is not None:
-            routes.append(dict(name=name, sources=[s.name for s in sources], weights=weights.detach()))
-            if self.config.rd == "tied" and name.endswith(".attn"):
-                routes.append(dict(routes[-1], name=f"{name}.v"))
+            names = [s.name for s in sources]
+            routes.append(dict(read=read, name=str(read), sources=names, weights=weights.detach()))
+            if RD_MODES[self.config.rd].value == "tied" and read.role == "attn":
+                value = read._replace(role="attn.v")
+                routes.append(dict(routes[-1], read=value, name=str(value)))
         return h
 
-    def sublayer_inputs(self, l, h):
-        """SPEC: RD-AttnRes. What sublayer l runs on, from its reads h (in reads_before order): (x, x_v),
-        x_v None when one input feeds Q, K and V."""
-        if len(h) == 1:  # an MLP; attention with one route (rd=off, or tied: w^V ≡ w^QK)
-            return h[0], None
-        if self.config.rd == "average":  # Q, K and V read ½(h^QK + h^V)
-            return 0.5 * (h[0] + h[1]), None
-        return h[0], h[1]  # decoupled, frozen_v: Q and K read h^QK, V reads h^V
+    def sublayer_inputs(self, h):
+        """SPEC: RD-AttnRes. What a sublayer runs on, from its reads h ({role: (B, T, d)}): (x, x_v),
+        x_v None when one input feeds Q, K and V. A read computed but not used is an error."""
+        h = dict(h)
+        x, x_v = h.pop("mlp") if "mlp" in h else h.pop("attn"), h.pop("attn.v", None)
+        if x_v is not None and RD_MODES[self.config.rd].average:  # Q, K and V read ½(h^QK + h^V)
+            x, x_v = 0.5 * (x + x_v), None
+        if h:
+            raise ValueError(f"reads computed but not used by the sublayer: {', '.join(h)}")
+        return x, x_v
 
-    # ----- the forward loop ----------------------------------------------------------
+    # ----- the forward loop ------------------------------------------------------
     def _attnres(self, e, rope, cache, routes):
-        """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}] (with WAV each block
-        also brings its detail sources) and its own block's sources, runs on what it read, and appends its
-        update to the block; a complete block's sources join the pool. The final readout reads them all."""
+        """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}] (with WAV
+        each block also brings its details) and its own block's sources, runs on what it read, and
+        appends its update to the block; a complete block's sources join the pool. The final
+        readout reads them all."""
         m, n_sub = self.config.routing_block, 2 * self.config.n_layer
-        pool, block, reads = [Source("emb", e)], [], None  # completed sources; the updates of block l // m
+        pool, block, reads = [Source("emb", e)], [], None  # completed sources; block l // m so far
         for l in range(n_sub):
             if l % m == 0:  # a new block (the kernel reuses what the last block's reads computed)
                 reads = self.block_reads(pool, l, range(l, min(l + m, n_sub)), cache, reads)
-            h = [self.read(reads, name, block, routes) for name in self.reads_before(l)]
-            u = self._sublayer(l, *self.sublayer_inputs(l, h), rope, cache)
-            block.append(u.float())  # choice: sources accumulate in float32, like nanoGPT's residual stream
+            h = {read.role: self.read(reads, read, block, routes) for read in self.reads_before(l)}
+            u = self._sublayer(l, *self.sublayer_inputs(h), rope, cache)
+            block.append(u.float())  # choice: sources accumulate in float32, like nanoGPT's stream
             if len(block) == m:  # complete (a short last block stays partial)
                 pool, block = self.complete(l // m, block, pool), []
-        # SPEC: the final readout; choice: no detail sources unless wav_readout_details (conservative readout)
+        # SPEC: the final readout; choice: no details unless wav_readout_details (conservative)
         pool = [s for s in pool if s.basis is None or self.config.wav_readout_details]
         reads = self.block_reads(pool, n_sub - len(block), [n_sub], cache, reads)
-        return self.read(reads, "readout", block, routes)
+        return self.read(reads, self.reads_before(n_sub)[0], block, routes)
 
 
 class ReferenceReads(NamedTuple):
-    """The reads of one routing block, one by one: depth_read over the pool and the block's own sources,
-    built explicitly (block_sources; their details only if `details`). Returns h, the weights, the sources."""
+    """The reads of one routing block, one by one: depth_read over the pool and the block's own
+    sources, built explicitly (block_sources; details only if `details`): h, weights, sources."""
     model: DepthRouting
     pool: list
     first: int
     details: bool
 
-    def __call__(self, name, block, keep_weights=False):
+    def __call__(self, read, block, keep_weights=False):
         own = self.model.block_sources("P", block, self.first) if block else []
         sources = self.pool + [s for s in own if self.details or s.basis is None]
-        return *depth_read(*self.model.route(name, sources), [s.value for s in sources]), sources
-
-
-def _key(read_name):  # ParameterDict keys cannot contain "."
-    return read_name.replace(".", "_")
+        query, bias = self.model.route(read, sources)
+        heads = self.model.config.route_heads
+        return *depth_read(query, bias, [s.value for s in sources], heads), sources
 
 
 # -----------------------------------------------------------------------------
@@ -432,23 +521,29 @@ class GPT(DepthRouting, nn.Module):
         d, n_sub = config.n_embd, 2 * config.n_layer
         self.wte = nn.Embedding(config.vocab_size, d)
         self.drop = nn.Dropout(config.dropout)
-        # layer j holds sublayers 2j (attention) and 2j+1 (MLP); how they join the stream is the routing
-        self.layers = nn.ModuleList([nn.ModuleDict(dict(attn=CausalSelfAttention(config), mlp=MLP(config)))
+        # layer j holds sublayers 2j (attention) and 2j+1 (MLP); how they join the stream is the
+        # routing
+        self.layers = nn.ModuleList([nn.ModuleDict(dict(attn=CausalSelfAttention(config),
+                                                        mlp=MLP(config)))
                                      for _ in range(config.n_layer)])
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
         self.wte.weight = self.lm_head.weight  # tied: https://paperswithcode.com/method/weight-tying
         cos, sin = rotary_tables(config.sequence_len, d // config.n_head)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Routing parameters are created from constants, never from the random stream, so that two
-        # configs with the same seed start with identical shared weights (SPEC: Paired experiments).
+        # Routing parameters are created from constants, never from the random stream, so that
+        # two configs with the same seed start with identical shared weights (SPEC: Paired
+        # experiments).
         self.residual_gain = None
         if config.residual == "rezero":  # SPEC: x += α_l·f(x), α_l = 0
             self.residual_gain = nn.Parameter(torch.zeros(n_sub, 1))
         elif config.residual == "layerscale":  # SPEC: x += γ_l ⊙ f(norm(x)), CaiT's initial γ
             gamma = 0.1 if config.n_layer <= 18 else 1e-5 if config.n_layer <= 24 else 1e-6
             self.residual_gain = nn.Parameter(torch.full((n_sub, d), gamma))
-        if config.residual == "attnres":
+        elif config.residual == "denseformer":  # SPEC: DenseFormer, weights (0, ..., 0, 1): PreNorm
+            self.dwa_weights = nn.ParameterList([nn.Parameter(torch.eye(j + 2)[-1])
+                                                 for j in range(config.n_layer)])
+        elif config.residual == "attnres":
             self.init_routing(config)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
@@ -464,25 +559,29 @@ class GPT(DepthRouting, nn.Module):
     def get_num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    # ----- forward -----------------------------------------------------------------
+    # ----- forward ---------------------------------------------------------------
     def forward(self, idx, targets=None, return_routes=False):
         routes = [] if return_routes else None
         logits = self.lm_head(self._hidden(idx, routes=routes))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+                                   ignore_index=-1)
         return (logits, loss, routes) if return_routes else (logits, loss)
 
     def _hidden(self, idx, cache=None, routes=None):
-        """Final normed hidden states (B, T, d) for tokens idx (B, T) at positions cache.pos onward."""
+        """Final normed hidden states (B, T, d) for tokens idx (B, T) at positions cache.pos on."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         if start + T > self.config.sequence_len:
-            raise ValueError(f"sequence of {start + T} tokens exceeds sequence_len={self.config.sequence_len}")
+            raise ValueError(f"sequence of {start + T} tokens exceeds "
+                             f"sequence_len={self.config.sequence_len}")
         rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
         e = self.drop(self.wte(idx))
-        routed = self.config.residual == "attnres"
-        x = self._attnres(e, rope, cache, routes) if routed else self._residual(e, rope, cache)
+        if self.config.residual == "attnres":
+            x = self._attnres(e, rope, cache, routes)
+        else:
+            x = self._residual(e, rope, cache)
         if cache is not None:
             cache.pos += T
         return norm(x)
@@ -496,50 +595,54 @@ class GPT(DepthRouting, nn.Module):
         return layer.mlp(prep(x))
 
     def _residual(self, x, rope, cache):
-        # SPEC: prenorm x += f(norm(x)); rezero x += α·f(x); layerscale x += γ⊙f(norm(x))
+        """SPEC: prenorm x += f(norm(x)); rezero x += α·f(x); layerscale x += γ⊙f(norm(x));
+        denseformer: after layer j, x = Σ_i α_ji·X_i over e and each layer's output X_i."""
+        outputs = [x]  # DenseFormer: e, then each layer's output
         for l in range(2 * self.config.n_layer):
             u = self._sublayer(l, x, None, rope, cache)
             x = x + u if self.residual_gain is None else x + self.residual_gain[l] * u
+            if self.config.residual == "denseformer" and l % 2:
+                outputs.append(x)
+                x = sum(w * X for w, X in zip(self.dwa_weights[l // 2], outputs))
         return x
 
-    # ----- training helpers ----------------------------------------------------------
+    # ----- training helpers ------------------------------------------------------
     def no_decay_parameters(self):
-        """{name: parameter} of everything but the matrices of Linear and Embedding layers: the routing's
-        (pseudo-queries, detail biases, learned bases), ReZero/LayerScale gains, Linear biases (SPEC: Numerics)."""
+        """{name: parameter} of all but the matrices of Linear and Embedding layers: the routing's,
+        ReZero/LayerScale gains, DenseFormer's weights, Linear biases (SPEC: Numerics)."""
         matrices = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
         return {name: p for name, p in self.named_parameters() if id(p) not in matrices}
 
     def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), device_type="cpu"):
-        """AdamW with weight decay on the matrices of Linear and Embedding layers only (no_decay_parameters)."""
+        """AdamW, weight decay on the matrices of Linear and Embedding layers only."""
         no_decay = list(self.no_decay_parameters().values())
         decay = [p for p in self.parameters() if not any(p is q for q in no_decay)]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
     def estimate_mfu(self, tokens_per_iter, dt, peak_flops):
-        """Model FLOPs utilisation: achieved FLOP/s (flops_per_token) over peak_flops, the device's
-        dense peak in the precision trained (train.peak_flops)."""
+        """Model FLOPs utilisation: achieved FLOP/s (flops_per_token) over the device's peak."""
         return self.flops_per_token() * tokens_per_iter / dt / peak_flops
 
     def flops_per_token(self):
         """Training FLOPs per token as PaLM counts them (appendix B): 6N for the matmuls of the N
-        parameters (forward 2N, backward 4N), plus attention's scores and mix, 12·L·d·T (at full
-        context T); the routing's few FLOPs per source and token are left out."""
+        parameters, plus attention's 12·L·d·T; the routing's few FLOPs per source are left out."""
         cfg = self.config
         return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.sequence_len
 
-    # ----- generation ------------------------------------------------------------------
+    # ----- generation ------------------------------------------------------------
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Sample max_new_tokens tokens after idx (B, T) with a KV cache. Past sequence_len tokens the
-        context is the last sequence_len tokens (as in nanoGPT), re-encoded at each step: exact, slower."""
+        """Sample max_new_tokens tokens after idx (B, T) with a KV cache. Past sequence_len tokens
+        the context is the last sequence_len tokens, re-encoded at each step: exact, slower."""
         if not temperature > 0:
-            raise ValueError(f"temperature={temperature!r}: must be > 0 (use top_k=1 for greedy decoding)")
+            raise ValueError(f"temperature={temperature!r}: must be > 0 (top_k=1 is greedy)")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k!r}: must be >= 1, or None for no cut-off")
         cfg, cache = self.config, None
         for _ in range(max_new_tokens):
-            if cache is None or cache.pos >= cfg.sequence_len:  # (re)fill the cache with the context
+            if cache is None or cache.pos >= cfg.sequence_len:  # (re)fill the cache
                 context = idx[:, -cfg.sequence_len:]
                 amp = torch.is_autocast_enabled(idx.device.type)
                 dtype = torch.get_autocast_dtype(idx.device.type) if amp else self.lm_head.weight.dtype
@@ -568,7 +671,7 @@ def _block_order(source):  # emb, C0 and its details, C1, ..., P
 
 
 def js_divergence(p, q):
-    """Jensen-Shannon divergence (nats, ≤ ln 2) of two routes (S, B, T), token mean (SPEC: RD-AttnRes)."""
+    """Jensen-Shannon divergence (nats, ≤ ln 2) of two routes (S, ...), mean over the rest."""
     p, q = p.double(), q.double()
     mid = 0.5 * (p + q)
     kl = lambda a: (torch.xlogy(a, a) - torch.xlogy(a, mid)).sum(0)  # noqa: E731
@@ -576,23 +679,31 @@ def js_divergence(p, q):
 
 
 def routing_stats(routes):
-    """Summary of model(..., return_routes=True)'s routes: {"reads": {name: {"sources", "mean_weight",
-    "entropy" (nats, token mean), "entropy_norm" (entropy / ln(number of sources): 1 = uniform, so reads
-    over pools of different sizes compare; None for one source)}}, "sources": every source seen, in pool
-    order (a table's columns), "js": {"layer{j}": nats} (RD: QK route vs V route), "js_mean": nats or
-    None}. Layer 0 is left out of js and js_mean: both its routes read e alone, so its JS is 0 by construction."""
+    """Summary of model(..., return_routes=True)'s routes. "reads": {name: {"role", "sources",
+    "mean_weight" (per source, mean over tokens and route heads), "head_weight" (per head, per
+    source), "entropy" (nats, mean over tokens and heads), "entropy_norm" (entropy / ln(number of
+    sources): 1 = uniform, so pools of different sizes compare; None for one source)}};
+    "sources": every source, in pool order; "entropy_norm_mean": over the reads of more than one
+    source but RD's value routes (every variant has the same reads); "js": {"layer{j}": nats}
+    (RD: QK route vs V route; not layer 0, whose routes both read e alone), "js_mean"."""
     reads = {}
     for r in routes:
-        entropy = max(0.0, -torch.xlogy(r["weights"], r["weights"]).sum(0).mean().item())  # max: no -0.0
-        n = len(r["sources"])
-        reads[r["name"]] = dict(sources=r["sources"], mean_weight=r["weights"].mean((1, 2)).tolist(), entropy=entropy,
+        w, n = r["weights"], len(r["sources"])  # (S, B, T, H)
+        entropy = max(0.0, -torch.xlogy(w, w).sum(0).mean().item())  # max: no -0.0
+        reads[r["name"]] = dict(role=r["read"].role, sources=r["sources"],
+                                mean_weight=w.mean((1, 2, 3)).tolist(),
+                                head_weight=w.mean((1, 2)).t().tolist(), entropy=entropy,
                                 entropy_norm=entropy / math.log(n) if n > 1 else None)
     # sorted by block (stable: a block keeps its own order, C0, C0.phase, C0.split)
     sources = sorted(dict.fromkeys(s for r in routes for s in r["sources"]), key=_block_order)
-    by_name = {r["name"]: r["weights"] for r in routes}
-    js = {name[:-len(".attn.v")]: js_divergence(by_name[name[:-len(".v")]], w)
-          for name, w in by_name.items() if name.endswith(".attn.v") and not name.startswith("layer0.")}
-    return dict(reads=reads, sources=sources, js=js, js_mean=sum(js.values()) / len(js) if js else None)
+    by_read = {r["read"]: r["weights"] for r in routes}
+    js = {f"layer{read.layer}": js_divergence(by_read[read._replace(role="attn")], w)
+          for read, w in by_read.items() if read.role == "attn.v" and read.layer > 0}
+    norms = [s["entropy_norm"] for s in reads.values()
+             if s["entropy_norm"] is not None and s["role"] != "attn.v"]
+    return dict(reads=reads, sources=sources, js=js,
+                js_mean=sum(js.values()) / len(js) if js else None,
+                entropy_norm_mean=sum(norms) / len(norms) if norms else None)
 
 
 # =============================================================================
@@ -614,10 +725,16 @@ class BlockReads:
     numbers, or a (P, n) tensor (learned: its gradient is computed): block source p = s_p · Σ_i c_pi·u_i,
     s_0 = 1 and s_p = match(mean_square(source 0), mean_square(source p)) for p > 0, without gradient;
     previous: the last block's BlockReads, whose key norms are reused; sources: {read: the caller's list
-    of its sources}, returned with each read (the kernel reads the routes only)."""
+    of its sources}, returned with each read (the kernel reads the routes only); heads: H > 1 splits
+    every read into H reads, head k's query zero outside the k-th slice of the width, and the read's
+    h is each head's slice of its own h; its weights (S + P_r, B, T, H)."""
 
-    def __init__(self, routes, completed, coefficients, match, previous, sources):
+    def __init__(self, routes, completed, coefficients, match, previous, sources, heads=1):
+        if heads > 1:
+            routes = {(read, k): (q * mask, bias) for read, (q, bias) in routes.items()
+                      for k, mask in enumerate(_head_masks(heads, q))}
         self.routes, self.coefficients, self.match, self.sources = routes, coefficients, match, sources
+        self.heads = heads
         self.learned = isinstance(coefficients, torch.Tensor)
         # running sums of the block's sources are needed unless the one source is the one term (Block AttnRes)
         self.summed = self.learned or len(coefficients) > 1 or any(c != 1 for row in coefficients for c in row)
@@ -645,16 +762,25 @@ class BlockReads:
 
     def __call__(self, name, block, keep_weights=False):
         """h (B, T, d) of read `name` over the completed sources and the sources of `block` (its updates
-        so far, a list that grows by one per sublayer); its weights (S + P_r, B, T) if keep_weights; its sources."""
+        so far, a list that grows by one per sublayer); its weights (S + P_r, B, T, H) if keep_weights;
+        its sources."""
+        if self.heads == 1:
+            h, weights = self._read(name, block, keep_weights)
+            return h, weights[..., None] if keep_weights else None, self.sources[name]
+        parts = [self._read((name, k), block, keep_weights) for k in range(self.heads)]
+        h = torch.cat([h.unflatten(-1, (self.heads, -1))[..., k, :] for k, (h, _) in enumerate(parts)], -1)
+        return h, torch.stack([w for _, w in parts], -1) if keep_weights else None, self.sources[name]
+
+    def _read(self, name, block, keep_weights):
         mix, lse, p = self.phase1[name]
         query, bias = self.routes[name]
         S = p.size(2)
         if bias.size(0) == S:  # it sees no block source. A compact copy: a view would keep phase 1's output alive
-            return mix.contiguous(), p.permute(2, 0, 1) if keep_weights else None, self.sources[name]
+            return mix.contiguous(), p.permute(2, 0, 1) if keep_weights else None
         terms, coeffs, inv_rms, scale = self._block_state(block)
         args = (mix, lse, query, bias[S:], inv_rms, scale, coeffs)
         h, a = PartialMerge.apply(*args, *terms) if torch.is_grad_enabled() else merge_partial(*args, terms)[:2]
-        return h, torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if keep_weights else None, self.sources[name]
+        return h, torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if keep_weights else None
 
     def _block_state(self, block):
         """The block's sources as PartialMerge takes them: terms, their coefficients (P, K) (None: the one
@@ -692,6 +818,12 @@ class BlockReads:
             self.sums = term if self.sums is None else self.sums + term
 
 
+def _head_masks(heads, query):
+    """(H, d) rows of 0 and 1: row k is 1 on the k-th slice of the width."""
+    eye = torch.eye(heads, device=query.device, dtype=query.dtype)
+    return eye.repeat_interleave(query.size(-1) // heads, dim=1)
+
+
 _CONSTANTS = {}  # (values, device) -> tensor
 
 
@@ -716,7 +848,8 @@ def completed_reads(queries, biases, values, inv_rms):
         inv_rms = torch.stack(inv_rms, dim=2)  # (B, T, S)
         dots = V @ queries.float().t()  # (B, T, S, R); choice: TF32 allowed on CUDA (SPEC: Choices)
         logits = dots * inv_rms[..., None] + biases.float().t()
-        lse = logits.logsumexp(2)  # (B, T, R)
+        # (B, T, R); finite when every completed source is masked (−inf): p = 0, not NaN
+        lse = logits.logsumexp(2).clamp(min=torch.finfo(torch.float32).min)
         p = (logits - lse[:, :, None]).exp()
         mix = p.transpose(2, 3) @ V  # (B, T, R, S) @ (B, T, S, d) -> (B, T, R, d)
     return mix, lse, p, inv_rms, dots

@@ -50,9 +50,13 @@ ATTNRES_MODES = {
     "wav_learned": dict(residual="attnres", wav=True, wav_learned_bases=True, attnres_block=4),  # SPEC: Learnable bases
     "wav_learned_rd": dict(residual="attnres", wav=True, wav_learned_bases=True, wav_readout_details=True, rd="decoupled",
                            attnres_block=6),
+    "static": dict(residual="attnres", route_static=True, attnres_block=4),  # SPEC: Controls
+    "static_wav_rd": dict(residual="attnres", route_static=True, wav=True, rd="decoupled", attnres_block=4),
+    "heads": dict(residual="attnres", route_heads=4, attnres_block=4),  # SPEC: Multi-head depth reads
+    "heads_wav_rd": dict(residual="attnres", route_heads=2, wav=True, rd="frozen_v", attnres_block=4),
 }
 ALL_MODES = {"prenorm": dict(), "rezero": dict(residual="rezero"), "layerscale": dict(residual="layerscale"),
-             **ATTNRES_MODES}
+             "denseformer": dict(residual="denseformer"), **ATTNRES_MODES}
 
 
 def make_model(seed=0, **overrides):
@@ -74,18 +78,25 @@ def tokens(B=2, T=12, seed=3):
     return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def ref_read(query, bias, values):
-    """SPEC: α = softmax_s(wᵀ RMSNorm(v_s) + bias_s), h = Σ α_s v_s, one source at a time."""
-    logits = []
-    for v, b in zip(values, bias):
-        key = v / torch.sqrt((v * v).mean(-1, keepdim=True) + nanoroute.EPS)
-        logits.append((key * query).sum(-1) + b)
-    top = torch.stack(logits).max(0).values
-    exps = [torch.exp(x - top) for x in logits]
-    total = sum(exps)
-    weights = [x / total for x in exps]
-    h = sum(w[..., None] * v for w, v in zip(weights, values))
-    return h, torch.stack(weights)
+def ref_read(query, bias, values, heads=1):
+    """SPEC: α = softmax_s(wᵀ RMSNorm(v_s) + bias_s), h = Σ α_s v_s, one source at a time; with H
+    heads (MHAR), the same per slice k of the width: w_k against RMSNorm(v_s)'s slice k (the norm
+    over the whole width), mixing the values' slice k. Weights (S, B, T, H)."""
+    width = values[0].size(-1) // heads
+    hs, ws = [], []
+    for k in range(heads):
+        part = slice(k * width, (k + 1) * width)
+        logits = []
+        for v, b in zip(values, bias):
+            key = v / torch.sqrt((v * v).mean(-1, keepdim=True) + nanoroute.EPS)
+            logits.append((key[..., part] * query[part]).sum(-1) + b)
+        top = torch.stack(logits).max(0).values
+        exps = [torch.exp(x - top) for x in logits]
+        total = sum(exps)
+        weights = [x / total for x in exps]
+        hs.append(sum(w[..., None] * v[..., part] for w, v in zip(weights, values)))
+        ws.append(torch.stack(weights))
+    return torch.cat(hs, -1), torch.stack(ws, -1)
 
 
 def ref_block_sources(updates, first, name, bases, m, rho, learned=None):
@@ -135,7 +146,11 @@ def reference_forward(model, idx):
         beta = model.detail_bias[key] if key in model.detail_bias else torch.full(
             (len(cfg.detail_bases),), cfg.wav_detail_bias)
         bias = [0.0 if basis == 0 else beta[basis - 1] for _, _, basis in pool]
-        h, w = ref_read(query, bias, [v for _, v, _ in pool])
+        if key in model.static_logits:  # SPEC: Controls, a learned logit per source, no query
+            bias = [b + s for b, s in zip(bias, model.static_logits[key])]
+        masked = {n for read, names in model.masked.items() if str(read) == name for n in names}
+        bias = [-math.inf if n in masked else b for b, (n, _, _) in zip(bias, pool)]
+        h, w = ref_read(query, bias, [v for _, v, _ in pool], cfg.route_heads)
         reads[name] = ([n for n, _, _ in pool], w)
         return h
 
@@ -180,19 +195,25 @@ def ref_full_attnres(model, idx):
 
 
 def reference_residual(model, idx):
-    """SPEC: prenorm x += f(norm(x)); rezero x += α·f(x) (no norm inside); layerscale x += γ⊙f(norm(x))."""
+    """SPEC: prenorm x += f(norm(x)); rezero x += α·f(x) (no norm inside); layerscale x += γ⊙f(norm(x));
+    denseformer: PreNorm layers, each layer's input the weighted sum of e and every earlier layer's output."""
     cfg = model.config
     rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
     x = model.wte(idx)
+    outputs = [x]
     for l in range(2 * cfg.n_layer):
         inp = x if cfg.residual == "rezero" else nanoroute.norm(x)
         layer = model.layers[l // 2]
         u = layer.mlp(inp) if l % 2 else layer.attn(inp, rope)
-        x = x + (u if cfg.residual == "prenorm" else model.residual_gain[l] * u)
+        x = x + (u if cfg.residual in ("prenorm", "denseformer") else model.residual_gain[l] * u)
+        if cfg.residual == "denseformer" and l % 2:
+            outputs.append(x)
+            alpha = model.dwa_weights[l // 2]
+            x = sum(alpha[i] * outputs[i] for i in range(len(outputs)))
     return model.lm_head(nanoroute.norm(x))
 
 
-@pytest.mark.parametrize("residual", ["prenorm", "rezero", "layerscale"])
+@pytest.mark.parametrize("residual", ["prenorm", "rezero", "layerscale", "denseformer"])
 def test_classic_residuals_equal_reference(residual):
     model = randomise_routing(make_model(residual=residual), scale=0.5)
     idx = tokens()
@@ -233,6 +254,7 @@ def test_routed_inputs_equal_reference(mode, fast):
         assert r["sources"] == names, r["name"]
         torch.testing.assert_close(r["weights"], w, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(r["weights"].sum(0), torch.ones_like(r["weights"][0]))
+        assert r["weights"].shape[-1] == model.config.route_heads
     assert len(seen) == len(ref_inputs)
     for got, want in zip(seen, ref_inputs):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -504,7 +526,8 @@ def test_routing_stats_entropy_and_means():
     assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]  # pool order
     # by block number, not as text: C2 before C10 (a 48-layer model has up to 8 blocks; an extension more)
     names = ["emb", "C10", "C2", "C10.split", "C1", "P"]
-    fake = [dict(name="readout", sources=names, weights=torch.full((6, 1, 1), 1 / 6))]
+    readout = nanoroute.Read(3, "readout")
+    fake = [dict(read=readout, name="readout", sources=names, weights=torch.full((6, 1, 1, 1), 1 / 6))]
     assert routing_stats(fake)["sources"] == ["emb", "C1", "C2", "C10", "C10.split", "P"]
 
 
@@ -573,9 +596,9 @@ def test_gradients_reach_every_routing_parameter(mode):
             grad = grad[:-1]  # the last update is read only by the readout, which reads no detail source
         assert grad is not None and (grad != 0).any(dim=-1).all(), name
     if mode.startswith(("block", "full", "wav", "rd")):
-        n_reads = len([n for n in model.read_names if n != "layer0.attn" and not
-                       (model.config.rd == "frozen_v" and n.endswith(".v")) and n != "layer0.attn.v"])
-        assert len(model.query) == n_reads
+        learned = [r for r in model.reads if r.layer or r.role not in ("attn", "attn.v")]
+        learned = [r for r in learned if not (model.config.rd == "frozen_v" and r.role == "attn.v")]
+        assert len(model.query) + len(model.static_logits) == len(learned)
 
 
 def test_optimizer_decays_only_matrices():
@@ -662,14 +685,15 @@ def assert_fast_equals_reference(mode, device, precision, model_class=GPT, froze
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout",
                                   "wav_wide", "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav",
-                                  "wav_learned", "wav_learned_rd"])
+                                  "wav_learned", "wav_learned_rd", "static", "static_wav_rd", "heads",
+                                  "heads_wav_rd"])
 def test_fast_path_equals_reference_path_forward_and_gradients(mode, device):
     # wav_wide (m = 6) has reads over all four pieces of a partial block (see the kernel's BlockReads)
     assert_fast_equals_reference(mode, device, "float32")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["block", "full", "wav", "rd_wav", "wav_learned_rd"])
+@pytest.mark.parametrize("mode", ["block", "full", "wav", "rd_wav", "wav_learned_rd", "heads_wav_rd"])
 def test_fast_path_equals_reference_path_under_bf16_autocast(mode, device):
     routing = assert_fast_equals_reference(mode, device, "bf16_autocast")
     assert {"query.readout", "basis_coefficients"} & routing  # the routing's own parameters are compared
@@ -1031,14 +1055,17 @@ def test_routing_math_ignores_bf16_autocast():
 
 
 INVALID = [
-    (dict(n_embd=30, n_head=4), "n_embd=30: must be divisible by n_head=4"),
+    (dict(n_embd=30, n_head=4), "n_head=4: must divide n_embd=30"),
+    (dict(residual="attnres", route_heads=3), "route_heads=3: must divide n_embd=16"),
+    (dict(route_heads=2), "route_heads=2: applies only to residual=attnres"),
+    (dict(route_static=True), "route_static=True: applies only to residual=attnres"),
     (dict(n_embd=12, n_head=4), "n_head=4: head size"),
     (dict(n_layer=0), "n_layer=0: must be a positive integer"),
     (dict(vocab_size=-1), "vocab_size=-1"),
     (dict(sequence_len=0), "sequence_len=0"),
     (dict(dropout=1.5), "dropout=1.5"),
     (dict(dropout=1.0), "dropout=1.0: must be in [0, 1)"),
-    (dict(residual="postnorm"), "residual='postnorm': must be one of prenorm, rezero, layerscale, attnres"),
+    (dict(residual="postnorm"), "residual='postnorm': must be one of prenorm, rezero, layerscale, denseformer, attnres"),
     (dict(rd="both"), "rd='both': must be one of"),
     (dict(wav=True), "wav=True: applies only to residual=attnres"),
     (dict(rd="decoupled"), "rd='decoupled': applies only to residual=attnres"),
@@ -1062,9 +1089,9 @@ def test_routing_fields_are_one_list_a_subclass_extends():
     class ConfigWithTemperature(GPTConfig):
         route_temperature: float = nanoroute.setting(1.0, "logit temperature of every read", needs="attnres")
 
-    assert nanoroute.routing_fields() == ("residual", "attnres_block", "wav", "wav_bases", "wav_rho", "wav_detail_bias",
-                                          "wav_readout_details", "wav_learned_bases", "rd", "fast_routing")
-    assert nanoroute.routing_fields(ConfigWithTemperature)[-1] == "route_temperature"
+    fields = nanoroute.routing_fields(ConfigWithTemperature)
+    assert fields[0] == "residual" and "route_temperature" in fields  # a subclass's field joins the list
+    assert "route_temperature" not in nanoroute.routing_fields()
     with pytest.raises(ValueError, match="route_temperature=2.0: applies only to residual=attnres"):
         ConfigWithTemperature(route_temperature=2.0)  # validate() follows the one list too
     ConfigWithTemperature(residual="attnres", route_temperature=2.0)
@@ -1138,3 +1165,78 @@ def test_torch_compile_traces_every_routing_path_without_graph_breaks():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
     with torch.no_grad():  # eval and generation take the no-graph path: it must compile too
         torch.testing.assert_close(compiled(tokens())[0], ref_logits, atol=1e-5, rtol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# Controls (SPEC: Controls): a static routing control, DenseFormer, multi-head depth reads, masks
+
+def test_controls_start_equal_to_their_parents_bitwise():
+    idx, targets = tokens(), tokens(seed=4)
+    pairs = [(dict(residual="attnres", route_static=True), dict(residual="attnres")),  # both uniform
+             (dict(residual="denseformer"), dict()),  # weights (0, ..., 0, 1): each layer's own output
+             (dict(residual="attnres", route_heads=4, fast_routing=False), dict(residual="attnres", fast_routing=False))]
+    for control, parent in pairs:
+        a, b = make_model(**control), make_model(**parent)
+        (la, loss_a), (lb, loss_b) = a(idx, targets), b(idx, targets)
+        assert torch.equal(la, lb), control
+        loss_a.backward()
+        loss_b.backward()
+        shared = dict(b.named_parameters())  # the shared weights get the same gradients
+        for name, p in a.named_parameters():
+            if name in shared and name not in b.no_decay_parameters():
+                assert torch.equal(p.grad, shared[name].grad), (control, name)
+    static = make_model(residual="attnres", route_static=True)
+    assert not static.query and all(p.abs().sum() == 0 for p in static.static_logits.values())
+    assert all(f"static_logits.{k}" in static.no_decay_parameters() for k in static.static_logits)
+    dense = make_model(residual="denseformer")
+    assert [w.tolist() for w in dense.dwa_weights] == [[0, 1], [0, 0, 1], [0, 0, 0, 1]]
+    assert all(f"dwa_weights.{j}" in dense.no_decay_parameters() for j in range(3))  # no weight decay
+
+
+def test_static_logits_ignore_the_input_and_multi_head_reads_are_per_head():
+    model = randomise_routing(make_model(**ATTNRES_MODES["static"]))
+    _, _, a = model(tokens(seed=1), return_routes=True)
+    _, _, b = model(tokens(seed=2), return_routes=True)
+    for ra, rb in zip(a, b):  # every token of every input: the same weights
+        assert torch.allclose(ra["weights"], ra["weights"][:, :1, :1]) and torch.allclose(ra["weights"], rb["weights"])
+    heads = randomise_routing(make_model(**ATTNRES_MODES["heads"]))
+    stats = routing_stats(heads(tokens(), return_routes=True)[2])
+    readout = stats["reads"]["readout"]
+    assert len(readout["head_weight"]) == 4 and readout["head_weight"][0] != readout["head_weight"][1]
+    torch.testing.assert_close(torch.tensor(readout["head_weight"]).mean(0), torch.tensor(readout["mean_weight"]))
+
+
+class MaskedModel(GPT):
+    """Sources masked by name in every read (C0, and every detail of P), and by age in one read."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.masked = {read: {"C0", "P.phase"} for read in self.reads if read.layer > 1}
+        self.masked[nanoroute.Read(1, "mlp")] = {"emb"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["rd_wav", "heads_wav_rd"])
+def test_masked_sources_fast_equals_reference(mode, device):
+    # a mask is a −inf logit bias, a kernel input: forward and every gradient follow it
+    assert_fast_equals_reference(mode, device, "float32", MaskedModel)
+
+
+def test_masked_sources_get_no_weight_and_the_rest_renormalise():
+    model = randomise_routing(make_model(**ATTNRES_MODES["wav"]))
+    plain = model(tokens())[0]
+    model.masked = {}
+    assert torch.equal(model(tokens())[0], plain)  # no mask: the plain model, bit for bit
+    read = nanoroute.Read(2, "attn")  # sees emb, C0 and its details
+    model.masked = {read: {"C0"}}
+    _, _, routes = model(tokens(), return_routes=True)
+    masked = next(r for r in routes if r["read"] == read)
+    assert masked["weights"][masked["sources"].index("C0")].abs().sum() == 0
+    model.masked = {}
+    unmasked = next(r for r in model(tokens(), return_routes=True)[2] if r["read"] == read)
+    keep = [i for i, n in enumerate(unmasked["sources"]) if n != "C0"]
+    renormalised = unmasked["weights"][keep] / unmasked["weights"][keep].sum(0)
+    torch.testing.assert_close(masked["weights"][keep], renormalised)
+    model.masked = {nanoroute.Read(0, "attn"): {"emb"}}
+    with pytest.raises(ValueError, match="masking every source of layer0.attn"):
+        model(tokens())

@@ -1,0 +1,178 @@
+"""
+What keeps a train.py run safe, and nothing of training (as nanochat's checkpoint_manager.py is to
+its training script). The rules, each in one place:
+
+- a new run never writes over a run: an --out_dir holding any of RUN_FILES is refused unless
+  --resume, which needs its last.pt (check_out_dir); train.py deletes nothing;
+- every file is written whole, through prepare_data.write_atomic (save);
+- a checkpoint is read with weights_only=True after its zip CRCs are checked (torch.load does not
+  check them: bytes flipped on disk would load silently), and one that does not fit this code is
+  one line naming what differs (load, model_from);
+- SIGINT and SIGTERM only note the signal; the loop stops at the end of its step and saves
+  (catch_stop_signals, stop_signal);
+- a resumed run is bitwise the same as an uninterrupted one: the batches depend on the step alone,
+  and the checkpoint holds the optimizer, each process's RNG states and the metrics so far.
+"""
+
+import dataclasses
+import io
+import json
+import math
+import os
+import signal
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nanoroute import GPT, GPTConfig
+from prepare_data import UsageError, write_atomic
+
+RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "summary.json")
+KEYS = ("model", "optimizer", "config", "settings", "data_dir", "dataset", "progress", "rng")
+
+
+@dataclasses.dataclass
+class Progress:
+    """A run's course so far: what a checkpoint records besides the model and the optimizer."""
+    step: int = 0
+    tokens: int = 0
+    best_val_loss: float = math.inf
+    milestones: dict = dataclasses.field(default_factory=dict)  # {label: step, tokens, val_loss}
+    lines: list = dataclasses.field(default_factory=list)  # metrics.jsonl
+    seconds: float = 0.0  # spent before this invocation
+
+
+def check_out_dir(out_dir, resume):
+    """The checkpoint to resume (--resume), or None after checking that out_dir holds no run."""
+    if not str(out_dir).strip():
+        raise UsageError("--out_dir '': give a folder name, e.g. --out_dir out")
+    if resume:
+        return load(out_dir / "last.pt", f"nothing to resume in {out_dir} (no last.pt): train "
+                    "without --resume first")
+    found = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if found:
+        raise UsageError(f"{out_dir} already holds a run ({', '.join(found)}): add --resume to "
+                         "continue it, or choose another --out_dir")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def load(path, missing):
+    """A checkpoint as tensors and plain values, its CRCs checked; `missing`: the message when
+    there is no file."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(missing)
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+        ckpt = None if bad else torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, a pickle that weights_only refuses, ...
+        bad, ckpt = f"{type(e).__name__}: {' '.join(str(e).split())}"[:120], None
+    absent = [k for k in KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if bad or absent:
+        why = f"damaged ({bad})" if bad else f"not one of this train.py (no {', '.join(absent)})"
+        raise UsageError(f"checkpoint {path} is {why}: use the version that wrote it, or retrain")
+    return ckpt
+
+
+def model_from(ckpt, path, model=None):
+    """The checkpoint's weights in `model` (default: a new GPT of its config), or one line naming
+    what differs (another version of nanoroute wrote it)."""
+    try:
+        model = model or GPT(GPTConfig(**ckpt["config"]))
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise UsageError(f"checkpoint {path} does not fit this version of nanoroute: "
+                         f"{' '.join(str(e).split())[:300]}") from None
+    return model
+
+
+def dataset_identity(meta):
+    """What tells datasets apart, recorded in each checkpoint: the name and the vocabulary."""
+    return dict(dataset=meta["dataset"], vocab_size=meta["vocab_size"], chars=meta.get("chars"))
+
+
+def data_folder(ckpt, run_dir):
+    """The data folder a run was trained on, found from any working folder: recorded relative to
+    the run folder (or absolute). UsageError when it is not there any more."""
+    folder = Path(run_dir) / ckpt["data_dir"]  # an absolute data_dir stays itself
+    if not (folder / "meta.json").exists():
+        raise UsageError(f"the data of the run in {run_dir} is not at {folder} any more: give "
+                         f"--data with the {ckpt['dataset']['dataset']} dataset it was trained on")
+    return Path(os.path.relpath(folder))
+
+
+def save(run, improved):
+    """metrics.jsonl, then best.pt (when improved), then last.pt. best.pt before last.pt: a crash
+    between the two leaves best.pt a step ahead, never behind (restore takes the lower best)."""
+    rng = {"cpu": torch.get_rng_state()}  # dropout's: each process's, gathered on rank 0
+    if run.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(run.device)
+    states = [rng]
+    if run.world > 1:
+        states = [None] * run.world
+        dist.all_gather_object(states, rng)
+    if not run.master:
+        return
+    data_dir = run.data_dir.resolve() if run.data_dir.is_absolute() else \
+        os.path.relpath(run.data_dir.resolve(), run.out_dir.resolve())
+    state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+                 config=dataclasses.asdict(run.config), settings=dataclasses.asdict(run.settings),
+                 data_dir=str(data_dir), dataset=dataset_identity(run.meta),
+                 rng=[{k: v.cpu() for k, v in s.items()} for s in states],
+                 progress=dataclasses.asdict(run.progress) | dict(seconds=run.elapsed()))
+    buffer = io.BytesIO()  # in memory first: a full disk is then a plain OSError (one line)
+    torch.save(state, buffer)
+    lines = "".join(json.dumps(line) + "\n" for line in run.progress.lines)
+    write_atomic(run.out_dir / "metrics.jsonl", lines.encode())
+    for name in ("best.pt", "last.pt") if improved else ("last.pt",):
+        write_atomic(run.out_dir / name, buffer.getbuffer())
+
+
+def restore(run, ckpt):
+    """--resume: the weights, the optimizer, the progress and each process's RNG states."""
+    path, rng = run.out_dir / "last.pt", ckpt["rng"]
+    model_from(ckpt, path, run.raw_model)
+    try:
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"checkpoint {path}: its optimizer does not fit ({e})") from None
+    run.progress = p = Progress(**ckpt["progress"])
+    if (run.out_dir / "best.pt").exists():  # a step ahead of last.pt after a crash between them
+        best = torch.load(run.out_dir / "best.pt", map_location="cpu", weights_only=True, mmap=True)
+        p.best_val_loss = min(p.best_val_loss, best["progress"]["best_val_loss"])
+    if len(rng) == run.world:
+        torch.set_rng_state(rng[run.rank]["cpu"])
+        if "cuda" in rng[run.rank] and run.device.type == "cuda":
+            torch.cuda.set_rng_state(rng[run.rank]["cuda"], run.device)
+    else:
+        run.log(f"note: {path} was written by {len(rng)} process(es), not {run.world}: dropout is "
+                "reseeded (the batches are unaffected)")
+        torch.manual_seed(run.settings.seed + 1000 * p.step + run.rank)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def catch_stop_signals():
+    """SIGINT (Ctrl-C) and SIGTERM only note the signal in the list returned; the loop stops at the
+    end of its step. One ignored at start stays ignored (`cmd &` in a script ignores SIGINT). A
+    run that should outlive its terminal: tmux or nohup (docs/training.md). Returns the list and
+    the old handlers, to put back."""
+    received, old = [], {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig, handler in old.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: received.append(signum))
+    return received, old
+
+
+def stop_signal(run):
+    """The signal to stop on (0: none); under DDP any process's, so all stop at the same step."""
+    signum = run.stop[0] if run.stop else 0
+    if run.world > 1:
+        signum = torch.tensor(signum, device=run.device)
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+    return int(signum)
