@@ -278,6 +278,10 @@ class Read(NamedTuple):
     def key(self):  # its parameters' name (ParameterDict keys cannot contain ".")
         return str(self).replace(".", "_")
 
+    @property
+    def sublayer(self):  # the sublayer it feeds: 2·layer (+1 for an MLP); 2·n_layer: the readout
+        return 2 * self.layer + (self.role == "mlp")
+
 
 class Source(NamedTuple):
     """A named source of the pool: emb, C0, C0.phase, C0.split, ..., the partial block's P, ..."""
@@ -367,7 +371,7 @@ class DepthRouting:
     def pool_size(self, read):
         """How many sources a read sees (route_static's logits): e, per completed block its state
         and details, the same for the partial block (the readout: states only, by default)."""
-        m, l = self.config.routing_block, 2 * read.layer + (read.role == "mlp")
+        m, l = self.config.routing_block, read.sublayer
         per_block = 1 + len(self.bases)
         if read.role == "readout" and not self.config.wav_readout_details:
             per_block = 1
@@ -665,8 +669,10 @@ class GPT(DepthRouting, nn.Module):
 # -----------------------------------------------------------------------------
 # Routing diagnostics
 
-def _block_order(source):  # emb, C0 and its details, C1, ..., P
-    block = source.partition(".")[0]
+def source_block(name):
+    """The routing block a source comes from, by its name: -1 for emb, b for C<b> and its details,
+    inf for the partial block P (pool order; a read in block b sees C<j> of age b - j)."""
+    block = name.partition(".")[0]
     return -1 if block == "emb" else math.inf if block == "P" else int(block[1:])
 
 
@@ -695,7 +701,7 @@ def routing_stats(routes):
                                 head_weight=w.mean((1, 2)).t().tolist(), entropy=entropy,
                                 entropy_norm=entropy / math.log(n) if n > 1 else None)
     # sorted by block (stable: a block keeps its own order, C0, C0.phase, C0.split)
-    sources = sorted(dict.fromkeys(s for r in routes for s in r["sources"]), key=_block_order)
+    sources = sorted(dict.fromkeys(s for r in routes for s in r["sources"]), key=source_block)
     by_read = {r["read"]: r["weights"] for r in routes}
     js = {f"layer{read.layer}": js_divergence(by_read[read._replace(role="attn")], w)
           for read, w in by_read.items() if read.role == "attn.v" and read.layer > 0}
