@@ -68,13 +68,16 @@ def load(path, missing):
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
+        bad = bad and f"CRC mismatch in {bad}"
         ckpt = None if bad else torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, a pickle that weights_only refuses, ...
         bad, ckpt = f"{type(e).__name__}: {' '.join(str(e).split())}"[:120], None
+    if bad:
+        raise UsageError(f"checkpoint {path} is damaged ({bad}): use a copy of it, or retrain")
     absent = [k for k in KEYS if not isinstance(ckpt, dict) or k not in ckpt]
-    if bad or absent:
-        why = f"damaged ({bad})" if bad else f"not one of this train.py (no {', '.join(absent)})"
-        raise UsageError(f"checkpoint {path} is {why}: use the version that wrote it, or retrain")
+    if absent:
+        raise UsageError(f"checkpoint {path} is not one of this train.py (it has no "
+                         f"{', '.join(absent)}): use the version of nanoroute that wrote it")
     return ckpt
 
 

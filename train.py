@@ -72,9 +72,8 @@ def count(text):
 
 
 def option(default, help, low=None, high=math.inf, parse=None, choices=None, runtime=False):
-    """A TrainSettings field: its --help, its range [low, high) or choices, a parse where the
-    flag's text is not its type. runtime: how this invocation runs, not what the run is, so
-    --resume never takes it from the checkpoint."""
+    """A TrainSettings field: its --help, its range [low, high) or choices, a parse for a text that
+    is not its type. runtime: how this invocation runs, which --resume never takes from last.pt."""
     return dataclasses.field(default=default, metadata=dict(
         help=help, low=low, high=high, parse=parse, choices=choices, runtime=runtime))
 
@@ -140,13 +139,14 @@ def build_parser():
 
 
 def true_or_false(text):
-    return {"true": True, "1": True, "false": False, "0": False}[text.lower()]  # KeyError: refused
+    if text.lower() not in ("true", "1", "false", "0"):
+        raise ValueError(text)
+    return text.lower() in ("true", "1")
 
 
 def resolve_settings(explicit, ckpt=None):
-    """defaults < checkpoint (--resume) < preset < explicit flags; with --resume the model is the
-    checkpoint's: a model flag that differs from it is an error. Returns (TrainSettings, the
-    model's settings: a dict, vocab_size None for the dataset's)."""
+    """defaults < checkpoint (--resume) < preset < explicit flags (a model flag that differs from
+    the checkpoint is an error): (TrainSettings, the model's settings, vocab_size None)."""
     given = {**PRESETS.get(explicit.get("preset"), {}), **explicit}
     settings = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     settings.update(dataclasses.asdict(TrainSettings()), **MODEL_DEFAULTS, vocab_size=None)
@@ -252,8 +252,7 @@ def pick_device(name, local_rank=0, world=1):
 
 
 def pick_dtype(name, device):
-    """--dtype auto: bf16 autocast on a CUDA GPU with native bf16 (compute capability 8.0 on;
-    elsewhere it is emulated, slower than float32), else float32."""
+    """auto: bf16 autocast on a CUDA GPU with native bf16 (capability 8.0 on), else float32."""
     if name == "auto":
         native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
         return torch.bfloat16 if native else torch.float32
@@ -300,8 +299,7 @@ class Run:
         self.ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
         self.eval_batches = [eval_offsets(len(d), T, a.batch_size, a.eval_tokens, split)
                              for split, d in enumerate(self.splits)]
-        self.milestones = list(zip(a.milestones.split(","), count(a.milestones))) \
-            if a.milestones else []
+        self.milestones = [(x, count(x)) for x in a.milestones.split(",")] if a.milestones else []
 
     def log(self, text):
         if self.master:
@@ -317,9 +315,8 @@ def main(argv=None):
     try:
         train(setup(argv, stop))
     except torch.OutOfMemoryError:
-        raise UsageError("out of memory: lower --micro_batch (the same batches in smaller "
-                         "forwards), --batch_size or --sequence_len; last.pt, if any, is whole "
-                         "(--resume continues it)") from None
+        raise UsageError("out of memory: lower --micro_batch (the same batches in smaller forwards)"
+                         ", --batch_size or --sequence_len; --resume continues last.pt") from None
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -386,8 +383,7 @@ def setup(argv, stop):
 
 
 def train(run):
-    """The loop: a step, a log line every --log_interval steps, an evaluation with checkpoints
-    every --eval_interval steps and at each milestone; it may stop early (stop_early)."""
+    """The loop: steps, log lines, evaluations with checkpoints; it may stop early (stop_early)."""
     a, p = run.settings, run.progress
     if p.step == 0:  # a checkpoint, even of step 0, comes after its evaluation
         evaluate_and_save(run, get_lr(0, a))
@@ -411,8 +407,8 @@ def train(run):
 
 
 def train_step(run, lr):
-    """One optimizer step on the crops of (seed, step): --grad_accum micro-steps, the gradient of
-    their mean loss (averaged over the processes by DDP), clipped, AdamW. Returns the mean loss."""
+    """One AdamW step on the clipped gradient of the mean loss over --grad_accum micro-steps (and
+    the processes, by DDP) on the crops of (seed, step). Returns the mean loss."""
     a, T, data = run.settings, run.config.sequence_len, run.splits[0]
     for group in run.optimizer.param_groups:
         group["lr"] = lr
@@ -442,8 +438,7 @@ def train_step(run, lr):
 
 
 def log_step(run, loss, lr, dt):
-    """A train line; dt: seconds per step since the last line, not counting this invocation's
-    first step (it compiles and warms up)."""
+    """A train line; dt: seconds per step since the last one, but this invocation's first step."""
     n, peak, p = run.tokens_per_step, peak_flops(run.device, run.dtype), run.progress
     mfu = run.raw_model.estimate_mfu(n / run.world, dt, peak) if peak and dt else None
     speed = f" | {n / dt / 1e3:.1f}k tok/s | {1000 * dt:.1f} ms/step" if dt else ""
@@ -455,8 +450,7 @@ def log_step(run, loss, lr, dt):
 
 
 def evaluate_and_save(run, lr, crossed=()):
-    """Train and val loss on the fixed evaluation crops, the routing diagnostics, an eval line,
-    then the checkpoints: last.pt, and best.pt when the val loss improved."""
+    """Losses on the fixed evaluation crops, routing diagnostics, an eval line, the checkpoints."""
     p = run.progress
     train_loss, val_loss = (evaluate(run, d, b) for d, b in zip(run.splits, run.eval_batches))
     if not (math.isfinite(val_loss) and math.isfinite(train_loss)):
@@ -511,8 +505,7 @@ def routes(run):
 
 
 def finish(run):
-    """The end: the test loss (when the dataset has a test split), summary.json, then how the
-    model routes and what to try next."""
+    """The end: the test loss, summary.json, then how the model routes and what to try next."""
     a, T, meta, p = run.settings, run.config.sequence_len, run.meta, run.progress
     test_loss = None
     if meta["splits"].get("test", 0) >= T + 2:
@@ -552,8 +545,7 @@ def routing_summary(stats, top=3):
 
 
 def next_commands(run):
-    """What to try after a run, as commands to paste: text from it, how it routes, the paired
-    baseline without routing, and the command that compares the two once both have finished."""
+    """Commands to paste after a run: text, routes, the paired baseline and the comparison."""
     a, config = run.settings, run.config
     here = [] if a.out_dir == TrainSettings.out_dir else ["--out_dir", a.out_dir]
     commands = [(command("sample.py", here), "text from best.pt")]
@@ -569,9 +561,8 @@ def next_commands(run):
 
 
 def baseline_flags(a, config):
-    """train.py's flags for the run without routing paired with this one (--residual prenorm and
-    every setting a plain train.py would not give it, a preset's too, but the routing fields),
-    and its --out_dir."""
+    """The flags and --out_dir of the paired run without routing: --residual prenorm and every other
+    setting a plain train.py would not give it (a preset's too), but the routing fields."""
     plain, plain_model = resolve_settings({})
     defaults = {**dataclasses.asdict(plain), **plain_model}
     skip = {*routing_fields(), "vocab_size", "out_dir", "preset", "resume", "stop_after",
@@ -594,8 +585,8 @@ def command(script, flags, world=1):
 
 
 def stop_early(run):
-    """After --stop_after, or a stop signal (SIGINT, SIGTERM): save last.pt, say how to continue,
-    and after a signal exit 130 / 143 (as a shell reports them). Returns whether it stopped."""
+    """After --stop_after or a stop signal: save last.pt, say how to continue, exit 130 / 143 after
+    SIGINT / SIGTERM (as a shell reports them). Returns whether the run stopped."""
     signum, a, step = checkpoint.stop_signal(run), run.settings, run.progress.step
     if not signum and not (a.stop_after is not None and a.stop_after <= step < a.max_iters):
         return False
@@ -626,15 +617,12 @@ def record(run, line, text):
 
 
 def diverged(run, what, step):
-    kept = "the last good checkpoint is kept" if (run.out_dir / "last.pt").exists() else \
-        "no checkpoint was written"
-    return UsageError(f"non-finite {what} at step {step}; {kept} (lower --lr or raise "
-                      "--warmup_iters)")
+    kept = "last.pt is the last good step" if (run.out_dir / "last.pt").exists() else "none saved"
+    return UsageError(f"non-finite {what} at step {step}; {kept} (lower --lr, raise --warmup_iters)")
 
 
 def start_wandb(run):
-    """The wandb run of --wandb_project, on rank 0; a missing package is one line, before any
-    training."""
+    """The wandb run of --wandb_project (rank 0); a missing package is one line, before training."""
     a = run.settings
     if not (a.wandb_project and run.master):
         return None

@@ -1,0 +1,384 @@
+"""train.py and checkpoint.py end to end on tiny models (conftest.TINY: a step takes milliseconds)."""
+
+import dataclasses
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import nanoroute
+import prepare_data
+import train
+from conftest import ROOT, TINY, metrics, run
+
+ROUTED = ["--residual", "attnres", "--rd", "decoupled", "--wav", "True", "--attnres_block", "4"]
+
+
+def tiny(demo, out, *extra):
+    return ["--data", demo, "--out_dir", out, *TINY, *extra]
+
+
+def weights(out, name="last.pt"):
+    return torch.load(Path(out) / name, weights_only=True)
+
+
+def without_times(lines):  # what a resumed run must repeat exactly: all but the clock
+    drop = ("elapsed_s", "tok_per_s", "ms_per_step", "mfu")
+    return [{k: v for k, v in line.items() if k not in drop} for line in lines]
+
+
+def env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def routed(demo, tmp_path_factory):
+    """A finished routed run (attnres + WAV + RD) with milestones, and what it printed."""
+    out = tmp_path_factory.mktemp("runs") / "routed"
+    code, printed, _ = run(train.main, tiny(demo, out, *ROUTED, "--max_iters", 4,
+                                            "--eval_interval", 2, "--milestones", "512,1K"),
+                           capsys=None)
+    assert code == 0
+    return out
+
+
+def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(demo, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, printed, _ = run(train.main, tiny(demo, out, *ROUTED, "--max_iters", 4, "--eval_interval",
+                                            2, "--milestones", "512,1K"), capsys)
+    assert code == 0 and sorted(p.name for p in out.iterdir()) == sorted(checkpoint.RUN_FILES)
+    lines = metrics(out)
+    assert [(x["type"], x["step"]) for x in lines] == [
+        ("eval", 0), ("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4), ("eval", 4)]
+    assert [x["tokens"] for x in lines if x["type"] == "train"] == [256, 512, 768, 1024]
+    assert [x["milestone"] for x in lines if x["type"] == "eval"] == [None, "512", "1K"]
+    summary = json.loads((out / "summary.json").read_text())
+    last = lines[-1]
+    assert summary["final"]["val_loss"] == last["val_loss"] and summary["step"] == 4
+    assert summary["final"]["val_bpc"] == pytest.approx(last["val_loss"] / math.log(2))
+    assert summary["milestones"]["1K"]["val_loss"] == last["val_loss"]
+    assert summary["best_val_loss"] == min(x["val_loss"] for x in lines if x["type"] == "eval")
+    assert summary["final"]["test_loss"] > 0 and summary["routes"]["js_mean"] is not None
+    assert "routing (mean weight per source" in printed and "readout" in printed
+    assert f"python sample.py --out_dir {out} --routes" in printed
+    assert f"python experiments.py report {out} {out}_prenorm" in printed
+    best, last_pt = weights(out, "best.pt"), weights(out)
+    assert best["progress"]["best_val_loss"] == summary["best_val_loss"] == last_pt["progress"]["best_val_loss"]
+
+
+def test_resume_is_bitwise_exact(demo, tmp_path, capsys):
+    # dropout (each process's RNG state), grad_accum and micro_batch: all must carry over
+    flags = [*ROUTED, "--dropout", "0.1", "--grad_accum", "2", "--micro_batch", "4",
+             "--max_iters", "6", "--eval_interval", "3"]
+    assert run(train.main, tiny(demo, tmp_path / "whole", *flags))[0] == 0
+    assert run(train.main, tiny(demo, tmp_path / "part", *flags, "--stop_after", "2"))[0] == 0
+    stopped = capsys.readouterr().out
+    assert "stopped (--stop_after) after step 2; continue with: python train.py --out_dir" in stopped
+    code, printed, _ = run(train.main, ["--out_dir", tmp_path / "part", "--resume"], capsys)
+    assert code == 0 and "resuming" in printed
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "part")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert without_times(metrics(tmp_path / "whole")) == without_times(metrics(tmp_path / "part"))
+    whole, part = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "part"))
+    assert whole["final"] == part["final"] and whole["best_val_loss"] == part["best_val_loss"]
+
+
+def test_resume_from_another_folder_finds_the_data_and_extends_the_schedule(demo, tmp_path):
+    out = tmp_path / "runs" / "r"
+    assert run(train.main, tiny(demo, out, "--max_iters", "2"))[0] == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cwd = os.getcwd()
+    try:  # the data folder is recorded relative to the run folder
+        os.chdir(elsewhere)
+        assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", "3"])[0] == 0
+    finally:
+        os.chdir(cwd)
+    assert metrics(out)[-1]["step"] == 3 and weights(out)["settings"]["max_iters"] == 3
+
+
+def test_same_seed_runs_start_paired_across_variants_and_batches_ignore_processes(demo, tmp_path):
+    starts = {}
+    for name, flags in (("block", []), ("prenorm", ["--residual", "prenorm"]),
+                        ("dense", ["--residual", "denseformer"]), ("wav", ROUTED)):
+        assert run(train.main, tiny(demo, tmp_path / name, *flags, "--max_iters", "1", "--lr", "0"))[0] == 0
+        starts[name] = weights(tmp_path / name)["model"]  # lr 0: the initial weights
+    shared = [k for k in starts["prenorm"] if all(k in s for s in starts.values())]
+    assert "lm_head.weight" in shared and "layers.1.mlp.c_fc.weight" in shared
+    for s in starts.values():
+        assert all(torch.equal(s[k], starts["prenorm"][k]) for k in shared)
+    rows = train.batch_offsets(7, 3, 1, 10_000, 32, 8)
+    assert np.array_equal(rows, train.batch_offsets(7, 3, 1, 10_000, 32, 8))
+    assert np.array_equal(np.concatenate([rows[0::2], rows[1::2]]), np.concatenate([rows[r::2] for r in (0, 1)]))
+    assert not np.array_equal(rows, train.batch_offsets(7, 4, 1, 10_000, 32, 8))
+
+
+def test_schedule_token_budget_and_micro_batches(demo, tmp_path):
+    a, _ = train.resolve_settings({"max_iters": 10, "warmup_iters": 2, "lr": 1.0})
+    lrs = [train.get_lr(step, a) for step in range(10)]
+    assert lrs[:2] == [0.5, 1.0] and lrs[-1] == pytest.approx(0.1) and sorted(lrs[1:], reverse=True) == lrs[1:]
+    budget, _ = train.resolve_settings({"preset": "rd_s", "max_iters": 5})
+    assert budget.max_tokens is None and budget.max_iters == 5  # explicit steps beat the preset's tokens
+    assert run(train.main, tiny(demo, tmp_path / "t", "--max_tokens", "1K", "--batch_size", "4",
+                                "--eval_tokens", "128"))[0] == 0
+    assert metrics(tmp_path / "t")[-1]["step"] == 8  # ceil(1000 / (4 x 32))
+    # micro-batches: the same batches and gradient, in smaller forwards
+    for name, extra in (("whole", []), ("micro", ["--micro_batch", "2"])):
+        assert run(train.main, tiny(demo, tmp_path / name, "--max_iters", "2", *extra))[0] == 0
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "micro")
+    assert all(torch.allclose(a["model"][k], b["model"][k], atol=1e-6) for k in a["model"])
+    losses = [[x["loss"] for x in metrics(tmp_path / d) if x["type"] == "train"] for d in ("whole", "micro")]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+
+
+def test_logged_losses_are_the_losses_of_their_crops(routed):
+    """The eval line's val loss is the model's mean loss over the fixed crops of EVAL_SEED."""
+    ckpt = weights(routed)
+    model = checkpoint.model_from(ckpt, routed).eval()
+    data = prepare_data.open_split(checkpoint.data_folder(ckpt, routed), "val")
+    a, T = train.resolve_settings({}, ckpt)[0], model.config.sequence_len
+    batches = train.eval_offsets(len(data), T, a.batch_size, a.eval_tokens, 1)
+    with torch.no_grad():
+        losses = [model(x, y)[1] for o in batches for x, y in train.get_batch(data, o, T, torch.device("cpu"))]
+    assert torch.stack(losses).mean().item() == pytest.approx(metrics(routed)[-1]["val_loss"], rel=1e-6)
+
+
+def test_the_printed_baseline_runs_and_is_the_same_run_without_routing(demo, tmp_path, capsys):
+    out = tmp_path / "my run"  # a space: the commands are shell-quoted
+    code, printed, _ = run(train.main, tiny(demo, out, *ROUTED, "--route_heads", "2", "--max_iters", "2",
+                                            "--seed", "5"), capsys)
+    line = next(x for x in printed.splitlines() if "--residual prenorm" in x)
+    argv = shlex.split(line.split("  # ")[0])
+    assert argv[:2] == ["python", "train.py"] and "--wav" not in argv and "--route_heads" not in argv
+    assert run(train.main, argv[2:])[0] == 0
+    routed, baseline = (json.loads((Path(d) / "summary.json").read_text()) for d in (out, f"{out}_prenorm"))
+    assert baseline["config"]["residual"] == "prenorm"
+    for key in nanoroute.routing_fields():  # only the routing differs
+        routed["config"].pop(key), baseline["config"].pop(key)
+    assert routed["config"] == baseline["config"]
+    assert {k: v for k, v in routed["train"].items() if k != "out_dir"} == \
+        {k: v for k, v in baseline["train"].items() if k != "out_dir"}
+
+
+def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
+    """A new TrainSettings field is a flag with its help, recorded in checkpoints, kept by --resume
+    and repeated by the printed baseline, with no other edit."""
+    @dataclasses.dataclass
+    class Settings(train.TrainSettings):
+        label_smoothing: float = train.option(0.0, "smoothing of the targets", low=0, high=1)
+
+    monkeypatch.setattr(train, "TrainSettings", Settings)
+    assert "smoothing of the targets (default: 0.0)" in " ".join(train.build_parser().format_help().split())
+    out = tmp_path / "r"
+    code, printed, _ = run(train.main, tiny(demo, out, "--max_iters", "2", "--label_smoothing", "0.2",
+                                            "--stop_after", "1"), capsys)
+    assert code == 0 and weights(out)["settings"]["label_smoothing"] == 0.2
+    code, printed, _ = run(train.main, ["--out_dir", out, "--resume"], capsys)
+    assert code == 0 and "--label_smoothing 0.2" in printed
+    code, _, err = run(train.main, tiny(demo, tmp_path / "s", "--label_smoothing", "2"), capsys)
+    assert code == 2 and "--label_smoothing 2.0: must be in [0, 1)" in err
+
+
+def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(demo, tmp_path, capsys):
+    out = tmp_path / "r"
+    code, _, err = run(train.main, tiny(demo, out, "--lr", "1e6", "--grad_clip", "0", "--max_iters", "40",
+                                        "--eval_interval", "1", "--warmup_iters", "0"), capsys)
+    assert code == 2 and err.startswith("error: non-finite") and "last.pt is the last good step" in err
+    assert all(p.isfinite().all() for p in weights(out)["model"].values())
+
+
+def test_a_folder_that_holds_a_run_is_refused_unless_resumed(demo, routed, tmp_path, capsys):
+    for name in checkpoint.RUN_FILES:  # any file of a run, also a finished run without checkpoints
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / name).write_text("x")
+        code, _, err = run(train.main, tiny(demo, folder, "--max_iters", "1"), capsys)
+        assert code == 2 and f"already holds a run ({name})" in err and "--resume" in err
+        assert (folder / name).read_text() == "x"
+    code, _, err = run(train.main, ["--out_dir", tmp_path / "none", "--resume"], capsys)
+    assert code == 2 and "no last.pt" in err
+
+
+def damaged_copies(routed, tmp_path):
+    """Copies of a run whose last.pt is damaged or does not fit: {case: (folder, words)}."""
+    def copy(name, edit):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "last.pt").write_bytes(edit((routed / "last.pt").read_bytes()))
+        return folder
+
+    def flip(data):  # 8 bytes inside a stored tensor: only the zip's CRC can tell
+        with zipfile.ZipFile(routed / "last.pt") as z:
+            info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 64)
+        header = info.header_offset  # the local header's name and extra lengths, then the data
+        start = header + 30 + int.from_bytes(data[header + 26:header + 28], "little") + \
+            int.from_bytes(data[header + 28:header + 30], "little") + 16
+        return data[:start] + bytes(x ^ 0xFF for x in data[start:start + 8]) + data[start + 8:]
+
+    def foreign(data):  # a checkpoint of another code version: a tensor more in its model
+        ckpt = torch.load(routed / "last.pt", weights_only=True)
+        ckpt["model"]["query.layer9_mlp"] = torch.zeros(32)
+        path = tmp_path / "foreign.pt"
+        torch.save(ckpt, path)
+        return path.read_bytes()
+    return {"flipped bytes": (copy("flipped", flip), "damaged (CRC"),
+            "truncated": (copy("truncated", lambda d: d[:len(d) // 2]), "damaged"),
+            "not a checkpoint": (copy("text", lambda d: b"hello"), "damaged"),
+            "another version": (copy("foreign", foreign), "does not fit this version of nanoroute")}
+
+
+def test_a_damaged_or_foreign_checkpoint_is_one_line(routed, tmp_path, capsys):
+    for case, (folder, words) in damaged_copies(routed, tmp_path).items():
+        code, _, err = run(train.main, ["--out_dir", folder, "--resume"], capsys)
+        assert code == 2 and err.count("\n") == 1 and words in err, (case, err)
+
+
+def test_resume_refuses_another_model_or_dataset(demo, routed, tmp_path, capsys):
+    code, _, err = run(train.main, ["--out_dir", routed, "--resume", "--n_embd", "64"], capsys)
+    assert code == 2 and "--n_embd 64 differs from the run's n_embd=32" in err
+    other = tmp_path / "other"
+    prepare_data.prepare("demo", other, demo_mb=0.2, seed=3)  # another text, another vocabulary?
+    meta = json.loads((other / "meta.json").read_text())
+    if meta.get("chars") == json.loads((Path(demo) / "meta.json").read_text()).get("chars"):
+        meta["dataset"] = "renamed"
+        (other / "meta.json").write_text(json.dumps(meta))
+    code, _, err = run(train.main, ["--out_dir", routed, "--resume", "--data", other], capsys)
+    assert code == 2 and "is not the dataset" in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_finishes_the_step_saves_and_resumes(demo, tmp_path, sig):
+    out = tmp_path / "r"
+    cmd = [sys.executable, ROOT / "train.py", *tiny(demo, out, "--max_iters", 10 ** 6, "--eval_interval",
+                                                    10 ** 6, "--log_interval", 1)]
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env())
+    try:
+        while "step 3 " not in proc.stdout.readline():
+            assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(sig)
+        printed, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    stopped = next(x for x in printed.splitlines() if x.startswith("stopped by"))
+    step = weights(out)["progress"]["step"]
+    assert f"stopped by {sig.name} after step {step}; continue with: python train.py --out_dir" in stopped
+    assert metrics(out)[-1]["step"] == step and step >= 3
+    assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", step + 1])[0] == 0
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path):
+    flags = [*TINY, *ROUTED, "--dropout", 0.1, "--max_iters", 4, "--eval_interval", 2]
+
+    def torchrun(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               ROOT / "train.py", "--", *flags, "--data", demo, "--out_dir", out, *extra]
+        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env(), timeout=240)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return done.stdout
+    torchrun(tmp_path / "whole")
+    assert "continue with: torchrun --nproc_per_node=2 train.py --" in torchrun(tmp_path / "part", "--stop_after", 2)
+    torchrun(tmp_path / "part", "--resume")
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "part")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert without_times(metrics(tmp_path / "whole")) == without_times(metrics(tmp_path / "part"))
+    # one process: the same initial weights and evaluation crops (each process scores its rows)
+    assert run(train.main, tiny(demo, tmp_path / "one", *ROUTED, "--max_iters", 1))[0] == 0
+    assert metrics(tmp_path / "one")[0]["val_loss"] == pytest.approx(metrics(tmp_path / "whole")[0]["val_loss"],
+                                                                     rel=1e-6)
+
+
+def test_bf16_autocast_and_compile(demo, tmp_path, monkeypatch):
+    compiled, real = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compiled.append(model) or real(model, backend="eager"))
+    assert run(train.main, tiny(demo, tmp_path / "c", "--max_iters", 1, "--compile", "--dtype", "bfloat16"))[0] == 0
+    assert len(compiled) == 1 and list(weights(tmp_path / "c")["model"]) == list(compiled[0].state_dict())
+    assert all(v.dtype == torch.float32 for v in weights(tmp_path / "c")["model"].values())
+
+
+def test_wandb_gets_the_numbers_of_metrics_jsonl(demo, tmp_path, monkeypatch, capsys):
+    wandb = pytest.importorskip("wandb", reason="needs wandb (optional: pip install wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never upload from a test
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged, real_log = [], wandb.Run.log
+    monkeypatch.setattr(wandb.Run, "log", lambda self, data, step=None: logged.append((step, dict(data)))
+                        or real_log(self, data, step=step))
+    out = tmp_path / "r"
+    assert run(train.main, tiny(demo, out, "--max_iters", 2, "--wandb_project", "test", "--wandb_run", "t"))[0] == 0
+    lines = metrics(out)
+    assert [step for step, _ in logged] == [x["step"] for x in lines]
+    assert logged[1][1]["train/loss"] == lines[1]["loss"] and logged[-1][1]["eval/val_loss"] == lines[-1]["val_loss"]
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_peak_flops_of_known_gpus_only(monkeypatch):
+    for name, bf16 in (("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12),
+                       ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA RTX A1000", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert train.peak_flops(torch.device("cuda"), torch.bfloat16) == bf16, name
+    assert train.peak_flops(torch.device("cpu"), torch.float32) is None
+
+
+def bad_inputs(demo, routed, tmp):
+    """{case: (argv, words the error line holds)}."""
+    d, t = ["--data", demo], ["--out_dir", tmp / "x", "--device", "cpu"]
+    return {
+        "unknown flag": ([*d, *t, "--learning_rate", "1"], "did you mean --lr?"),
+        "abbreviated flag": ([*d, *t, "--max_iter", "3"], "unrecognized arguments: --max_iter"),
+        "bad bool": ([*d, *t, "--wav", "maybe"], "--wav: invalid true_or_false value"),
+        "vocab_size is the data's": ([*d, *t, "--vocab_size", "9"], "unrecognized arguments: --vocab_size"),
+        "negative lr": ([*d, *t, "--lr", "-1"], "--lr -1.0: must be at least 0"),
+        "nan lr": ([*d, *t, "--lr", "nan"], "--lr nan: must be at least 0"),
+        "beta at 1": ([*d, *t, "--beta2", "1"], "--beta2 1.0: must be in [0, 1)"),
+        "zero steps": ([*d, *t, "--max_iters", "0"], "--max_iters 0: must be at least 1"),
+        "bad token count": ([*d, *t, "--max_tokens", "2X"], "--max_tokens: invalid count value"),
+        "bad milestone": ([*d, *t, "--milestones", "1M,xyz"], "is not a token count"),
+        "steps and tokens": ([*d, *t, "--max_iters", "3", "--max_tokens", "1M"], "not both"),
+        "wandb run alone": ([*d, *t, "--wandb_run", "a"], "--wandb_run needs --wandb_project"),
+        "micro batch": ([*d, *t, "--batch_size", "8", "--micro_batch", "3"], "divides its share"),
+        "bad device": ([*d, *t, "--device", "tpu"], "choose auto, cpu, cuda, cuda:N or mps"),
+        "no cuda": ([*d, *t[:2], "--device", "cuda"], "not available here"),
+        "unknown preset": ([*d, *t, "--preset", "rd_x"], "invalid choice: 'rd_x'"),
+        "invalid model": ([*d, *t, "--n_embd", "30"], "n_head=4: must divide n_embd=30"),
+        "routing without attnres": ([*d, *t, "--residual", "prenorm", "--wav", "True"], "applies only to"),
+        "too long crops": ([*d, *t, "--sequence_len", "200000"], "does not fit"),
+        "missing data": (["--data", tmp / "data" / "demo_typo", *t], "does not exist"),
+        "empty out_dir": ([*d, "--out_dir", " "], "give a folder name"),
+    }
+
+
+def test_bad_input_is_one_error_line_and_exit_2(demo, routed, tmp_path, capsys):
+    for case, (argv, words) in bad_inputs(demo, routed, tmp_path).items():
+        code, out, err = run(train.main, argv, capsys)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (case, err)
+        assert words in err, (case, err)
+        assert not (tmp_path / "x" / "last.pt").exists(), case
+
+
+def test_as_a_command_bad_input_is_one_line_and_a_bare_data_name_is_under_data(tmp_path):
+    done = subprocess.run([sys.executable, ROOT / "train.py", "--max_itres", "3"], capture_output=True,
+                          text=True, env=env(), cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr == "error: unrecognized arguments: --max_itres 3 " \
+        "(did you mean --max_iters?); see --help\n"
+    done = subprocess.run([sys.executable, ROOT / "train.py", "--data", "text8", "--device", "cpu"],
+                          capture_output=True, text=True, env=env(), cwd=tmp_path)
+    assert done.returncode == 2 and "data/text8" in done.stderr and "python prepare_data.py text8" in done.stderr
+    assert not (tmp_path / "text8").exists() and not (tmp_path / "out" / "last.pt").exists()
