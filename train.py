@@ -618,7 +618,8 @@ def record(run, line, text):
 
 def diverged(run, what, step):
     kept = "last.pt is the last good step" if (run.out_dir / "last.pt").exists() else "none saved"
-    return UsageError(f"non-finite {what} at step {step}; {kept} (lower --lr, raise --warmup_iters)")
+    return UsageError(f"non-finite {what} at step {step}; {kept} (lower --lr or raise "
+                      "--warmup_iters)")
 
 
 def start_wandb(run):
