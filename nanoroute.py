@@ -67,8 +67,9 @@ class GPTConfig:
     dropout: float = setting(0.0, "dropout probability")
     bias: bool = setting(False, "biases in Linear layers")
     residual: str = setting("prenorm", " | ".join(RESIDUALS))
-    attnres_block: int = setting(0, "sublayers per routing block; 1 = Full AttnRes; 0 = auto: whole "
-                                 "layers, at most 8 blocks (at least 4 sublayers with WAV)", "attnres")
+    attnres_block: int = setting(0, "sublayers per routing block; 1 = Full AttnRes; 0 = auto: "
+                                 "whole layers, at most 8 blocks (4 sublayers at least with WAV)",
+                                 "attnres")
     wav: bool = setting(False, "WAV v1 detail sources", "attnres")
     wav_bases: str = setting("both", "phase | split | both", "wav")
     wav_rho: float = setting(4.0, "cap on the detached RMS-matching scale of details", "wav")
@@ -111,8 +112,9 @@ class GPTConfig:
                 bad(f.name, "applies only to residual=attnres: add --residual attnres")
             if changed and needs == "wav" and not self.wav:
                 bad(f.name, "applies only with wav=True: add --wav True")
-        if not isinstance(self.attnres_block, int) or not 0 <= self.attnres_block <= 2 * self.n_layer:
-            bad("attnres_block", f"must be 0 (auto) or 1..2*n_layer={2 * self.n_layer} sublayers")
+        most = 2 * self.n_layer
+        if not isinstance(self.attnres_block, int) or not 0 <= self.attnres_block <= most:
+            bad("attnres_block", f"must be 0 (auto) or 1..2*n_layer={most} sublayers")
         if not self.wav_rho > 0:  # also catches NaN
             bad("wav_rho", "must be > 0")
         if not math.isfinite(self.wav_detail_bias):
@@ -389,7 +391,7 @@ class DepthRouting:
     def block_coefficients(self, first, n):
         """How the sources of a block combine its n updates (sublayers first, ..., first+n-1): the
         state's row of ones, then a row per detail basis, its signs (SPEC: WAV v1) or, with
-        wav_learned_bases, the learned coefficients: lists of numbers, or a (1 + bases, n) tensor."""
+        wav_learned_bases, learned coefficients: lists of numbers, or a (1 + bases, n) tensor."""
         if not self.config.wav_learned_bases:
             signs = [self.detail_signs(l) for l in range(first, first + n)]
             return [[1] * n] + [[s[basis] for s in signs] for basis in self.bases]
@@ -408,10 +410,10 @@ class DepthRouting:
         return [s._replace(value=v) for s, v in zip(self.block_source_names(name), values)]
 
     def block_source_names(self, name):  # a block's sources without values: the state, its details
-        return [Source(name, None)] + [Source(f"{name}.{basis}", None, basis) for basis in self.bases]
+        return [Source(name, None)] + [Source(f"{name}.{b}", None, b) for b in self.bases]
 
     def complete(self, b, block, pool):
-        """SPEC: block b is complete: its sources C_b (and details) join the pool. Add sources here."""
+        """SPEC: block b is complete: its sources C_b (and details) join the pool. Add more here."""
         return pool + self.block_sources(f"C{b}", block, b * self.config.routing_block)
 
     # ----- the read --------------------------------------------------------------
@@ -466,7 +468,7 @@ class DepthRouting:
         return h
 
     def sublayer_inputs(self, h):
-        """SPEC: RD-AttnRes. What a sublayer runs on, from its reads h ({role: (B, T, d)}): (x, x_v),
+        """SPEC: RD-AttnRes. What a sublayer runs on from its reads h ({role: (B, T, d)}): (x, x_v),
         x_v None when one input feeds Q, K and V. A read computed but not used is an error."""
         h = dict(h)
         x, x_v = h.pop("mlp") if "mlp" in h else h.pop("attn"), h.pop("attn.v", None)
@@ -531,7 +533,7 @@ class GPT(DepthRouting, nn.Module):
                                                         mlp=MLP(config)))
                                      for _ in range(config.n_layer)])
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
-        self.wte.weight = self.lm_head.weight  # tied: https://paperswithcode.com/method/weight-tying
+        self.wte.weight = self.lm_head.weight  # tied (weight tying, as GPT-2 and nanoGPT)
         cos, sin = rotary_tables(config.sequence_len, d // config.n_head)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -614,10 +616,10 @@ class GPT(DepthRouting, nn.Module):
     def no_decay_parameters(self):
         """{name: parameter} of all but the matrices of Linear and Embedding layers: the routing's,
         ReZero/LayerScale gains, DenseFormer's weights, Linear biases (SPEC: Numerics)."""
-        matrices = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        matrices = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear | nn.Embedding)}
         return {name: p for name, p in self.named_parameters() if id(p) not in matrices}
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), device_type="cpu"):
+    def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), device_type=""):
         """AdamW, weight decay on the matrices of Linear and Embedding layers only."""
         no_decay = list(self.no_decay_parameters().values())
         decay = [p for p in self.parameters() if not any(p is q for q in no_decay)]
@@ -631,7 +633,7 @@ class GPT(DepthRouting, nn.Module):
 
     def flops_per_token(self):
         """Training FLOPs per token as PaLM counts them (appendix B): 6N for the matmuls of the N
-        parameters, plus attention's 12·L·d·T; the routing's few FLOPs per source are left out."""
+        parameters, plus attention's 12·L·d·T; the routing's few FLOPs a source are left out."""
         cfg = self.config
         return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.sequence_len
 
@@ -649,7 +651,7 @@ class GPT(DepthRouting, nn.Module):
             if cache is None or cache.pos >= cfg.sequence_len:  # (re)fill the cache
                 context = idx[:, -cfg.sequence_len:]
                 amp = torch.is_autocast_enabled(idx.device.type)
-                dtype = torch.get_autocast_dtype(idx.device.type) if amp else self.lm_head.weight.dtype
+                dtype = torch.get_autocast_dtype(idx.device.type) if amp else self.wte.weight.dtype
                 cache = KVCache(cfg, idx.size(0), idx.device, dtype)
             else:
                 context = idx[:, -1:]
@@ -713,53 +715,56 @@ def routing_stats(routes):
 
 
 # =============================================================================
-# Below this banner: a fast kernel for depth reads, and nothing of the model. It is given a pool of
-# sources, queries and logit biases, and a block of updates with the coefficients that combine them into
-# the block's own sources; it computes what depth_read computes over them, with hand-written backward
-# passes (the coefficients' gradient too), and keeps whatever it needs for speed and memory. It knows
-# nothing of WAV, RD or the routing fields. Its own tests check it against depth_read.
+# Below this banner: a fast kernel for depth reads, and nothing of the model. It is given a pool
+# of sources, queries and logit biases, and a block of updates with the coefficients that combine
+# them into the block's own sources; it computes what depth_read computes over them, with
+# hand-written backward passes (the coefficients' gradient too), and keeps whatever it needs for
+# speed and memory. It knows nothing of WAV, RD or the routing fields. Its tests check it against
+# depth_read.
 # =============================================================================
 
 class BlockReads:
-    """The reads of one routing block, two-phase (SPEC: Two-phase computation). Phase 1 (here): every read
-    over the completed sources in one batched pass, one read of each source instead of one per read.
-    Phase 2 (per call): an online softmax merges a read's phase-1 summary with the block's own sources,
-    which are linear combinations of the block's updates and are never built.
+    """The reads of one routing block, two-phase (SPEC: Two-phase computation). Phase 1 (here):
+    every read over the completed sources in one batched pass, one read of each source instead of
+    one per read. Phase 2 (per call): an online softmax merges a read's phase-1 summary with the
+    block's own sources, linear combinations of the block's updates that are never built.
 
-    routes: {read: (query (d,), bias (S + P_r,))}, the bias over the S completed sources, then over the
-    P_r block sources it sees (0 or P); completed: [(key, value (B, T, d))]; coefficients: P rows of n
-    numbers, or a (P, n) tensor (learned: its gradient is computed): block source p = s_p · Σ_i c_pi·u_i,
-    s_0 = 1 and s_p = match(mean_square(source 0), mean_square(source p)) for p > 0, without gradient;
-    previous: the last block's BlockReads, whose key norms are reused; sources: {read: the caller's list
-    of its sources}, returned with each read (the kernel reads the routes only); heads: H > 1 splits
-    every read into H reads, head k's query zero outside the k-th slice of the width, and the read's
-    h is each head's slice of its own h; its weights (S + P_r, B, T, H)."""
+    routes: {read: (query (d,), bias (S + P_r,))}, the bias over the S completed sources, then the
+    P_r block sources it sees (0 or P); completed: [(key, value (B, T, d))]; coefficients: P rows
+    of n numbers, or a (P, n) tensor (learned: its gradient is computed): block source p = s_p ·
+    Σ_i c_pi·u_i, s_0 = 1, s_p = match(mean_square(source 0), mean_square(source p)) without
+    gradient; previous: the last block's BlockReads (its key norms are reused); sources: {read:
+    the caller's list of its sources}, returned with each read; heads: H > 1 splits every read
+    into H reads, head k's query zero outside the k-th slice of the width, and the read's h is
+    each head's slice of its own h."""
 
     def __init__(self, routes, completed, coefficients, match, previous, sources, heads=1):
         if heads > 1:
             routes = {(read, k): (q * mask, bias) for read, (q, bias) in routes.items()
                       for k, mask in enumerate(_head_masks(heads, q))}
-        self.routes, self.coefficients, self.match, self.sources = routes, coefficients, match, sources
-        self.heads = heads
+        self.routes, self.coefficients, self.match = routes, coefficients, match
+        self.sources, self.heads = sources, heads
         self.learned = isinstance(coefficients, torch.Tensor)
-        # running sums of the block's sources are needed unless the one source is the one term (Block AttnRes)
-        self.summed = self.learned or len(coefficients) > 1 or any(c != 1 for row in coefficients for c in row)
-        self.norms = dict(previous.norms) if isinstance(previous, BlockReads) else {}  # key -> (value, inv_rms)
-        values, inv_rms = [v for _, v in completed], [self._inv_rms(key, v) for key, v in completed]
+        # running sums of the block's sources, unless the one source is the one term (Block AttnRes)
+        self.summed = self.learned or len(coefficients) > 1 or \
+            any(c != 1 for row in coefficients for c in row)
+        # key -> (value, inv_rms)
+        self.norms = dict(previous.norms) if isinstance(previous, BlockReads) else {}
+        values, inv_rms = [v for _, v in completed], [self._inv_rms(k, v) for k, v in completed]
         S, names = len(values), list(routes)
         queries = torch.stack([routes[r][0] for r in names])
         biases = torch.stack([routes[r][1][:S] for r in names])
         if torch.is_grad_enabled():
             out = CompletedReads.apply(queries, biases, *values, *inv_rms)
             mix, lse, p = out[:len(names)], out[len(names):-1], out[-1]
-        else:  # eval: the same math without the autograd.Function (which torch.compile rejects there)
+        else:  # eval: the same math without the autograd.Function (torch.compile rejects it there)
             mix, lse, p, _, _ = completed_reads(queries, biases, values, inv_rms)
             mix, lse = mix.unbind(2), lse.unbind(2)
         self.phase1 = {name: (mix[r], lse[r], p[..., r]) for r, name in enumerate(names)}
         self.pieces, self.sums, self.seen, self.state = {}, None, 0, None
 
     def _inv_rms(self, key, value):
-        """rsqrt(mean(v²)+ε) of a completed source (with its graph), once per source per forward: every
+        """rsqrt(mean(v²)+ε) of a completed source (with its graph), once per forward: every
         read's key norm is then RMSNorm(v)·w = (v·w)·inv_rms (SPEC: Two-phase computation)."""
         cached = self.norms.get(key)
         if cached is None or cached[0] is not value:
@@ -767,32 +772,37 @@ class BlockReads:
         return cached[1]
 
     def __call__(self, name, block, keep_weights=False):
-        """h (B, T, d) of read `name` over the completed sources and the sources of `block` (its updates
-        so far, a list that grows by one per sublayer); its weights (S + P_r, B, T, H) if keep_weights;
-        its sources."""
+        """h (B, T, d) of read `name` over the completed sources and those of `block` (its updates
+        so far, one more per sublayer); its weights (S + P_r, B, T, H) if keep_weights; sources."""
         if self.heads == 1:
             h, weights = self._read(name, block, keep_weights)
             return h, weights[..., None] if keep_weights else None, self.sources[name]
         parts = [self._read((name, k), block, keep_weights) for k in range(self.heads)]
-        h = torch.cat([h.unflatten(-1, (self.heads, -1))[..., k, :] for k, (h, _) in enumerate(parts)], -1)
-        return h, torch.stack([w for _, w in parts], -1) if keep_weights else None, self.sources[name]
+        h = torch.cat([h.unflatten(-1, (self.heads, -1))[..., k, :]
+                       for k, (h, _) in enumerate(parts)], -1)
+        weights = torch.stack([w for _, w in parts], -1) if keep_weights else None
+        return h, weights, self.sources[name]
 
     def _read(self, name, block, keep_weights):
         mix, lse, p = self.phase1[name]
         query, bias = self.routes[name]
         S = p.size(2)
-        if bias.size(0) == S:  # it sees no block source. A compact copy: a view would keep phase 1's output alive
+        if bias.size(0) == S:  # no block source; a copy: a view would keep all of phase 1 alive
             return mix.contiguous(), p.permute(2, 0, 1) if keep_weights else None
         terms, coeffs, inv_rms, scale = self._block_state(block)
         args = (mix, lse, query, bias[S:], inv_rms, scale, coeffs)
-        h, a = PartialMerge.apply(*args, *terms) if torch.is_grad_enabled() else merge_partial(*args, terms)[:2]
+        if torch.is_grad_enabled():
+            h, a = PartialMerge.apply(*args, *terms)
+        else:
+            h, a = merge_partial(*args, terms)[:2]
         return h, torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if keep_weights else None
 
     def _block_state(self, block):
-        """The block's sources as PartialMerge takes them: terms, their coefficients (P, K) (None: the one
-        source is the one term), inv_rms and detached scale (P, B, T). Updates with identical fixed
-        coefficient columns are summed into one term (WAV's two bases: at most 4 per block; without WAV, 1:
-        a sublayer leaves one tensor for the backward); learned coefficients keep one term per update."""
+        """The block's sources as PartialMerge takes them: terms, their coefficients (P, K) (None:
+        the one source is the one term), inv_rms and detached scale (P, B, T). Updates with equal
+        fixed coefficient columns are summed into one term (WAV's two bases: at most 4 a block;
+        without WAV 1: a sublayer leaves one tensor for the backward); learned coefficients keep
+        one term per update."""
         if self.state is None or self.seen != len(block):
             for i in range(self.seen, len(block)):
                 self._absorb(i, block[i])
@@ -803,17 +813,17 @@ class BlockReads:
             else:
                 keys = list(self.pieces)
                 coeffs = _constant(tuple(zip(*keys)), terms[0].device)  # (P, K)
-                if coeffs.shape == (1, 1) and keys[0] == (1,):  # the one source is the one term itself
+                if coeffs.shape == (1, 1) and keys[0] == (1,):  # the one source is the one term
                     coeffs = None
             with torch.no_grad():  # SPEC: WAV stability 2, mean squares and scales without gradient
-                ms = mean_square(self.sums) if self.summed else mean_square(terms[0])[None]  # (P, B, T)
-                scale = torch.cat([torch.ones_like(ms[:1]), self.match(ms[0], ms[1:])])
+                ms = mean_square(self.sums) if self.summed else mean_square(terms[0])[None]
+                scale = torch.cat([torch.ones_like(ms[:1]), self.match(ms[0], ms[1:])])  # (P, B, T)
                 inv_rms = torch.rsqrt(scale.square() * ms + EPS)  # mean((s·v)²) = s²·mean(v²)
             self.state = terms, coeffs, inv_rms, scale
         return self.state
 
     def _absorb(self, i, u):
-        """Update i joins its piece (with gradient) and the running sums of the block's sources (without)."""
+        """Update i joins its piece (with gradient) and the block's running sums (without)."""
         key = i if self.learned else tuple(row[i] for row in self.coefficients)
         self.pieces[key] = self.pieces[key] + u if key in self.pieces else u
         if not self.summed:
@@ -824,8 +834,7 @@ class BlockReads:
             self.sums = term if self.sums is None else self.sums + term
 
 
-def _head_masks(heads, query):
-    """(H, d) rows of 0 and 1: row k is 1 on the k-th slice of the width."""
+def _head_masks(heads, query):  # (H, d): row k is 1 on the k-th slice of the width, else 0
     eye = torch.eye(heads, device=query.device, dtype=query.dtype)
     return eye.repeat_interleave(query.size(-1) // heads, dim=1)
 
@@ -834,9 +843,9 @@ _CONSTANTS = {}  # (values, device) -> tensor
 
 
 def _constant(values, device):
-    """A small float32 tensor of fixed values on `device`, built once per values and device: a copy from
-    the host to a GPU at every read would wait for the GPU's queue to drain. A compiled graph holds it as
-    a constant instead. Never an inference tensor (autograd may save it later)."""
+    """A small float32 tensor of fixed values on `device`, built once per values and device: a
+    copy from the host to a GPU at every read would wait for the GPU's queue to drain. A compiled
+    graph holds it as a constant instead. Never an inference tensor (autograd may save it)."""
     if torch.compiler.is_compiling():
         return torch.tensor(values, dtype=torch.float32, device=device)
     key = (values, str(device))
@@ -848,7 +857,7 @@ def _constant(values, device):
 
 def completed_reads(queries, biases, values, inv_rms):
     """Phase 1's forward: queries (R, d), biases (R, S), S sources (B, T, d), their inv_rms (B, T).
-    Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R), inv_rms (B, T, S), dots vᵀw (B, T, S, R)."""
+    Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R), inv_rms (B, T, S), dots vᵀw."""
     with float32(values[0]):
         V = torch.stack(values, dim=2).float()  # (B, T, S, d)
         inv_rms = torch.stack(inv_rms, dim=2)  # (B, T, S)
@@ -863,12 +872,12 @@ def completed_reads(queries, biases, values, inv_rms):
 
 def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
     """Phase 2's forward: a read's summary (mix, lse), query (d,) and P partial sources scale_p ·
-    Σ_k coeffs[p, k]·terms_k: bias (P,), inv_rms and detached scale (P, B, T), coeffs (P, K) (None: the
-    source is its one term), terms (B, T, d). Returns h (B, T, d), a (1+P, B, T), dots ṽ_pᵀw (P, B, T) and
-    the terms' dots t_kᵀw (K, B, T)."""
+    Σ_k coeffs[p, k]·terms_k: bias (P,), inv_rms and detached scale (P, B, T), coeffs (P, K)
+    (None: the source is its one term), terms (B, T, d). Returns h (B, T, d), a (1+P, B, T),
+    dots ṽ_pᵀw (P, B, T) and the terms' dots t_kᵀw (K, B, T)."""
     with float32(mix):
         q = query.float()
-        # vecdot, not v @ q: a per-token dot product is one fused pass, matrix-vector is 2x slower on CPU
+        # vecdot, not v @ q: a per-token dot product is one fused pass, v @ q 2x slower on a CPU
         term_dots = torch.stack([torch.linalg.vecdot(t.float(), q) for t in terms])
         dots = _per_source(coeffs, term_dots) * scale
         a = torch.cat([lse[None], dots * inv_rms + bias.float()[:, None, None]]).softmax(0)
@@ -879,17 +888,19 @@ def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
 
 
 def _per_source(coeffs, x):  # Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)
-    return x if coeffs is None else (coeffs.float() @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
+    return x if coeffs is None else \
+        (coeffs.float() @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
 
 
 def _per_term(coeffs, x):  # Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -> (K, ...)
-    return x if coeffs is None else (coeffs.float().t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
+    return x if coeffs is None else \
+        (coeffs.float().t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
 
 
 class CompletedReads(torch.autograd.Function):
     """Phase 1 with a batched backward (one gradient per source, not one per read). Read r returns
-    mix_r (B, T, d), normalised over the completed sources, and lse_r (B, T), which phase 2 treats as
-    one source with logit lse_r; and p (B, T, S, R), recomputed in the backward from the saved vᵀw:
+    mix_r (B, T, d), normalised over the completed sources, and lse_r (B, T), which phase 2 treats
+    as one source with logit lse_r; and p (B, T, S, R), recomputed in the backward from vᵀw:
         dlogit_rs = p_rs (⟨dmix_r, v_s⟩ − Σ_s' p_rs' ⟨dmix_r, v_s'⟩ + dlse_r)
         dv_s = Σ_r p_rs dmix_r + dlogit_rs·inv_rms_s·w_r,  dw_r = Σ dlogit_rs·inv_rms_s·v_s,
         dinv_rms_s = Σ_r dlogit_rs·(v_s·w_r),  dbias_rs = Σ dlogit_rs."""
@@ -897,8 +908,10 @@ class CompletedReads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, queries, biases, *values_and_inv_rms):
         S = len(values_and_inv_rms) // 2
-        mix, lse, p, inv_rms, dots = completed_reads(queries, biases, values_and_inv_rms[:S], values_and_inv_rms[S:])
-        ctx.save_for_backward(queries, biases, inv_rms, dots, lse, *values_and_inv_rms[:S])
+        values = values_and_inv_rms[:S]
+        mix, lse, p, inv_rms, dots = completed_reads(queries, biases, values,
+                                                     values_and_inv_rms[S:])
+        ctx.save_for_backward(queries, biases, inv_rms, dots, lse, *values)
         ctx.mark_non_differentiable(p)
         return (*mix.unbind(2), *lse.unbind(2), p)
 
@@ -906,9 +919,8 @@ class CompletedReads(torch.autograd.Function):
     def backward(ctx, *grads):
         queries, biases, inv_rms, dots, lse, *values = ctx.saved_tensors
         with float32(queries):  # float32 also when backward() is called under autocast
-            R = queries.size(0)
-            Q = queries.float()
-            p = (dots * inv_rms[..., None] + biases.float().t() - lse[:, :, None]).exp()  # as in the forward
+            R, Q = queries.size(0), queries.float()
+            p = (dots * inv_rms[..., None] + biases.float().t() - lse[:, :, None]).exp()
             dmix = torch.stack(grads[:R], dim=2).float()  # (B, T, R, d)
             dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R)
             V = torch.stack(values, dim=2).float()  # (B, T, S, d)
@@ -919,19 +931,19 @@ class CompletedReads(torch.autograd.Function):
             dQ = c.flatten(0, 2).t() @ V.flatten(0, 2)  # (R, d)
             dinv_rms = (dlogits * dots).sum(-1)  # (B, T, S)
             dbiases = dlogits.sum((0, 1)).t()  # (R, S)
-        return dQ.to(queries.dtype), dbiases, *(t.to(v.dtype) for t, v in zip(dV.unbind(2), values)), \
-            *dinv_rms.unbind(2)
+        dvalues = (t.to(v.dtype) for t, v in zip(dV.unbind(2), values))
+        return dQ.to(queries.dtype), dbiases, *dvalues, *dinv_rms.unbind(2)
 
 
 class PartialMerge(torch.autograd.Function):
-    """Phase 2 with a hand-written backward: a softmax over [lse, the partial sources' logits]. The
-    sources are combinations of the terms with detached scales and inv_rms: never built, no graph nodes,
-    and the backward keeps only the terms (shared by the block's reads), h and P×B×T numbers. With
-    ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k and inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
+    """Phase 2 with a hand-written backward: a softmax over [lse, the partial sources' logits].
+    The sources are combinations of the terms with detached scales and inv_rms: never built, no
+    graph nodes, and the backward keeps only the terms (shared by the block's reads), h and P×B×T
+    numbers. With ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k, inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
         dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dmix = a_0 dh,
         dlse = −Σ_p dlogit_p (softmax gradients sum to zero: no copy of mix is needed),
         dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p,
-        dterm_k = Σ_p c_pk dv_p,  dc_pk = Σ ⟨dv_p, term_k⟩ (only for coefficients that require grad)."""
+        dterm_k = Σ_p c_pk dv_p,  dc_pk = Σ ⟨dv_p, term_k⟩ (for coefficients that require grad)."""
 
     @staticmethod
     def forward(ctx, mix, lse, query, bias, inv_rms, scale, coeffs, *terms):
@@ -946,14 +958,16 @@ class PartialMerge(torch.autograd.Function):
         with float32(h):  # float32 also when backward() is called under autocast
             dh, q = dh.float(), query.float()
             terms = [t.float() for t in stored]
-            term_grads = torch.stack([torch.linalg.vecdot(dh, t) for t in terms])  # ⟨dh, term_k⟩ (K, B, T)
-            dlogit = a[1:] * (_per_source(coeffs, term_grads) * scale - torch.linalg.vecdot(dh, h))  # (P, B, T)
+            # ⟨dh, term_k⟩ (K, B, T), then dlogit (P, B, T)
+            term_grads = torch.stack([torch.linalg.vecdot(dh, t) for t in terms])
+            dlogit = a[1:] * (_per_source(coeffs, term_grads) * scale - torch.linalg.vecdot(dh, h))
             c = dlogit * inv_rms * scale  # through the dot product
-            norm_term = dlogit * dots * inv_rms.pow(3) * scale.square() / h.size(-1)  # through the key norm
+            norm_term = dlogit * dots * inv_rms.pow(3) * scale.square() / h.size(-1)  # the key norm
             c_k, a_k = _per_term(coeffs, c), _per_term(coeffs, a[1:] * scale)
             # −Σ_p c_pk·norm_term_p·v_p = Σ_j M_kj·term_j, M_kj = −Σ_p c_pk·c_pj·norm_term_p
             C = None if coeffs is None else coeffs.float()
-            M = -norm_term[:, None] if C is None else -_per_term(C, C[:, :, None, None] * norm_term[:, None])
+            M = -norm_term[:, None] if C is None else \
+                -_per_term(C, C[:, :, None, None] * norm_term[:, None])
             dquery = sum(c_k[k].flatten() @ t.flatten(0, 1) for k, t in enumerate(terms))
             dterms = []
             for k in range(len(terms)):
@@ -963,8 +977,10 @@ class PartialMerge(torch.autograd.Function):
                 dterms.append(dt)
             dmix, dlse, dbias = a[0][..., None] * dh, -dlogit.sum(0), dlogit.sum((1, 2))
             dcoeffs = None
-            if ctx.needs_input_grad[6]:  # ⟨dv_p, term_k⟩ = s_p a_p ⟨dh, t_k⟩ + c_p ⟨w, t_k⟩ − norm_p Σ_j c_pj ⟨t_j, t_k⟩
-                gram = torch.stack([torch.stack([torch.linalg.vecdot(t, u) for u in terms]) for t in terms])
+            if ctx.needs_input_grad[6]:
+                # ⟨dv_p, t_k⟩ = s_p a_p ⟨dh, t_k⟩ + c_p ⟨w, t_k⟩ − norm_p Σ_j c_pj ⟨t_j, t_k⟩
+                gram = torch.stack([torch.stack([torch.linalg.vecdot(t, u) for u in terms])
+                                    for t in terms])
                 dcoeffs = (torch.einsum("pbt,kbt->pk", a[1:] * scale, term_grads)
                            + torch.einsum("pbt,kbt->pk", c, term_dots)
                            - torch.einsum("pbt,pj,jkbt->pk", norm_term, C, gram)).to(coeffs.dtype)
