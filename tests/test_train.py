@@ -314,6 +314,7 @@ def test_bf16_autocast_and_compile(demo, tmp_path, monkeypatch):
     assert all(v.dtype == torch.float32 for v in weights(tmp_path / "c")["model"].values())
 
 
+@pytest.mark.optional
 def test_wandb_gets_the_numbers_of_metrics_jsonl(demo, tmp_path, monkeypatch, capsys):
     wandb = pytest.importorskip("wandb", reason="needs wandb (optional: pip install wandb)")
     monkeypatch.setenv("WANDB_MODE", "offline")  # never upload from a test
