@@ -846,6 +846,7 @@ def assert_extension_fast_equals_reference(cfg, device, model_class):
 
 
 def test_readme_python_blocks_run_as_written():
+    assert docs_code("docs/model.md")["out"].shape == (2, 28)  # every variant, routes, generation
     names = docs_code("README.md")  # the model in Python, then the README's routing change
     assert names["out"].shape == (2, 28)  # generate: 8 prompt tokens + 20
     assert names["model"].bases == ["phase", "split", "cross"]
@@ -855,7 +856,8 @@ def test_readme_python_blocks_run_as_written():
 @pytest.mark.gpu
 def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(device):
     cfg = dict(residual="attnres", wav=True, attnres_block=4)
-    model = docs_class("GPTWithCrossBasis")(GPTConfig(**TINY, **cfg))
+    cross_basis = docs_code("README.md")["GPTWithCrossBasis"]  # the README's routing change
+    model = cross_basis(GPTConfig(**TINY, **cfg))
     assert all(b.shape == (3,) for b in model.detail_bias.values())  # a detail bias per read for it too
     _, _, routes = model(tokens(), return_routes=True)
     assert routing_stats(routes)["sources"] == ["emb", "C0", "C0.phase", "C0.split", "C0.cross",
@@ -866,7 +868,7 @@ def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(devic
     want = us[0] - us[1] - us[2] + us[3]
     scale = torch.clamp(state.value.pow(2).mean(-1).sqrt() / (want.pow(2).mean(-1).sqrt() + nanoroute.EPS), max=4.0)
     torch.testing.assert_close(cross.value, scale[..., None] * want)
-    assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithCrossBasis"))
+    assert_extension_fast_equals_reference(cfg, device, cross_basis)
 
 
 # A source made from earlier blocks: an override of complete
