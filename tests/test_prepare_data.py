@@ -1,0 +1,419 @@
+"""prepare_data.py: each dataset from tiny stand-ins served by a local HTTP server (no test touches
+the internet), the downloads' rules, the folder rules, and what train.py / sample.py read back."""
+
+import gzip
+import hashlib
+import http.server
+import importlib.util
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import prepare_data as pd
+
+SCRIPT = str(Path(pd.__file__).resolve())
+
+
+class Mirror(http.server.BaseHTTPRequestHandler):
+    """Serves `files` by name, honouring Range; `status` forces an HTTP error, `cut_once` sends
+    half a file and hangs up, `ignore_range` answers every request with the whole file."""
+    files, log, status, cut_once, ignore_range = {}, [], {}, set(), False
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        name, asked = self.path.lstrip("/"), self.headers.get("Range")
+        self.log.append((name, asked))
+        if name in self.status or name not in self.files:
+            return self.send_error(self.status.get(name, 404))
+        data = self.files[name]
+        start = int(asked[len("bytes="):-1]) if asked and not self.ignore_range else 0
+        if start >= len(data) > 0:
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{len(data)}")
+        else:
+            self.send_response(206 if start else 200)
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        body = data[start:] if start < len(data) else b""
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if name in self.cut_once:
+            self.cut_once.discard(name)
+            body = body[:len(body) // 2]
+            self.close_connection = True
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def mirror(monkeypatch):
+    handler = type("Handler", (Mirror,), dict(files={}, log=[], status={}, cut_once=set()))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+    handler.url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("NANOROUTE_BASE_URL", handler.url)
+    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "0")
+    monkeypatch.setattr(pd, "OFFICIAL", {})
+
+    def serve(files):  # the official sizes and hashes become the stand-ins': they are checked
+        handler.files.update(files)
+        for name, data in files.items():
+            size, sha = OFFICIAL.get(name, (None, None))
+            pd.OFFICIAL[name] = (size and len(data), sha and hashlib.sha256(data).hexdigest())
+    handler.serve = serve
+    yield handler
+    server.shutdown()
+    server.server_close()
+
+
+OFFICIAL = dict(pd.OFFICIAL)  # the real table, before the fixture replaces it
+TS_TRAIN, TS_VALID = "TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt"
+
+
+def text8_zip(n=2000, seed=0):
+    text = "".join(np.random.default_rng(seed).choice(list("abcdefghijklmnopqrstuvwxyz   "), n))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("text8", text)
+    return text, buf.getvalue()
+
+
+def shard(tokens, magic=20240520):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, 1, len(tokens)
+    return header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes()
+
+
+def gpt2_files():
+    """A tiny encoder.json / vocab.bpe: the 256 byte tokens, three merges, and <|endoftext|>."""
+    shown = [*range(33, 127), *range(161, 173), *range(174, 256)]  # as themselves; others: 256 on
+    others = [b for b in range(256) if b not in shown]
+    vocab = {chr(c): b for b, c in zip(shown + others, shown + list(range(256, 256 + len(others))))}
+    vocab.update({"he": 256, "Ġt": 257, "Ġthe": 258, pd.EOT: 50256})
+    bpe = "#version: 0.2\nh e\nĠ t\nĠt he\n"
+    return {"encoder.json": json.dumps(vocab).encode(), "vocab.bpe": bpe.encode()}
+
+
+def error_line(capsys, argv):
+    """main(argv) must fail with one `error:` line and exit code 2; returns that line."""
+    with pytest.raises(SystemExit) as e:
+        pd.main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def files_in(folder):
+    files = [p for p in Path(folder).rglob("*") if p.is_file()]
+    return {str(p.relative_to(folder)): p.read_bytes() for p in files}
+
+
+# -----------------------------------------------------------------------------
+# The datasets
+
+def test_demo_is_deterministic_whole_stories_and_every_split_in_the_vocabulary(tmp_path, capsys):
+    a = pd.prepare("demo", tmp_path / "a", demo_mb=0.05)
+    b = pd.prepare("demo", tmp_path / "b", demo_mb=0.05)
+    c = pd.prepare("demo", tmp_path / "c", demo_mb=0.05, seed=7)
+    assert files_in(a) == files_in(b)
+    assert (a / "val.bin").read_bytes() != (c / "val.bin").read_bytes()
+    meta = pd.load_meta(a)
+    assert meta["level"] == "char" and meta["dtype"] == "uint8" and meta["format_version"] == 1
+    assert meta["source"] == "generated (seed 1337)"
+    assert meta["options"] == dict(seed=1337, demo_mb=0.05)
+    n = meta["splits"]
+    assert 0.88 < n["train"] / sum(n.values()) < 0.92 and sorted(files_in(a)) == [
+        "meta.json", "test.bin", "train.bin", "val.bin"]  # no progress.json, no temporary file
+    texts, decode = pd.demo_stories(1337, 0.05), pd.decoder(meta, a)
+    for split in pd.SPLITS:  # every split decodes back to its stories, whole
+        assert decode(pd.open_split(a, split)) == texts[split] and texts[split].endswith("\n\n")
+    assert set(texts["val"] + texts["test"]) <= set(meta["chars"])
+    assert decode([meta["vocab_size"] + 3]) == "\ufffd"  # a padded head's extra ids: harmless
+    capsys.readouterr()
+    pd.prepare("demo", tmp_path / "a", demo_mb=0.05)
+    assert "already prepared" in capsys.readouterr().out and files_in(a) == files_in(b)
+
+
+def test_char_encoder_round_trip_and_unknown_characters(tmp_path):
+    out = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01)
+    meta = pd.load_meta(out)
+    encode, decode = pd.encoder(meta, out), pd.decoder(meta, out)
+    assert decode(encode('Lily said, "Hi!"\n')) == 'Lily said, "Hi!"\n'
+    with pytest.raises(pd.UsageError, match="'€' '☃'; remove or replace them"):
+        encode("10 € ☃")
+
+
+def test_text8_from_a_mirror_and_its_downloads(mirror, tmp_path):
+    text, zipped = text8_zip(2099)  # no multiple of 100: val is [90 %, 95 %), test the rest
+    mirror.serve({"text8.zip": zipped})
+    out = pd.prepare("text8", tmp_path / "t8")
+    meta = pd.load_meta(out)
+    ids = np.array([" abcdefghijklmnopqrstuvwxyz".index(c) for c in text])
+    assert meta["vocab_size"] == 27 and meta["source"] == [mirror.url + "/text8.zip"]
+    for split, part in zip(pd.SPLITS, (ids[:1889], ids[1889:1994], ids[1994:])):
+        assert pd.open_split(out, split).tolist() == part.tolist()
+    assert sorted(files_in(out)) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+    out = pd.prepare("text8", tmp_path / "kept", keep_downloads=True)
+    assert (out / "downloads" / "text8.zip").read_bytes() == zipped
+
+
+def test_tinystories_vocabulary_end_of_text_and_rare_characters(mirror, tmp_path, monkeypatch):
+    train = 'Tom saw a cat.\n<|endoftext|>\nLily said "hi" to Tom. é!\n<|endoftext|>\nThe cat ran.'
+    valid = "Tom saw Lily. Zoë ran.\n<|endoftext|>\n"
+    mirror.serve({TS_TRAIN: train.encode(), TS_VALID: valid.encode()})
+    monkeypatch.setattr(pd, "CHUNK", 16)  # stories cut across chunks; a chunk ends at a line's end
+    plain = train.replace(pd.EOT, "")
+    out = pd.prepare("tinystories", tmp_path / "ts", min_per_million=1.5e6 / len(plain))  # 1.5x
+    meta = pd.load_meta(out)
+    frequent = sorted(c for c in set(plain) if plain.count(c) >= 2)
+    assert meta["chars"] == frequent + [pd.EOT, "\ufffd"]
+    assert set(meta["splits"]) == {"train", "val"}
+    assert meta["replaced"] == sorted(c for c in set(plain) if plain.count(c) == 1)
+
+    def ids(text):
+        stories = [[frequent.index(c) if c in frequent else len(frequent) + 1 for c in s]
+                   for s in text.split(pd.EOT)]
+        return stories[0] + [i for s in stories[1:] for i in [len(frequent)] + s]
+    assert pd.open_split(out, "train").tolist() == ids(train)
+    assert pd.open_split(out, "val").tolist() == ids(valid)
+    assert pd.encoder(meta, out)("Tom<|endoftext|>") == ids("Tom<|endoftext|>")
+    assert pd.decoder(meta, out)(ids("Tom<|endoftext|>a")) == "Tom<|endoftext|>a"
+    train = b"ab<|endoftext|>ba\xff"  # an undecodable byte is '\ufffd', which keeps its own id
+    mirror.serve({"TinyStories-train.txt": train, "TinyStories-valid.txt": b"ab"})
+    out = pd.prepare("tinystories", tmp_path / "v1", v1=True, min_per_million=0)
+    assert pd.load_meta(out)["chars"] == ["a", "b", pd.EOT, "\ufffd"]
+    assert pd.load_meta(out)["source"][0].endswith("/TinyStories-train.txt")
+
+
+@pytest.mark.optional  # with tiktoken (CI's second stage) it encodes; without, one line says so
+def test_fineweb_edu_shards_split_and_gpt2_decoding(mirror, tmp_path):
+    val = [50256, 1, 2, 3, 50256, 4, 5, 6, 7, 50256, 8, 9, 10, 11, 50256, 12]  # middle: 8
+    mirror.serve({"finewebedu_val_000000.bin": shard(val), **gpt2_files(),
+                  "finewebedu_train_000001.bin": shard([50256, 100, 101]),
+                  "finewebedu_train_000002.bin": shard([50256, 258, 50000])})
+    out = pd.prepare("fineweb_edu", tmp_path / "fw", shards=2)
+    meta = pd.load_meta(out)
+    assert meta["level"] == "gpt2" and meta["dtype"] == "uint16" and meta["vocab_size"] == 50257
+    assert meta["splits"] == {"train": 6, "val": 9, "test": 7}  # cut at the first EOT >= middle
+    assert pd.open_split(out, "train").tolist() == [50256, 100, 101, 50256, 258, 50000]
+    assert pd.open_split(out, "test").tolist() == val[9:]
+    assert sorted(files_in(out)) == ["encoder.json", "meta.json", "test.bin", "train.bin",
+                                     "val.bin", "vocab.bpe"]
+    assert pd.decoder(meta, out)([258, 99, 97, 116, 50256]) == " thecat<|endoftext|>"
+    if importlib.util.find_spec("tiktoken"):  # optional: without it, one line naming it
+        assert pd.encoder(meta, out)(" the cat<|endoftext|>") == [258, 32, 99, 97, 116, 50256]
+    else:
+        with pytest.raises(pd.UsageError, match="pip install tiktoken"):
+            pd.encoder(meta, out)
+
+
+def test_textfile_splits_records_its_hash_and_is_made_anew_when_it_changes(tmp_path, monkeypatch,
+                                                                              capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("story.txt").write_text("once upon a time ☃\n" * 10, encoding="utf-8")  # 190 characters
+    out = pd.prepare("textfile", input="story.txt")
+    meta = pd.load_meta(out)
+    assert out == Path("data/story") and meta["splits"] == {"train": 171, "val": 9, "test": 10}
+    assert meta["chars"] == sorted(set("once upon a time ☃\n")) and meta["dtype"] == "uint8"
+    assert meta["options"]["sha256"] == hashlib.sha256(Path("story.txt").read_bytes()).hexdigest()
+    val = pd.decoder(meta, out)(pd.open_split(out, "val"))
+    assert val == ("once upon a time ☃\n" * 10)[171:180]
+    pd.prepare("textfile", input="story.txt")
+    assert "already prepared" in capsys.readouterr().out
+    Path("story.txt").write_bytes(b"caf\xe9")  # changed: prepared anew, which fails...
+    assert "is not UTF-8" in error_line(capsys, ["textfile", "--input", "story.txt"])
+    with pytest.raises(pd.UsageError, match="not a finished dataset"):  # ...and reads unfinished
+        pd.load_meta(out)
+    Path("story.txt").write_text("another story\n", encoding="utf-8")
+    pd.prepare("textfile", input="story.txt")
+    assert "wrote data/story" in capsys.readouterr().out
+    assert pd.load_meta(out)["splits"] == {"train": 12, "val": 1, "test": 1}
+
+
+# -----------------------------------------------------------------------------
+# Downloads: resumed, retried, checked by name
+
+def test_a_cut_download_resumes_with_range(mirror, tmp_path):
+    text, zipped = text8_zip(5000)
+    mirror.serve({"text8.zip": zipped})
+    mirror.cut_once.add("text8.zip")
+    out = pd.prepare("text8", tmp_path / "t8")
+    asked = [r for name, r in mirror.log if r]
+    assert len(asked) == 1 and 0 < int(asked[0][len("bytes="):-1]) < len(zipped)
+    assert pd.decoder(pd.load_meta(out), out)(pd.open_split(out, "train")) == text[:4500]
+
+
+def test_a_server_ignoring_range_restarts_from_zero(mirror, tmp_path, capsys):
+    text, zipped = text8_zip()
+    mirror.serve({"text8.zip": zipped})
+    mirror.cut_once.add("text8.zip")
+    line = error_line(capsys, ["text8", "--out", tmp_path, "--retries", 0])
+    assert "failed after 1 tries" in line and "it resumes" in line
+    part = tmp_path / "downloads" / "text8.zip.part"
+    assert 0 < part.stat().st_size < len(zipped)
+    mirror.ignore_range = True
+    pd.prepare("text8", tmp_path, keep_downloads=True)
+    assert mirror.log[-1] == ("text8.zip", f"bytes={len(zipped) // 2}-")  # asked, got it all
+    assert (tmp_path / "downloads" / "text8.zip").read_bytes() == zipped
+
+
+def test_retries_print_a_line_each_then_fail_as_one_line(mirror, tmp_path, capsys):
+    mirror.status["text8.zip"] = 503
+    line = error_line(capsys, ["text8", "--out", tmp_path / "a", "--retries", 2])
+    assert "failed after 3 tries (HTTP 503)" in line and "re-run" in line and len(mirror.log) == 3
+    mirror.status["text8.zip"] = 404
+    line = error_line(capsys, ["text8", "--out", tmp_path / "b"])
+    assert f"HTTP 404 Not Found for {mirror.url}/text8.zip" in line and "--base_url" in line
+
+
+def test_each_retry_says_so_and_waits_twice_as_long(mirror, tmp_path, monkeypatch, capsys):
+    waits = []
+    monkeypatch.setattr(pd.time, "sleep", waits.append)
+    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "200")
+    mirror.status["text8.zip"] = 500
+    with pytest.raises(SystemExit):
+        pd.main(["text8", "--out", str(tmp_path), "--retries", "3"])
+    assert waits == [200, 400, 600]  # at most 600 s a wait
+    assert capsys.readouterr().out.count("text8.zip: HTTP 500; retry") == 3
+
+
+@pytest.mark.parametrize("served, why", [
+    (b"\n<!DOCTYPE html><html>404</html>", "an HTML or XML page"),
+    (gzip.compress(b"Once upon a time"), "a gzip-compressed body"),
+    (b"", "an empty file")])
+def test_a_mirror_page_gzip_body_or_empty_file_is_refused(mirror, tmp_path, capsys, served, why):
+    mirror.serve({TS_TRAIN: served, TS_VALID: b"Once upon a time"})
+    line = error_line(capsys, ["tinystories", "--out", tmp_path])
+    assert f"TinyStoriesV2-GPT4-train.txt from {mirror.url}" in line and why in line
+    assert "deleted: re-run" in line and list(files_in(tmp_path)) == ["progress.json"]
+
+
+def test_an_official_file_of_another_size_or_hash_is_refused_by_its_name(mirror, tmp_path, capsys):
+    _, zipped = text8_zip()
+    mirror.serve({"text8.zip": zipped, **gpt2_files()})
+    pd.OFFICIAL["text8.zip"] = (len(zipped) + 1, None)
+    line = error_line(capsys, ["text8", "--out", tmp_path / "t8"])
+    assert f"{len(zipped)} bytes, expected {len(zipped) + 1}" in line
+    pd.OFFICIAL["encoder.json"] = (None, "0" * 64)
+    line = error_line(capsys, ["fineweb_edu", "--out", tmp_path / "fw"])
+    assert "encoder.json" in line and "SHA-256 is not the official file's" in line
+    assert list(files_in(tmp_path / "fw")) == ["progress.json"]
+
+
+# -----------------------------------------------------------------------------
+# Folders: only this script's, resumed after a failure, read back with clear errors
+
+def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    for name in ("train.bin", "progress.json", "downloads/photo.jpg"):
+        (mine / name).parent.mkdir(parents=True, exist_ok=True)
+        (mine / name).write_bytes(b"the user's")
+    before = files_in(mine)
+    assert "give a new or empty folder" in error_line(capsys, ["demo", "--out", mine])
+    assert files_in(mine) == before
+    demo = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01)
+    before = files_in(demo)
+    assert "holds the demo dataset" in error_line(capsys, ["text8", "--out", demo])
+    assert files_in(demo) == before
+
+
+def test_a_run_stopped_by_a_failing_write_resumes_and_leaves_no_temporary_file(mirror, tmp_path,
+                                                                               monkeypatch, capsys):
+    text, zipped = text8_zip()
+    mirror.serve({"text8.zip": zipped})
+    fsync, calls = os.fsync, []
+
+    def fail_once_at_train_bin(fd):
+        calls.append(fd)
+        if len(calls) == 3:  # progress.json twice, then train.bin
+            raise OSError(5, "Input/output error")
+        fsync(fd)
+    monkeypatch.setattr(os, "fsync", fail_once_at_train_bin)
+    assert "Input/output error" in error_line(capsys, ["text8", "--out", tmp_path])
+    assert sorted(files_in(tmp_path)) == ["downloads/text8.zip", "progress.json"]
+    pd.prepare("text8", tmp_path)
+    assert sorted(files_in(tmp_path)) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+    assert [name for name, _ in mirror.log] == ["text8.zip"]  # the download was kept
+
+
+def test_load_meta_names_the_command_and_the_prepared_folders_nearby(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pd.prepare("demo", demo_mb=0.01)
+    with pytest.raises(pd.UsageError) as e:
+        pd.load_meta("data/demo_typo")
+    assert "data/demo_typo does not exist; prepared datasets: data/demo;" in str(e.value)
+    assert "python prepare_data.py DATASET --out data/demo_typo" in str(e.value)
+    Path("x").mkdir()  # a job started as fineweb_edu --shards 3
+    Path("x/progress.json").write_text('{"dataset": "fineweb_edu", "options": {"shards": 3}}')
+    with pytest.raises(pd.UsageError, match="run: python prepare_data.py fineweb_edu --shards 3"):
+        pd.load_meta("x")
+    meta = json.loads(Path("data/demo/meta.json").read_text())
+    Path("data/demo/meta.json").write_text(json.dumps({**meta, "vocab_size": "53"}))
+    fix = 'damaged .no "vocab_size" int.; prepare it again: python prepare_data.py demo --demo_mb'
+    with pytest.raises(pd.UsageError, match=fix + " 0.01 --out data/demo$"):
+        pd.load_meta("data/demo")
+
+
+def test_open_split_checks_the_size_and_every_token_id(tmp_path):
+    out, fix = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01), "python prepare_data.py demo"
+    val = bytearray((out / "val.bin").read_bytes())
+    val[-1] = 200  # id 200 in a 51-symbol vocabulary: a file of another dataset
+    (out / "val.bin").write_bytes(val)
+    with pytest.raises(pd.UsageError, match="holds token id 200, but vocab_size is 51"):
+        pd.open_split(out, "val")
+    (out / "val.bin").write_bytes(val[:-7])
+    with pytest.raises(pd.UsageError, match=re.escape(f"again: {fix} --demo_mb 0.01 --out {out}")):
+        pd.open_split(out, "val")
+    pd.prepare("demo", out, demo_mb=0.01)  # the command it names repairs it
+    assert len(pd.open_split(out, "val")) == len(val)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["wikipedia"], "unknown dataset 'wikipedia'"),
+    (["fineweb_edu", "--shards", "0"], "--shards 0: must be from 1 to 99"),
+    (["demo", "--demo_mb", "-1"], "--demo_mb -1.0: must be from 0.001 to 100"),
+    (["demo", "--demo_mb", "nan"], "--demo_mb nan: must be"),
+    (["text8", "--retries", "-1"], "--retries -1: must be from 0 to 100"),
+    (["demo", "--shards", "3"], "--shards does not apply to demo"),
+    (["textfile"], "textfile needs --input"),
+    (["textfile", "--input", "no/such.txt"], "No such file or directory"),
+    (["demo", "--sed", "3"], "unrecognized arguments: --sed 3 (did you mean --seed?)"),
+    (["demo", "--out", "{tmp}/file/demo"], "Not a directory"),
+])
+def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, argv, words):
+    monkeypatch.chdir(tmp_path)  # so that a check that let a bad value through writes nothing here
+    (tmp_path / "file").write_text("not a folder")
+    assert words in error_line(capsys, [a.format(tmp=tmp_path) for a in argv])
+
+
+def test_a_bad_retry_backoff_is_one_error_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "soon")
+    assert "NANOROUTE_RETRY_BACKOFF=soon" in error_line(capsys, ["text8", "--out", tmp_path])
+
+
+def test_help_lists_the_datasets_and_their_options(capsys):
+    with pytest.raises(SystemExit):
+        pd.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in pd.DATASETS)
+    assert all(f"--{k}" in out for d in pd.DATASETS.values() for k in d.options)
+
+
+def test_training_and_sampling_import_it_without_the_download_packages(tmp_path):
+    blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in ["requests", "urllib3", "tqdm",
+                                                                  "tiktoken"])
+    code = (f"import sys; {blocked}; import prepare_data as pd; "
+            f"out = pd.prepare('demo', {str(tmp_path / 'd')!r}, demo_mb=0.01); "
+            "print(len(pd.open_split(out, 'val', pd.load_meta(out))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=Path(SCRIPT).parent)
+    assert r.returncode == 0 and int(r.stdout.split()[-1]) > 0, r.stderr
