@@ -1,0 +1,160 @@
+"""bench.py: what it measured, checked on its structure (never on time); tools/gpu_check.sh."""
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bench
+import nanoroute
+import train
+from conftest import ROOT, run
+
+TINY = ["--shape", "tiny", "--device", "cpu", "--warmup", "1", "--gen_tokens", "0"]
+
+
+def bench_json(tmp_path, *argv):
+    path = tmp_path / "bench.json"
+    bench.main([*TINY, *map(str, argv), "--json", str(path)])
+    return json.loads(path.read_text())
+
+
+@pytest.fixture
+def training_forwards():
+    """Which model ran each forward with gradients: (its nanoroute module, its residual)."""
+    log = []
+
+    def note(module, args):
+        if type(module).__name__ == "GPT" and torch.is_grad_enabled():
+            log.append((type(module).__module__, module.config.residual))
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
+    yield log
+    handle.remove()
+
+
+def test_rounds_interleave_every_model_and_the_numbers_add_up(tmp_path, training_forwards):
+    (tmp_path / "old").mkdir()  # another version, in a folder: here the same code
+    shutil.copy(nanoroute.__file__, tmp_path / "old" / "nanoroute.py")
+    data = bench_json(tmp_path, "--variants", "prenorm,rezero,block", "--iters", 3, "--against",
+                      tmp_path / "old", "--gen_tokens", 4, "--gen_repeats", 2)
+    names = [v + version for v in ("prenorm", "rezero", "block") for version in ("", "@against")]
+    assert list(data["first_steps"]) == list(data["variants"]) == names
+    ran = [("nanoroute" + "_against" * n.endswith("@against"),
+            nanoroute.VARIANTS[n.removesuffix("@against")]["residual"]) for n in names]
+    # first steps, 1 warm-up round, 3 timed rounds, side by side; then each model's memory count
+    assert training_forwards == ran * (1 + 1 + 3) + ran
+    v = data["variants"]
+    for name, r in v.items():
+        version = "@against" * name.endswith("@against")
+        assert r["ms_all"] == data["rounds_ms"][name] and len(r["ms_all"]) == 3
+        assert (r["ms_median"], r["ms_min"]) == (statistics.median(r["ms_all"]), min(r["ms_all"]))
+        assert r["tokens_per_s"] == pytest.approx(2 * 32 / (r["ms_median"] / 1e3))
+        for base in ("prenorm", "block"):
+            ref = v[base + version]  # ratios stay within one version of the code
+            assert r[f"ratio_{base}"] == pytest.approx(r["ms_median"] / ref["ms_median"])
+            rounds = [t / u for t, u in zip(r["ms_all"], ref["ms_all"])]
+            quartiles = statistics.quantiles(rounds, n=4, method="inclusive")[::2]
+            assert r[f"paired_ratio_{base}"] == pytest.approx([statistics.median(rounds),
+                                                               *quartiles])
+        parts = r["memory"]  # CPU: an exact count, part by part
+        assert r["memory_bytes"] == sum(parts.values()) and len(parts) == 4
+        assert parts["params"] == parts["grads"] == 4 * r["params"]  # float32; tied: once
+        assert parts["adamw"] >= 2 * parts["params"] and parts["saved"] > 0
+        prenorm = v["prenorm" + version]
+        assert r["memory_ratio_prenorm"] == r["memory_bytes"] / prenorm["memory_bytes"]
+        if not version:  # this code against that code, round by round
+            rounds = [t / u for t, u in zip(r["ms_all"], v[name + "@against"]["ms_all"])]
+            assert r["paired_ratio_against"][0] == pytest.approx(statistics.median(rounds))
+            assert r["memory_ratio_against"] == 1.0  # the same code counts the same bytes
+    gen = data["generation"]
+    assert gen["new_tokens"] == 4 and list(gen["variants"]) == ["prenorm", "rezero", "block"]
+    for g in gen["variants"].values():  # KV cache and full recompute: the same tokens
+        assert g["same_tokens"] and g["speedup"] == pytest.approx(g["recompute_ms"] / g["kv_ms"])
+    assert data["complete"] and data["machine"]["command"].startswith("python bench.py --shape")
+
+
+def test_compile_raises_the_recompile_limit_and_counts_each_models_graphs(tmp_path):
+    # with a limit of 1, the second model of the same GPT.forward would run eager: bench.py
+    # raises it for its run, and each model's own backend counts what it compiled and ran
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            data = bench_json(tmp_path, "--variants", "prenorm,block", "--iters", 1, "--warmup",
+                              0, "--compile", "--compile_backend", "aot_eager")
+            assert torch._dynamo.config.recompile_limit == 1  # back as it was
+    finally:
+        torch._dynamo.reset()
+    for name, r in data["variants"].items():
+        assert r["compiled"] is True and r["graphs"] >= 1 and r["calls"] >= 2, name
+        assert r["compile_s"] == max(0.0, r["first_step_s"] - r["ms_median"] / 1e3), name
+
+
+def test_preset_shape_mfu_and_profile(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train, "peak_flops", lambda device, dtype: 1e12)  # a CPU has none
+    small = ["--n_layer", 1, "--n_embd", 16, "--n_head", 2, "--sequence_len", 8]
+    # rd_m: its micro-batch of 16 and GPT-2's vocabulary; wav48: its batch of 64, <= 256 chars
+    for preset, batch, vocab in (("rd_m", 16, 50257), ("wav48", 64, 256)):
+        data = bench_json(tmp_path, "--preset", preset, *small, "--variants", "prenorm",
+                          "--iters", 1, "--profile", "block")
+        assert data["shape"] == dict(n_layer=1, n_embd=16, n_head=2, sequence_len=8,
+                                     vocab_size=vocab, batch_size=batch)
+        r = data["variants"]["prenorm"]
+        model = nanoroute.GPT(nanoroute.GPTConfig(**{k: data["shape"][k]
+                                                     for k in bench.MODEL_FIELDS}))
+        flops = model.flops_per_token() * batch * 8 / (r["ms_median"] / 1e3)
+        assert r["mfu"] == pytest.approx(flops / 1e12)
+    assert "### Profile: block, 3 training steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--variants", "prenorm,nope"], r"--variants 'prenorm,nope': unknown variant\(s\) nope;"),
+    (["--profile", "nope"], "argument --profile: invalid choice: 'nope'"),
+    (["--iters", "0"], "--iters 0: must be at least 1"),
+    (["--n_head", "3"], "prenorm at this shape: n_head=3: must divide n_embd=32"),
+    (["--compile", "--compile_backend", "nope"], "--compile_backend nope: not a torch.compile"),
+    (["--device", "tpu"], "--device tpu: choose auto, cpu"),
+    (["--against", "missing.py"], "--against missing.py: no such file"),
+    (["--against", "not_nanoroute.py"], "not_nanoroute.py has no GPT and GPTConfig"),
+    (["--against", "broken.py"], "importing broken.py failed: SyntaxError"),
+    (["--against", "no_rd.py", "--variants", "rd"], "rd@against: the --against version cannot"),
+])
+def test_bad_input_is_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "not_nanoroute.py").write_text("x = 1\n")
+    (tmp_path / "broken.py").write_text("def forward(self:\n")
+    (tmp_path / "no_rd.py").write_text("from nanoroute import GPT\ndef GPTConfig(**fields):\n"
+                                       "    raise TypeError(\"unexpected keyword argument 'rd'\")")
+    code, _, err = run(bench.main, [*TINY, "--iters", "1", *argv], capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert re.search(says, err), err
+
+
+def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
+    def check(folder):
+        return subprocess.run(["bash", ROOT / "tools" / "gpu_check.sh", "cpu", folder], text=True,
+                              capture_output=True, env=dict(os.environ, PYTHON=sys.executable))
+    out = tmp_path / "check"
+    proc = check(out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = {"bench_eager": "prenorm,block,wav,rd", "bench_compiled": "prenorm,block",
+            "memory_rd_m": "prenorm,block,rd", "memory_wav48": "prenorm,block,wav"}
+    status = [row.split()[:2] for row in (out / "status.txt").read_text().splitlines()]
+    assert status == [[part, "0"] for part in ("tests", *runs)]
+    for name, variants in runs.items():
+        data = json.loads((out / f"{name}.json").read_text())
+        assert data["complete"] and ",".join(data["variants"]) == variants, name
+        compiled = {r.get("compiled") for r in data["variants"].values()}
+        assert compiled == {True if name == "bench_compiled" else None}, name
+    summary = (out / "summary.md").read_text()
+    assert "| bench_compiled | 0 |" in summary and "| block | " in summary.split("## memory")[0]
+    (tmp_path / "mine").mkdir()  # a folder of other files: refused, left alone
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    proc = check(tmp_path / "mine")
+    assert (proc.returncode, proc.stderr.count("\n")) == (2, 1) and "error: " in proc.stderr
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]

@@ -1,0 +1,160 @@
+"""sample.py on tiny trained runs: text, prompts, the routes view, the run's own data, bad input."""
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import prepare_data
+import sample
+import train
+from conftest import TINY, run
+
+SEP = "-" * 40 + "\n"
+
+
+@pytest.fixture(scope="module")
+def runs(demo, tmp_path_factory):
+    """4-step runs on the demo data, made in project/ with --data data/demo (recorded relative to
+    the run): WAV + RD in routing blocks of 4, and 2 route heads."""
+    project = tmp_path_factory.mktemp("project")
+    shutil.copytree(demo, project / "data" / "demo")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(project)
+        for name, flags in (("routed", ["--rd", "decoupled", "--wav", True, "--attnres_block", 4]),
+                            ("heads", ["--route_heads", 2])):
+            argv = ["--data", "data/demo", "--out_dir", f"runs/{name}", *TINY, "--max_iters", 4,
+                    "--residual", "attnres", *flags]
+            assert run(train.main, argv)[0] == 0
+    return project / "runs" / "routed", project / "runs" / "heads"
+
+
+def sample_text(capsys, out_dir, *flags):
+    code, out, err = run(sample.main, ["--out_dir", out_dir, "--device", "cpu", *flags], capsys)
+    assert code == 0, err
+    return out
+
+
+def test_text_prompts_seed_temperature_and_top_k(runs, tmp_path, monkeypatch, capsys):
+    routed, _ = runs
+
+    def text(*flags):
+        return sample_text(capsys, routed, "--num_samples", 2, "--max_new_tokens", 9, *flags)
+    code, out, err = run(sample.main, ["--out_dir", routed, "--start", "Once upon",
+                                       "--num_samples", 2, "--max_new_tokens", 20], capsys)
+    samples = out.split(SEP)  # each: the prompt, 20 new characters and print's newline
+    assert code == 0 and samples[2:] == [""] and "40 tokens in" in err and "tok/s" in err
+    assert all(s.startswith("Once upon") and len(s) == 9 + 20 + 1 for s in samples[:2])
+    assert text("--seed", 5) == text("--seed", 5) != text("--seed", 6)
+    greedy = text("--top_k", 1, "--seed", 1)
+    assert text("--top_k", 1, "--seed", 2) == greedy  # top_k reaches generate: 1 is greedy
+    assert text("--temperature", 1e-4, "--seed", 3) == greedy  # so does the temperature
+    assert text("--temperature", 1.0, "--seed", 3) != greedy
+    monkeypatch.chdir(tmp_path)  # FILE: a UTF-8 file, relative to the working folder
+    (tmp_path / "prompt.txt").write_text("Tom saw a cat.", encoding="utf-8")
+    assert text("--start", "FILE:prompt.txt") == text("--start", "Tom saw a cat.")
+    default = text()  # char level: after a newline, which is not printed
+    assert [s for s in default.split(SEP) if s] == \
+        [s[1:] for s in text("--start", "\n").split(SEP) if s]
+
+
+def cells(line):
+    return re.findall(r"([░▒▓█]) *(\d+)", line)
+
+
+def test_routes_view(runs, demo, tmp_path, capsys):
+    routed, heads = runs
+    lines = sample_text(capsys, routed, "--routes", "--start", "Once upon").splitlines()
+    assert lines[0] == f"depth routing of {routed / 'best.pt'} over a 9-token prompt: 'Once upon'"
+    assert lines[2].split() == ["emb", "C0", "P", "P.ph", "P.sp", "H"]  # the readout: no details
+    rows = {line.split()[0]: line for line in lines if line.startswith(("layer", "readout"))}
+    assert list(rows) == ["layer0.attn", "layer0.attn.v", "layer0.mlp", "layer1.attn",
+                          "layer1.attn.v", "layer1.mlp", "readout"]
+    assert cells(rows["layer0.attn"]) == [("█", "100")]  # it sees the embedding alone: blanks
+    assert len(cells(rows["readout"])) == 2 and len(cells(rows["layer1.mlp"])) == 4
+    for name, row in rows.items():  # percentages of one read add up to 100 (each rounded)
+        assert abs(sum(int(p) for _, p in cells(row)) - 100) <= 2, name
+        assert re.search(r"  \d\.\d\d$", row), name  # its entropy
+    js = lines[next(i for i, line in enumerate(lines) if "JS divergence" in line) + 1:]
+    assert [line.split()[0] for line in js] == ["layer1", "mean"]  # layer 0 reads e alone
+    # route heads: the mean, then a block per head; here head 0 reads sharply, head 1 evenly
+    ckpt = torch.load(heads / "best.pt", weights_only=True)
+    ckpt["model"]["query.readout"][:16] = 50.0  # the readout's query, on head 0's slice
+    torch.save(ckpt, tmp_path / "best.pt")
+    lines = sample_text(capsys, tmp_path, "--routes", "--data", demo).splitlines()
+    assert lines[0].startswith(f"depth routing of {tmp_path / 'best.pt'} over a 32-token prompt")
+    assert [line for line in lines if line.startswith("route head")] == \
+        ["route head 0 of 2:", "route head 1 of 2:"]
+    mean, head0, head1 = ([int(p) for _, p in cells(line)] for line in lines
+                          if line.startswith("readout"))
+    assert len(mean) == 3 and max(head1) <= 34 < max(head0)  # over emb, C0, C1
+    assert all(abs(m - (a + b) / 2) <= 1 for m, a, b in zip(mean, head0, head1))
+    assert [sample.shade(w) for w in (0, .25, .26, .5, .51, .75, .76, 1)] == list("░░▒▒▓▓██")
+
+
+def test_ckpt_last_and_the_data_of_a_moved_run(runs, demo, tmp_path, monkeypatch, capsys):
+    routed, _ = runs
+    flags = ["--num_samples", 1, "--max_new_tokens", 5, "--start", "Once"]
+    only_last = routed.parent / "only_last"  # next to it: the same way to the data
+    only_last.mkdir(exist_ok=True)
+    shutil.copy(routed / "last.pt", only_last)
+    assert sample_text(capsys, only_last, "--ckpt", "last", *flags).startswith("Once")
+    code, _, err = run(sample.main, ["--out_dir", only_last, *flags], capsys)
+    assert code == 2 and err == f"error: no checkpoint at {only_last / 'best.pt'}: train one " \
+                                f"with python train.py --out_dir {only_last}\n"
+    monkeypatch.chdir(tmp_path)  # another working folder: the data is found from the run's
+    assert sample_text(capsys, routed, *flags).startswith("Once")
+    monkeypatch.chdir(routed.parent)
+    assert sample_text(capsys, routed.name, *flags).startswith("Once")
+    moved = tmp_path / "far" / "away" / "run"
+    shutil.copytree(routed, moved)
+    code, _, err = run(sample.main, ["--out_dir", moved, *flags], capsys)
+    assert code == 2 and "give --data with the demo dataset" in err and err.count("\n") == 1
+    assert sample_text(capsys, moved, "--data", demo, *flags).startswith("Once")
+
+
+def test_gpt2_level_run_starts_after_endoftext_and_decodes_its_tokens(tmp_path, capsys):
+    data, splits = tmp_path / "gpt2", {"train": 4000, "val": 1000}  # random ids, made-up tokens
+    data.mkdir()
+    tokens = {f"Ġt{i}": i for i in range(prepare_data.GPT2_EOT)} | {"<|endoftext|>": 50256}
+    (data / "encoder.json").write_text(json.dumps(tokens))
+    for split, n in splits.items():
+        np.random.default_rng(n).integers(0, 50257, n, np.uint16).tofile(data / f"{split}.bin")
+    meta = dict(dataset="gpt2_standin", level="gpt2", dtype="uint16", vocab_size=50257)
+    (data / "meta.json").write_text(json.dumps(dict(meta, splits=splits)))
+    argv = ["--data", data, "--out_dir", tmp_path / "run", *TINY, "--max_iters", 2,
+            "--n_layer", 1, "--n_embd", 16, "--sequence_len", 16]
+    assert run(train.main, argv, capsys)[0] == 0
+    text = sample_text(capsys, tmp_path / "run", "--num_samples", 1, "--max_new_tokens", 4)
+    assert re.fullmatch(r"( t\d+|<\|endoftext\|>){4}\n" + SEP, text), text
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--temperature", "0"], "--temperature 0.0: must be > 0 and finite"),
+    (["--temperature", "nan"], "--temperature nan: must be > 0 and finite"),
+    (["--top_k", "0"], "--top_k 0: must be at least 1"),
+    (["--num_samples", "0"], "--num_samples 0: must be at least 1"),
+    (["--seed", "-1"], r"--seed -1: must be in \[0, 2\*\*63\)"),
+    (["--start", "FILE:empty.txt"], "--start 'FILE:empty.txt' is empty"),
+    (["--start", "FILE:latin1.txt"], "--start FILE:latin1.txt: cannot read it as UTF-8 text"),
+    (["--start", "Zoë"], "characters not in the demo vocabulary: 'ë'"),
+    (["--out_dir", "."], "checkpoint best.pt does not fit this version of nanoroute: .*size"),
+    (["--data", "other"], "other is not the dataset .* was trained on \\(demo, vocab 53\\)"),
+    (["--num_samples", 10 ** 13], "out of memory generating 10{13} samples at once: lower --num_s"),
+])
+def test_bad_input_is_one_error_line(flags, says, runs, demo, tmp_path, monkeypatch, capsys):
+    routed, _ = runs
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("Zoé".encode("latin-1"))
+    meta = json.loads(shutil.copytree(demo, tmp_path / "other").joinpath("meta.json").read_text())
+    (tmp_path / "other" / "meta.json").write_text(json.dumps(dict(meta, dataset="other")))
+    ckpt = torch.load(routed / "best.pt", weights_only=True)  # weights of another shape
+    torch.save(dict(ckpt, config=dict(ckpt["config"], n_embd=64)), tmp_path / "best.pt")
+    code, out, err = run(sample.main, ["--out_dir", routed, "--max_new_tokens", 2, *flags],
+                         capsys)
+    assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1, err
+    assert re.search(says, err), err
