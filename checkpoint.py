@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import prepare_data
 from nanoroute import GPT, GPTConfig
 from prepare_data import UsageError, write_atomic
 
@@ -98,14 +99,20 @@ def dataset_identity(meta):
     return dict(dataset=meta["dataset"], vocab_size=meta["vocab_size"], chars=meta.get("chars"))
 
 
-def data_folder(ckpt, run_dir):
-    """The data folder a run was trained on, found from any working folder: recorded relative to
-    the run folder (or absolute). UsageError when it is not there any more."""
-    folder = Path(run_dir) / ckpt["data_dir"]  # an absolute data_dir stays itself
-    if not (folder / "meta.json").exists():
+def open_data(ckpt, run_dir, data=None):
+    """(folder, meta.json) of the data a run was trained on: `data` (a --data flag) or the run's
+    own folder, found from any working folder (recorded relative to the run folder, or absolute).
+    One line when it is not there, or is another dataset."""
+    folder = prepare_data.dataset_folder(data) if data else Path(run_dir) / ckpt["data_dir"]
+    if not data and not (folder / "meta.json").exists():
         raise UsageError(f"the data of the run in {run_dir} is not at {folder} any more: give "
                          f"--data with the {ckpt['dataset']['dataset']} dataset it was trained on")
-    return Path(os.path.relpath(folder))
+    meta = prepare_data.load_meta(folder)
+    if dataset_identity(meta) != ckpt["dataset"]:
+        raise UsageError(f"{folder} is not the dataset the run in {run_dir} was trained on "
+                         f"({ckpt['dataset']['dataset']}, vocab {ckpt['dataset']['vocab_size']}): "
+                         "give --data with that dataset")
+    return Path(os.path.relpath(folder)) if not data else folder, meta
 
 
 def save(run, improved):
@@ -179,3 +186,4 @@ def stop_signal(run):
         signum = torch.tensor(signum, device=run.device)
         dist.all_reduce(signum, op=dist.ReduceOp.MAX)
     return int(signum)
+

@@ -1,1341 +1,696 @@
 """
-Paired sweeps over nanoroute's variants, and the report that compares them (SPEC: Paired experiments).
+Paired sweeps over nanoroute's variants, the report that compares them, and routing interventions on
+a trained run (SPEC: Paired experiments, What the controls can show). docs/experiments.md has more.
 
-    python experiments.py sweep tiny                             # 9 variants x 3 seeds: 8 min on 2 CPU cores
-    python experiments.py sweep custom --data data/text8 --variants prenorm,block,wav,rd --depths 8,12 \
-        --seeds 0-2 --jobs 4 -- --max_iters 2000        # any grid on any prepared folder, 4 runs at once
-    python experiments.py sweep rd_paper --dry_run               # print the RD paper's 50 commands
-    python experiments.py sweep wav_paper --depths 12 -- --device cuda:0   # flags after -- go to every run
-    python experiments.py sweep rd_paper --seeds 0-1 --torchrun 8          # each run on 8 GPUs
-    python experiments.py report runs/tiny --baseline block --plots --heatmap rd_L4_s0
-
-A sweep runs train.py once per grid point, --jobs N of them at once (each with its share of the CPU
-cores, or on CUDA its own GPU), in OUT/[DATASET/]VARIANT_L{depth}_s{seed}/ (run.json: what the run is and
-its command; train.log: its output), and shows each running run's latest step. Finished runs
-(summary.json) are skipped and interrupted ones continue from last.pt: the same command resumes a sweep.
-Ctrl-C or SIGTERM, to the sweep or to one of its runs, stops the sweep and the runs under way (each
-saves last.pt). Before the first run, the flags after -- are checked by train.py's parser and every data
-folder must be prepared (--dry_run says what is missing). The variants of a seed are paired: train.py
-makes the data order and the shared initial weights depend only on --seed. Like for like: every AttnRes
-variant of a sweep gets the same routing block at a depth (the largest automatic one among them; WAV
-needs 4).
-
-The report groups finished runs by (dataset, depth, variant) over seeds and writes RUNS/report.md:
-mean ± std of the final val loss and bits per char (or perplexity), the paired difference to a baseline
-variant (same dataset, depth and seed) with its std and wins, the same at each milestone, the normalised
-route entropy (AttnRes) and QK/V JS divergence (RD). --plots adds PNGs (matplotlib, optional).
+    python experiments.py sweep controls --jobs 2     # 7 variants x 3 seeds; tail -f runs/*/*.log
+    python experiments.py sweep custom --data data/text8 --variants prenorm,block,wav,rd \
+        --depths 8,12 --seeds 0-2 --lrs 1e-3,2e-3 --jobs 4 -- --max_iters 2000
+    python experiments.py report runs/controls --plots --heatmap block_L4_s0
+    python experiments.py ablate runs/controls/block_L4_s0 --older_than 0
 """
 
-import concurrent.futures
 import contextlib
-import errno
-import importlib
+import dataclasses
 import io
+import itertools
 import json
 import math
 import os
-import queue
+import random
 import re
 import shlex
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+import torch
+
+import checkpoint
 import prepare_data
 import train
-from prepare_data import UsageError
-from nanoroute import VARIANTS, GPTConfig  # VARIANTS: the variant names and their GPTConfig values
-from train import MODEL_DEFAULTS
+from nanoroute import VARIANTS, GPTConfig, routing_stats, source_block, variant
+from prepare_data import UsageError, write_atomic, write_json
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
-CUSTOM_SEEDS = [0, 1, 2]  # sweep custom without --seeds: three seeds, the fewest that give a std of the pairs
 
-# Named sweeps: the grid (datasets x depths x seeds x variants) and the flags every run shares.
-# presets: the train.py preset of each depth (the preset sets the width and the schedule).
+# The tiny and controls sweeps' model and schedule: 4 layers x 64, 300 steps of 1,024 characters;
+# the milestones are steps 75, 150 and 300, where evaluations fall anyway.
+SMALL = ("--n_embd 64 --n_head 4 --sequence_len 64 --batch_size 16 --max_iters 300 "
+         "--warmup_iters 20 --eval_interval 25 --eval_tokens 8K --milestones 76.8K,153.6K,307.2K "
+         "--log_interval 25")
+# One thread per run: a model this small gains little from two, and on a busy 2-core machine two
+# threads wait on each other (steps up to 10x slower). An OMP_NUM_THREADS you set is kept.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+# Named sweeps: datasets x depths x seeds x variants and the flags every run shares; the papers'
+# sweeps name the train.py preset of each depth (it sets the width and the schedule).
+DEMO = dict(datasets=["demo"], depths=[4], seeds=[0, 1, 2], flags=SMALL, env=ONE_THREAD)
 SWEEPS = {
-    "tiny": dict(
-        about="all 9 variants x seeds 0,1,2 at 4 layers x 64 wide, 300 steps on the demo data: "
-              "8 min on 2 busy CPU cores",
-        datasets=["demo"], depths=[4], seeds=[0, 1, 2], variants=list(VARIANTS),
-        # 1024 tokens a step: the milestones are steps 75, 150 and 300, where evaluations fall anyway
-        flags="--n_embd 64 --n_head 4 --sequence_len 64 --batch_size 16 --max_iters 300 --warmup_iters 20 "
-              "--eval_interval 25 --eval_tokens 8K --milestones 76.8K,153.6K,307.2K --log_interval 25",
-        # one thread: a model this small gains little from two, and on a busy machine two threads wait on
-        # each other (10x slower steps measured here); an OMP_NUM_THREADS already set is kept
-        env={"OMP_NUM_THREADS": "1"}),
-    "wav_paper": dict(
-        about="WAV v1's design: char-level tinystories and text8, 12/24/48 layers, one seed as in the paper",
-        datasets=["tinystories", "text8"], depths=[12, 24, 48], seeds=[0],
-        variants=["prenorm", "rezero", "layerscale", "block", "wav"],
-        presets={12: "wav12", 24: "wav24", 48: "wav48"}, flags=""),
-    "rd_paper": dict(
-        about="RD-AttnRes's design: fineweb_edu, S (16 layers, rd_s) and M (24 layers, rd_m), 5 paired seeds, "
-              "2B tokens",
-        datasets=["fineweb_edu"], depths=[16, 24], seeds=[0, 1, 2, 3, 4],
-        variants=["block", "rd", "rd_tied", "rd_average", "rd_frozen_v"],
-        presets={16: "rd_s", 24: "rd_m"}, flags="--max_tokens 2B --milestones 0.25B,0.5B,1B,2B"),
+    "tiny": dict(DEMO, variants="prenorm rezero layerscale block wav rd rd_tied rd_average "
+                 "rd_frozen_v"),
+    "controls": dict(DEMO, variants="prenorm denseformer block block_static block_h4 wav rd"),
+    "wav_paper": dict(datasets=["tinystories", "text8"], depths=[12, 24, 48], seeds=[0], flags="",
+                      variants="prenorm rezero layerscale block wav",
+                      presets={12: "wav12", 24: "wav24", 48: "wav48"}),
+    "rd_paper": dict(datasets=["fineweb_edu"], depths=[16, 24], seeds=[0, 1, 2, 3, 4],
+                     variants="block rd rd_tied rd_average rd_frozen_v",
+                     presets={16: "rd_s", 24: "rd_m"},
+                     flags="--max_tokens 2B --milestones 0.25B,0.5B,1B,2B"),
 }
+# sweep custom: three seeds, the fewest that give a spread of the paired differences
+CUSTOM = dict(depths=[train.MODEL_DEFAULTS["n_layer"]], seeds=[0, 1, 2], flags="")
+NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib): no figures; tables are whole"
 
-NO_MATPLOTLIB = ("matplotlib is not installed: pip install matplotlib to get plots "
-                 "(the report table is complete without them)")
+# --- Planning a sweep: the runs, their flags, and every check that can fail before the first. ---
 
-
-# -----------------------------------------------------------------------------
-# Sweep
-
-
-def plan(name, out, seeds=None, depths=None, variants=None, extra=(), data_root="data", data=None):
-    """The runs of sweep `name` ("custom": variants x depths x seeds on the prepared folder `data`):
-    [{name, dir, variant, dataset, depth, seed, sweep, attnres_block, args, env, data}], seed-major (all
-    variants of a seed before the next seed: an interrupted sweep leaves whole pairs). seeds and depths
-    are text as on the command line ("0-2", "8,12")."""
-    seeds, depths = _ints(seeds, "--seeds", 0), _ints(depths, "--depths", 1)
-    variants = _variants(variants)
-    if name == "custom":
-        sweep = custom_sweep(data, variants)
-    elif data is not None:
-        raise UsageError(f"--data {data}: only sweep custom takes a data folder; sweep {name} reads its datasets "
-                         f"({', '.join(SWEEPS[name]['datasets'])}) from --data_root")
+def plan(a, extra=()):
+    """The runs of sweep a.name (dicts), seed-major: a sweep stopped early leaves whole pairs."""
+    variants = listed(a.variants, "--variants", lambda v: [v] * (v in VARIANTS), ",".join(VARIANTS))
+    seeds, depths = listed(a.seeds, "--seeds", span(0)), listed(a.depths, "--depths", span(1))
+    rates = listed(a.lrs, "--lrs", lambda x: [float(x)] * (float(x) > 0), "rates like 1e-3,2e-3")
+    if a.name == "custom" and (a.data is None or not variants):
+        raise UsageError("sweep custom needs --data FOLDER (a prepared dataset) and --variants, "
+                         "e.g. --data data/demo --variants prenorm,block,wav,rd")
+    if a.name == "custom":  # the dataset its meta.json names (a missing demo is made first)
+        folder = prepare_data.dataset_folder(a.data)
+        demo = folder.name == "demo" and not (folder / "meta.json").exists()
+        dataset = "demo" if demo else prepare_data.load_meta(folder)["dataset"]
+        grid = dict(CUSTOM, datasets=[dataset], folder=str(folder))
+    elif a.data is not None:
+        raise UsageError(f"--data {a.data}: only sweep custom takes a data folder; sweep {a.name} "
+                         f"reads {', '.join(SWEEPS[a.name]['datasets'])} from --data_root")
     else:
-        sweep = SWEEPS[name]
-    check_train_flags(extra, name, sweep.get("presets"))
+        grid = SWEEPS[a.name]
+    presets, variants = grid.get("presets", {}), variants or grid["variants"].split()
+    check_train_flags(extra, presets, rates)
     runs = []
-    for dataset in sweep["datasets"]:
-        for depth in depths or sweep["depths"]:
-            presets = sweep.get("presets")
-            if presets and depth not in presets:
-                raise UsageError(f"--depths {depth}: sweep {name} has a preset for depths "
-                                 f"{', '.join(map(str, presets))} only (the preset sets the width)")
-            block = sweep_block(variants or sweep["variants"], depth, extra)
-            for seed in seeds or sweep["seeds"]:
-                for variant in variants or sweep["variants"]:
-                    run = f"{variant}_L{depth}_s{seed}"
-                    if len(sweep["datasets"]) > 1:
-                        run = f"{dataset}/{run}"
-                    flags = [s for k, v in VARIANTS[variant].items() for s in (f"--{k}", str(v))]
-                    routed = VARIANTS[variant]["residual"] == "attnres"
-                    if routed and _flag_value(extra, "--attnres_block") is None:
-                        flags += ["--attnres_block", str(block)]
-                    args = (["--preset", presets[depth]] if presets else []) + [
-                        "--data", sweep.get("folder", f"{data_root}/{dataset}"), "--n_layer", str(depth),
-                        "--seed", str(seed), *flags, *shlex.split(sweep["flags"]), *extra]
-                    runs.append(dict(name=run, dir=Path(out) / run, variant=variant, dataset=dataset, depth=depth,
-                                     seed=seed, sweep=name, attnres_block=block if routed else None, args=args,
-                                     env=sweep.get("env", {}), data=args[args.index("--data") + 1]))
+    for dataset, depth in itertools.product(grid["datasets"], depths or grid["depths"]):
+        if presets and depth not in presets:
+            raise UsageError(f"--depths {depth}: sweep {a.name} has presets for depths "
+                             f"{', '.join(map(str, presets))} only (the preset sets the width)")
+        m, folder = sweep_block(variants, depth, a.attnres_block), grid.get("folder")
+        folder = folder or f"{a.data_root}/{dataset}"
+        for seed, v, lr in itertools.product(seeds or grid["seeds"], variants, rates or [None]):
+            routed = VARIANTS[v]["residual"] == "attnres"
+            run = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
+            run = f"{dataset}/{run}" if len(grid["datasets"]) > 1 else run
+            args = ["--preset", presets[depth]] if presets else []
+            args += ["--data", folder, "--n_layer", str(depth), "--seed", str(seed)]
+            # every field a variant may set: a preset's wav=True never leaks into block
+            args += [s for k, value in variant(v).items() for s in (f"--{k}", str(value))]
+            args += ["--attnres_block", str(m)] if routed else []
+            args += [*shlex.split(grid["flags"]), *extra] + (["--lr", f"{lr:g}"] if lr else [])
+            runs.append(dict(name=run, dir=Path(a.out or f"runs/{a.name}") / run, variant=v,
+                             dataset=dataset, depth=depth, seed=seed, lr=lr, sweep=a.name,
+                             attnres_block=m if routed else None, args=args,
+                             env=grid.get("env", {}), data=folder))
     return runs
 
+def listed(text, flag, parse, example="integers like 0,1,2 or 0-4"):
+    """A comma-separated flag as distinct values, parse(part) giving each part's ([]: refused)."""
+    if text is None:
+        return None
+    with contextlib.suppress(ValueError):
+        parts = [parse(part.strip()) for part in text.split(",")]
+        values = [v for part in parts for v in part]
+        if all(parts) and len(set(values)) == len(values):
+            return values
+    raise UsageError(f"{flag} {text}: expected distinct {example}")
 
-GRID_FLAGS = {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths", "--seed": "--seeds",
-              "--out_dir": "--out", **{f"--{k}": "--variants" for k in VARIANTS["block"]}}
+def span(low):  # a part of --seeds or --depths: '3' or a rising range '0-4', integers >= low
+    def parse(part):
+        first, _, last = part.partition("-")
+        values = range(int(first), int(last or first) + 1)
+        return values if values and values[0] >= low else []
+    return parse
 
-
-def check_train_flags(extra, name, presets):
-    """The flags after -- (for every train.py run), checked before any run starts: the grid's own flags
-    by their full names, and everything else by train.py's parser (an unknown, abbreviated or misspelt
-    flag, a bad value), each one UsageError line now rather than a failed or mislabelled run later."""
-    for flag, grid in GRID_FLAGS.items():  # after --, they would silently override the grid
-        if _flag_value(extra, flag) is not None:
-            raise UsageError(f"{flag} after --: the sweep sets it for each run; use {grid} (before --)")
-    if _flag_value(extra, "--resume") is not None:
-        raise UsageError("--resume after --: the sweep resumes each interrupted run itself (run the "
-                         "same command again)")
-    if presets and _flag_value(extra, "--preset") is not None:
-        raise UsageError(f"--preset after --: sweep {name} sets the preset of each depth "
-                         f"({', '.join(presets.values())}); use sweep custom for another preset")
-    if "-h" in extra or "--help" in extra:
-        raise UsageError("--help after --: the flags after -- are train.py's: python train.py --help")
+def check_train_flags(extra, presets, lrs):
+    """The flags after -- (for every run), before any run: the grid's own refused, all parsed."""
+    use = {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths",
+           "--seed": "--seeds", "--out_dir": "--out", "--attnres_block": "it before --",
+           **{f"--{k}": "--variants" for k in variant("block")},
+           **({"--preset": "sweep custom for another preset"} if presets else {}),
+           **({"--lr": "--lrs"} if lrs else {}), "--resume": "the same sweep command to resume"}
+    refused = {k: f"the sweep sets it for each run; use {v}" for k, v in use.items()}
+    refused |= dict.fromkeys(["-h", "--help"], "the flags after -- are train.py's: train.py -h")
+    for flag in [f for f in refused if f in {*flag_dict(extra), *extra}]:
+        raise UsageError(f"{flag} after --: {refused[flag]}")
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
             train.build_parser().parse_args(list(extra))
-    except SystemExit:  # the parser's one `error: ...` line, taken into ours
-        why = (said.getvalue().strip().splitlines() or ["not accepted"])[-1]
-        why = why.removeprefix("error: ").removesuffix("; see --help")
-        meant = re.search(r"did you mean (--\w+)\?", why)
-        if meant and meant[1] in GRID_FLAGS:
-            why += f"; the sweep sets {meant[1]} itself: use {GRID_FLAGS[meant[1]]}"
-        why += " (the flags after -- go to every run: python train.py --help)"
-        raise UsageError(f"after --: {why}") from None
+    except SystemExit:  # the parser's one `error:` line becomes ours
+        why = said.getvalue().strip().splitlines()[-1].removeprefix("error: ")
+        why = why.removesuffix("; see --help")
+        raise UsageError(f"after --: {why} (the flags after -- go to every run)") from None
 
+def flag_dict(args):
+    """{--flag: value} of a train.py argument list ("True" for a bare flag; the last one wins)."""
+    found = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            flag, eq, value = arg.partition("=")
+            bare = i + 1 == len(args) or args[i + 1].startswith("--")
+            found[flag] = value if eq else "True" if bare else args[i + 1]
+    return found
 
-def custom_sweep(data, variants):
-    """sweep custom's grid, like an entry of SWEEPS: the dataset named by the folder's meta.json, and
-    train.py's defaults for everything the flags after -- do not set."""
-    if data is None or not variants:
-        raise UsageError("sweep custom needs --data FOLDER (a prepared dataset) and --variants, e.g. "
-                         "--data data/demo --variants prenorm,block,wav,rd")
-    try:
-        dataset = prepare_data.load_meta(data)["dataset"]
-    except prepare_data.UsageError as e:
-        raise UsageError(f"--data {data}: {e}") from None
-    return dict(datasets=[dataset], folder=str(data), depths=[MODEL_DEFAULTS["n_layer"]], seeds=CUSTOM_SEEDS,
-                variants=variants, flags="")
-
-
-def sweep_block(variants, depth, extra):
-    """The routing block (sublayers) every AttnRes variant of a sweep gets at this depth, so that no
-    difference between them is also a difference in block size: the largest automatic block among them
-    (WAV needs 4 where Block AttnRes alone takes 2), or --attnres_block given after --. None without
-    AttnRes variants."""
+def sweep_block(variants, depth, given=None):
+    """The routing block of every AttnRes variant at a depth, so that no difference between them is
+    also one of block size: the largest automatic one (WAV needs 4 where Block AttnRes takes 2)."""
     routed = [v for v in variants if VARIANTS[v]["residual"] == "attnres"]
-    given = _flag_value(extra, "--attnres_block")
-    if not routed:
-        return None
-    if given is not None:
-        if not given.isdigit():
-            raise UsageError(f"--attnres_block {given} (after --): expected a number of sublayers, e.g. 4")
-        return int(given)
-    try:
-        return max(GPTConfig(n_layer=depth, **VARIANTS[v]).routing_block for v in routed)
+    try:  # a depth or block a variant cannot take is one line now, not a failed run later
+        blocks = [GPTConfig(n_layer=depth, **variant(v), attnres_block=given or 0).routing_block
+                  for v in routed]
     except ValueError as e:
         raise UsageError(f"--depths {depth}: {e}") from None
-
-
-def _flag_value(args, flag):
-    """The last value of `flag` in a train.py argument list (--flag V or --flag=V), else None."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag:
-            value = args[i + 1] if i + 1 < len(args) else ""
-        elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1:]
-    return value
-
-
-def _cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
+    return max(blocks) if routed else None
 
 def job_slots(jobs, per_run=1, extra=()):
-    """The environment of each of `jobs` runs at once. On CUDA, each its own GPUs (per_run of them, e.g.
-    --torchrun's processes) through CUDA_VISIBLE_DEVICES; on CPU, each its share of the cores through
-    OMP_NUM_THREADS (torch reads it at start), unless it is set already. One job: the environment as is."""
+    """Each of `jobs` runs' environment: on CUDA its own GPUs, on CPU its share of the cores."""
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: must be at least 1")
     if jobs == 1:
         return [{}]
-    device = _flag_value(extra, "--device") or "auto"
-    import torch
-    if device != "cpu" and torch.cuda.is_available():
-        if device.startswith("cuda:"):
-            raise UsageError(f"--jobs {jobs} with --device {device}: drop --device (or give --device cuda); each "
-                             "run gets its own GPU through CUDA_VISIBLE_DEVICES")
+    if flag_dict(extra).get("--device", "cuda") != "cpu" and torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
         if jobs * per_run > len(gpus):
-            raise UsageError(f"--jobs {jobs}: {len(gpus)} visible GPU(s) hold at most {len(gpus) // per_run} runs "
-                             f"of {per_run} GPU(s) at once; lower --jobs")
-        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per_run:(i + 1) * per_run])} for i in range(jobs)]
-    if "OMP_NUM_THREADS" in os.environ:
-        return [{}] * jobs
-    return [{"OMP_NUM_THREADS": str(max(1, _cores() // (jobs * per_run)))}] * jobs
+            raise UsageError(f"--jobs {jobs}: {len(gpus)} visible GPU(s); lower --jobs")
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per_run:(i + 1) * per_run])}
+                for i in range(jobs)]
+    cores = str(max(1, len(os.sched_getaffinity(0)) // (jobs * per_run)))
+    return [{} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": cores}] * jobs
 
+# --- Running a sweep: skip, resume or start each run; a line as each starts and ends. ---
 
-def run_sweep(runs, launcher, dry_run=False, slots=({},)):
-    """Run each run's command (launcher + args + --out_dir), len(slots) at a time, each run in the
-    environment of the slot it takes (job_slots), with each running run's progress on the way;
-    returns the names of failed runs. A run that a signal stopped stops the sweep (Stopped)."""
-    todo, skipped, t0 = [], 0, time.time()
-    for i, run in enumerate(runs, 1):
+def pending(runs, launcher):
+    """(run, command) of each run to do: a finished one is skipped, an interrupted one resumed."""
+    todo = []
+    for run in runs:
         d = run["dir"]
         if (d / "summary.json").exists():
-            before = read_run_json(d / "run.json").get("args", run["args"])
-            print(f"skip {d} (summary.json exists)" + ("" if before == run["args"] else
-                  "; WARNING: it ran with other flags than this sweep's, use another --out to rerun it"))
-            skipped += 1
+            with contextlib.suppress(OSError, ValueError, KeyError):  # no run.json: no warning
+                was = flag_dict(json.loads((d / "run.json").read_text())["args"])
+                now = flag_dict(run["args"])
+                changed = [f"{k} {now.get(k, 'unset')} (was {was.get(k, 'unset')})"
+                           for k in dict.fromkeys([*now, *was]) if now.get(k) != was.get(k)]
+                if changed:
+                    print(f"WARNING: {d} ran with other flags: {', '.join(changed)}; it is kept "
+                          "(use another --out to run these)")
+            print(f"skip {d}: finished")
             continue
-        resume = (d / "last.pt").exists()  # interrupted: continue it rather than start over
-        cmd = [*launcher, *run["args"], "--out_dir", str(d), *(["--resume"] if resume else [])]
-        if dry_run:
-            print(_shell(cmd, _run_env(run, {})))
-            continue
-        todo.append((f"[{i}/{len(runs)}] {d}", run, cmd, resume))
-    if dry_run:
-        return []
-    sweep = Sweep(slots, Progress(sys.stdout))
+        resume = ["--resume"] if (d / "last.pt").exists() else []
+        todo.append((run, [*launcher, *run["args"], "--out_dir", str(d), *resume]))
+    return todo
+
+def launch(todo, slots):
+    """Each (run, command), len(slots) at once: {failed run: its last error line}. Ctrl-C reaches
+    the runs too (one process group): each saves last.pt; this waits, then re-raises."""
+    running, failed, free, queued = {}, {}, list(slots), list(enumerate(todo, 1))
     try:
-        sweep.run(todo)
-    finally:
-        failed = sorted(sweep.failed, key=[r["name"] for r in runs].index)
-        stopped = f", {len(sweep.stopped)} stopped" if sweep.signum else ""
-        print(f"sweep: {len(runs)} runs: {skipped} skipped (finished before), {sweep.done} done, "
-              f"{len(failed)} failed{stopped}; {time.time() - t0:.0f} s"
-              + f"; {len(slots)} at a time" * (len(slots) > 1))
+        while queued or running:
+            while queued and free:
+                i, (run, cmd) = queued.pop(0)
+                label, slot = f"[{i}/{len(todo)}] {run['dir']}", free.pop()
+                running[start(run, cmd, label, slot)] = run, label, slot, time.time()
+            time.sleep(0.2)  # polling a few processes costs nothing next to a training run
+            for process in [p for p in running if p.poll() is not None]:
+                run, label, slot, t0 = running.pop(process)
+                free.append(slot)
+                error = ended(run, process.returncode, label, time.time() - t0)
+                failed.update({run["name"]: error} if error else {})
+    except KeyboardInterrupt:
+        for process in running:
+            process.wait()
+        raise
     return failed
 
+def start(run, cmd, label, slot):  # run.json, then train.py writing to train.log: its process
+    d, env = run["dir"], run_env(run, slot)
+    d.mkdir(parents=True, exist_ok=True)
+    keys = ("variant", "dataset", "depth", "seed", "lr", "attnres_block", "sweep", "args")
+    write_json(d / "run.json", {k: run[k] for k in keys} | dict(command=shell(cmd, env)))
+    print(f"{label}: started" + " (resuming from last.pt)" * ("--resume" in cmd)
+          + "".join(f" {k}={v}" for k, v in env.items()), flush=True)
+    with open(d / "train.log", "ab") as log:  # unbuffered: `tail -f` shows each line as printed
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env={"PYTHONUNBUFFERED": "1", **os.environ, **env})
 
-def check_out(out, make):
-    """The folder of the run folders: made (make), or checked that it can be; else UsageError."""
-    try:
-        if make:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            return
-        where = next(p for p in [Path(out).absolute(), *Path(out).absolute().parents] if p.exists())
-        if not where.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way", str(where))
-        if not os.access(where, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "not writable", str(where))
-    except OSError as e:
-        where = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-        message = f"--out {out}: cannot make that folder ({where}); choose another --out"
-        raise UsageError(message) from None
+def ended(run, code, label, seconds):  # how a run ended; its last error line if it failed
+    summary = run["dir"] / "summary.json"
+    if code == 0 and summary.exists():
+        val = json.loads(summary.read_text())["final"]["val_loss"]
+        return print(f"{label}: done in {seconds:.0f} s, val loss {val:.4f}", flush=True)
+    log = (run["dir"] / "train.log").read_text(errors="replace")
+    lines = [s for s in log.splitlines() if s.strip()] or ["(no output)"]
+    error = next((s for s in reversed(lines) if "error" in s.lower()), lines[-1])
+    print(f"{label}: FAILED (exit {code}): {error}", flush=True)
+    return error
 
+def run_env(run, slot):  # the slot's, the sweep's; yours win but for the slot's GPUs (of yours)
+    env = {k: v for k, v in {**slot, **run["env"]}.items() if k not in os.environ}
+    return env | {k: v for k, v in slot.items() if k == "CUDA_VISIBLE_DEVICES"}
 
-def check_data(runs):
-    """The data folders the runs need: (problems, demo folders to prepare). A problem is a folder that
-    is not a prepared dataset, in load_meta's words (which name the command that prepares it). A demo
-    folder that does not exist yet is no problem: the sweep prepares it before the first run (once,
-    also under --jobs)."""
-    problems, demo = [], []
-    for folder in dict.fromkeys(run["data"] for run in runs):
-        if Path(folder).name == "demo" and not os.path.lexists(folder):
-            demo.append(folder)
-            continue
-        try:
-            prepare_data.load_meta(folder)
-        except UsageError as e:
-            problems.append(str(e))
-    return problems, demo
-
-
-def get_ready(runs, out):
-    """Before the first run: the folder of the run folders and every data folder, or one UsageError."""
-    check_out(out, make=False)
-    problems, demo = check_data(runs)
-    if problems:
-        more = len(problems) - 1
-        raise UsageError(problems[0] + (f" (and {more} more: see --dry_run)" if more else ""))
-    check_out(out, make=True)
-    for folder in demo:
-        print(f"preparing the demo dataset in {folder}")
-        prepare_data.prepare("demo", folder)
-
-
-def _run_env(run, slot):
-    """A run's extra environment: its slot's, then its sweep's (tiny: one thread); a variable the user
-    set wins, except the slot's CUDA_VISIBLE_DEVICES (job_slots picked it among the user's)."""
-    env = {k: v for k, v in {**slot, **run.get("env", {})}.items() if k not in os.environ}
-    return {**env, **{k: v for k, v in slot.items() if k == "CUDA_VISIBLE_DEVICES"}}
-
-
-def _shell(cmd, env):
+def shell(cmd, env):
     return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd)])
 
-
-# -----------------------------------------------------------------------------
-# Report: reading run folders, statistics, Markdown
-
-# run.json's fields as the sweep writes them (None allowed: a hand-made run.json may leave any out)
-RUN_FIELDS = dict(variant=str, dataset=str, depth=int, seed=int, sweep=str, attnres_block=int,
-                  args=list, command=str)
-
-
-def read_run_json(path, notes=None):
-    """A run folder's run.json as a dict; {} if there is none, or if it is damaged (not JSON, not an
-    object, a field of the wrong type), with a note in notes: the run is then read from its
-    summary.json alone, as a plain train.py run would be."""
-    path = Path(path)
-    if not path.exists():
-        return {}
+def sweep(args, extra):
+    runs = plan(args, extra)
+    slots = job_slots(args.jobs, args.torchrun or 1, extra)
+    launcher = [sys.executable, TRAIN] if not args.torchrun else [  # "--": train.py drops it
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={args.torchrun}", TRAIN, "--"]
+    if args.dry_run:
+        return print("\n".join(shell(cmd, run_env(run, {})) for run, cmd in
+                               pending(runs, launcher))) or 0
+    for folder in dict.fromkeys(run["data"] for run in runs):  # before the first run:
+        if Path(folder).name == "demo" and not (Path(folder) / "meta.json").exists():
+            prepare_data.prepare("demo", folder)  # now, not by several runs at once
+        prepare_data.load_meta(folder)  # another missing dataset: the command that prepares it
+    todo, t0 = pending(runs, launcher), time.time()
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-        why = _wrong_fields(info, RUN_FIELDS)
-    except (OSError, ValueError) as e:
-        why = _unreadable(e)
-    if why and notes is not None:
-        notes.append(f"{path} is damaged ({why}): left out; the run is read from its summary.json")
-    return {} if why else info
+        failed = launch(todo, slots)
+    except KeyboardInterrupt:
+        print("interrupted: the same command resumes the sweep", file=sys.stderr)
+        return 130
+    print(f"sweep: {len(runs)} runs: {len(runs) - len(todo)} skipped, {len(todo) - len(failed)} "
+          f"done, {len(failed)} failed; {time.time() - t0:.0f} s, {len(slots)} at a time"
+          + "".join(f"\nfailed: {name}: {error}" for name, error in failed.items()))
+    return 1 if failed else 0
 
+# --- Report: run folders, groups of like runs, paired statistics, Markdown. ---
 
-def read_summary(path):
-    """A run's summary.json, or None while the run is unfinished (no file). A file that is there but is
-    not a summary train.py wrote is an error: shown as unfinished, the run would silently drop out."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-        why = summary_problem(summary)
-    except OSError as e:
-        raise UsageError(f"cannot read {path} ({e.strerror or e}): make it readable, or move that run "
-                         "folder out of the report's folder") from None
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        why = _unreadable(e)
-    if why:
-        raise UsageError(f"{path} is damaged ({why}): delete it and run the sweep command again, which "
-                         "finishes that run from its last.pt")
-    return summary
+# What never splits a group: how a run was run (train.py's runtime settings), what the grid varies
+# (seed, lr, depth), what the dataset fixes, and the variant's own fields and routing block, which
+# make the rows.
+RUNTIME = {f.name for f in dataclasses.fields(train.TrainSettings) if f.metadata["runtime"]}
+NOT_SETUP = RUNTIME | {"seed", "lr", "n_layer", "vocab_size", "attnres_block", *variant("block")}
 
+def find_runs(folders):
+    """(runs, notes): each folder is a run itself or holds runs; unreadable ones become notes."""
+    runs, notes = [], []
+    for folder in map(Path, folders):
+        for d in sorted({p.parent for f in ("run.json", "summary.json") for p in folder.rglob(f)}):
+            rel = d.relative_to(folder)  # a run folder given, or several folders: the path as given
+            name = (folder / rel if d == folder or len(folders) > 1 else rel).as_posix()
+            try:
+                runs.append(read_run(d, name))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                notes.append(f"{d}: its files cannot be read ({type(e).__name__}: {e})")
+    return runs, notes
 
-def read_evals(path, notes):
-    """The eval lines of a run's metrics.jsonl. A damaged line is left out with a note; a cut last
-    line (no newline: an interrupted run's, repaired when it resumes) is left out without one."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
-    except OSError as e:
-        notes.append(f"{path} cannot be read ({e.strerror or e}): the run's curve is left out")
-        return []
-    lines = text.split("\n")  # the last piece is "" or a cut line
-    evals, damaged = [], 0
-    for i, line in enumerate(lines):
-        record = _json_object(line) if line.strip() else {}
-        usable = record is not None and (record.get("type") != "eval" or (
-            _is_int(record.get("step")) and _is_number(record.get("tokens"))
-            and _is_number(record.get("val_loss"))))
-        if not usable:
-            damaged += i < len(lines) - 1
-        elif record.get("type") == "eval":
-            evals.append(record)
-    if damaged:
-        notes.append(f"{path}: {damaged} damaged line(s) left out")
-    return evals
+def read_run(d, name):
+    """A run folder; its summary.json says what the run is, its run.json names its variant."""
+    info, summary = [json.loads((d / f).read_text(encoding="utf-8")) if (d / f).exists() else None
+                     for f in ("run.json", "summary.json")]
+    lines = (d / "metrics.jsonl").read_text().splitlines() if (d / "metrics.jsonl").exists() else []
+    run = dict(name=name, dir=d, summary=summary, variant=(info or {}).get("variant"),
+               evals=[e for e in map(json.loads, lines) if e["type"] == "eval"])
+    if summary is not None:
+        config, settings = summary["config"], summary["train"]
+        setup = {**config, **settings, "data": Path(settings["data"]).name}  # from any folder
+        setup = tuple(sorted((k, repr(x)) for k, x in setup.items() if k not in NOT_SETUP))
+        block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
+        run.update(variant=run["variant"] or variant_of(config), dataset=summary["dataset"],
+                   depth=config["n_layer"], seed=settings["seed"], lr=settings["lr"], block=block,
+                   final=float(summary["final"]["val_loss"]), level=summary["level"], setup=setup,
+                   milestones=summary.get("milestones") or {}, routes=summary.get("routes") or {})
+    return run
 
+def variant_of(config):  # a run folder without run.json: the VARIANTS row of its config
+    fits = [name for name in VARIANTS if variant(name).items() <= config.items()]
+    return fits[0] if fits else config["residual"]
 
-def variant_of(config):
-    """The VARIANTS name of a GPTConfig dict (for run folders without run.json), else 'custom'."""
-    return next((k for k, v in VARIANTS.items() if all(config.get(f) == x for f, x in v.items())), "custom")
-
-
-def load_runs(runs_dir, notes=None):
-    """Every folder under runs_dir with a run.json or summary.json: {name, dir, variant, dataset, depth,
-    seed, block, summary (None while unfinished), evals (metrics.jsonl's eval lines)}. What is left
-    out of a damaged run.json or metrics.jsonl is said in notes (a list)."""
-    notes = [] if notes is None else notes
-    root = Path(runs_dir)
-    dirs = sorted({p.parent for f in ("run.json", "summary.json") for p in root.rglob(f)})
-    runs = []
-    for d in dirs:
-        info, summary = read_run_json(d / "run.json", notes), read_summary(d / "summary.json")
-        s = summary or {}
-        config, trained = s.get("config") or {}, s.get("train") or {}
-        runs.append(dict(name=d.relative_to(root).as_posix(), dir=d, summary=summary,
-                         evals=read_evals(d / "metrics.jsonl", notes),
-                         block=info["attnres_block"] if "attnres_block" in info else routing_block(config),
-                         variant=info.get("variant") or variant_of(config),
-                         dataset=info.get("dataset") or s.get("dataset"),
-                         depth=info.get("depth") or config.get("n_layer"),
-                         seed=info["seed"] if info.get("seed") is not None else trained.get("seed")))
-    return runs
-
-
-def routing_block(config):
-    """The routing block (sublayers) of a run's GPTConfig dict, automatic resolved; None without AttnRes."""
-    if not config or config.get("residual") != "attnres":
-        return None
-    try:
-        return GPTConfig(**config).routing_block
-    except (TypeError, ValueError):
-        return None
-
-
-def mean_std(values):
-    """(mean, sample std with ddof=1); std is None for one value, both None for none."""
+def mean_std(values):  # (mean, sample std, ddof=1): std None for one value, both for none
     values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+    stdev = statistics.stdev(values) if len(values) > 1 else None
+    return (statistics.fmean(values), stdev) if values else (None, None)
 
-
-def paired(runs, baseline_runs, value):
-    """Paired difference value(run) - value(baseline run of the same seed), over the seeds both have
-    (by seed value, whatever the order or gaps; a run without a seed pairs with none): {mean, std,
-    wins (seeds where the variant is lower, i.e. better), ties, n}."""
-    base = {r["seed"]: value(r) for r in baseline_runs if r["seed"] is not None}
-    diffs = [value(r) - base[r["seed"]] for r in runs if value(r) is not None and base.get(r["seed"]) is not None]
+def paired(runs, base_runs, value):
+    """value(run) - value(baseline run of the same seed value): {mean, std, wins, ties, n}."""
+    base = {r["seed"]: value(r) for r in base_runs}
+    diffs = [value(r) - base[r["seed"]] for r in runs
+             if value(r) is not None and base.get(r["seed"]) is not None]
     mean, std = mean_std(diffs)
-    return dict(mean=mean, std=std, wins=sum(d < 0 for d in diffs), ties=sum(d == 0 for d in diffs), n=len(diffs))
-
-
-def final_val(run):
-    return run["summary"]["final"]["val_loss"]
-
-
-def milestone_val(label):  # val loss of the evaluation where the token count crossed this milestone
-    return lambda run: (run["summary"].get("milestones") or {}).get(label, {}).get("val_loss")
-
-
-def route_entropy(run):
-    """Mean over reads of the last evaluation's normalised route entropy, entropy / ln(number of
-    sources the read sees): 0 when one source takes all, 1 when the weights are uniform, so WAV (about
-    3x the sources) compares with Block AttnRes. Reads of one source (no value) and RD's extra value
-    reads (*.attn.v: every variant averages the same reads; JS compares those) are left out. None for
-    runs without it (no AttnRes, or from before summary.json had entropy_norm)."""
-    entropy = [h for name, h in ((run["summary"].get("routes") or {}).get("entropy_norm") or {}).items()
-               if h is not None and not name.endswith(".v")]
-    return statistics.fmean(entropy) if entropy else None
-
-
-def js_mean(run):  # RD runs: JS divergence between the QK and V routes, mean over attention layers
-    return (run["summary"].get("routes") or {}).get("js_mean")
-
+    return dict(mean=mean, std=std, wins=sum(d < 0 for d in diffs),
+                ties=sum(d == 0 for d in diffs), n=len(diffs))
 
 def summarize(runs, baseline):
-    """Finished runs grouped by (dataset, depth): [{dataset, depth, level, baseline, milestones, blocks
-    ({AttnRes variant: its routing blocks}), rows: [{variant, seeds, val, metric, entropy, js, wall, delta,
-    at: {milestone: {val, delta}}}]}]."""
-    groups, seen = {}, {}
+    """Groups of like finished runs; a row per (variant, routing block), at its chosen lr."""
+    groups, rank = {}, {v: i for i, v in enumerate(VARIANTS)}
     for r in runs:
-        if not r["summary"]:
-            continue
-        groups.setdefault((r["dataset"], r["depth"]), {}).setdefault(r["variant"], []).append(r)
-        key = (r["dataset"], r["depth"], r["variant"], r["seed"])
-        if r["seed"] is not None and seen.setdefault(key, r["name"]) != r["name"]:
-            raise UsageError(f"runs {seen[key]} and {r['name']} are both {r['variant']} with seed "
-                             f"{r['seed']} ({r['dataset']}, {r['depth']} layers), so neither pairs "
-                             "clearly: report one sweep's folder at a time, or move one of them away")
-    order = {v: i for i, v in enumerate(VARIANTS)}
+        rows = groups.setdefault((str(r["dataset"]), r["depth"], r["setup"]), {})
+        rows.setdefault((r["variant"], r["block"]), {}).setdefault(r["lr"], []).append(r)
     out = []
-    for (dataset, depth), by_variant in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0)):
-        level = next(iter(by_variant.values()))[0]["summary"].get("level")
-        to_metric = (lambda v: v / math.log(2)) if level == "char" else math.exp  # bits per char, perplexity
-        reached = {label: m["tokens"] for rs in by_variant.values() for r in rs
-                   for label, m in (r["summary"].get("milestones") or {}).items()}
-        labels = sorted(reached, key=reached.get)
-        base = by_variant.get(baseline)
-        rows = []
-        for variant in sorted(by_variant, key=lambda v: (order.get(v, len(order)), v)):
-            rs = sorted(by_variant[variant], key=lambda r: (r["seed"] is None, r["seed"] or 0))
-            compare = base is not None and variant != baseline
-            rows.append(dict(
-                variant=variant, seeds=[r["seed"] for r in rs], val=mean_std([final_val(r) for r in rs]),
-                metric=mean_std([to_metric(final_val(r)) for r in rs]),
-                entropy=mean_std([route_entropy(r) for r in rs]), js=mean_std([js_mean(r) for r in rs]),
-                wall=mean_std([r["summary"].get("wall_time_s") for r in rs]),
-                delta=paired(rs, base, final_val) if compare else None,
-                at={label: dict(val=mean_std([milestone_val(label)(r) for r in rs]),
-                                delta=paired(rs, base, milestone_val(label)) if compare else None)
-                    for label in labels}))
-        blocks = {v: sorted({r["block"] for r in rs}) for v, rs in by_variant.items()
-                  if VARIANTS.get(v, {}).get("residual", "attnres") == "attnres" and rs[0]["block"] is not None}
-        out.append(dict(dataset=dataset, depth=depth, level=level, baseline=baseline if base else None,
-                        milestones=labels, blocks=blocks, rows=rows))
+    for (dataset, depth, setup), by_row in sorted(groups.items()):
+        keys = sorted(by_row, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1] or 0))
+        rows = [make_row(v, block, by_row[v, block]) for v, block in keys]
+        reached = {k: m["tokens"] for row in rows for r in row["runs"]
+                   for k, m in r["milestones"].items()}
+        base = next((row for row in rows if row["variant"] == baseline), None)
+        for row in rows:
+            pair = base is not None and row is not base
+            row["delta"] = paired(row["runs"], base["runs"], lambda r: r["final"]) if pair else None
+            at = {k: lambda r, k=k: r["milestones"].get(k, {}).get("val_loss") for k in reached}
+            row["at"] = {k: (mean_std(map(val, row["runs"])),
+                             paired(row["runs"], base["runs"], val) if pair else None)
+                         for k, val in at.items()}
+        out.append(dict(dataset=dataset, depth=depth, setup=setup, rows=rows, base=base,
+                        level=rows[0]["runs"][0]["level"],
+                        milestones=sorted(reached, key=reached.get)))
     return out
 
+def make_row(name, block, by_lr):
+    """A row: the variant's runs at the lr of the lowest mean final val loss over seeds."""
+    means = {lr: statistics.fmean(r["final"] for r in rs) for lr, rs in by_lr.items()}
+    lr = min(means, key=means.get)
+    runs = sorted(by_lr[lr], key=lambda r: r["seed"])
+    for a, b in [(a, b) for a, b in zip(runs, runs[1:]) if a["seed"] == b["seed"]]:
+        raise UsageError(f"runs {a['name']} and {b['name']} are both {name}, seed {a['seed']}, lr "
+                         f"{lr:g} in one setup: neither pairs clearly; report one at a time")
+    to_metric = (lambda v: v / math.log(2)) if runs[0]["level"] == "char" else math.exp
+    return dict(variant=name, block=block, lr=lr, runs=runs, val=mean_std(r["final"] for r in runs),
+                metric=mean_std(to_metric(r["final"]) for r in runs),  # bits per char, perplexity
+                entropy=mean_std(r["routes"].get("entropy_norm_mean") for r in runs),
+                js=mean_std(r["routes"].get("js_mean") for r in runs),
+                wall=mean_std(r["summary"].get("wall_time_s") for r in runs),
+                others={k: (m, len(by_lr[k])) for k, m in means.items() if k != lr})
 
-def _ms(ms, digits=4, sign=""):  # "mean ± std", "mean ± –" for one seed, "–" for none
-    if ms[0] is None:
-        return "–"
-    return f"{ms[0]:{sign}.{digits}f} ± " + ("–" if ms[1] is None else f"{ms[1]:.{digits}f}")
-
-
-def _delta(d):  # (Δ mean ± std, wins/n)
-    if not d or not d["n"]:
-        return "–", "–"
-    return _ms((d["mean"], d["std"]), sign="+"), f"{d['wins']}/{d['n']}" + (f" ({d['ties']} tied)" if d["ties"] else "")
-
-
-def markdown(runs_dir, runs, groups, baseline, notes=()):
-    finished = [r for r in runs if r["summary"]]
-    lines = [f"# Report: {runs_dir}", "",
-             f"{len(runs)} runs: {len(finished)} finished, {len(runs) - len(finished)} unfinished. "
-             "Val loss: the last evaluation's, in nats per token; mean ± sample std over seeds (– for one seed). "
-             f"Δ: paired difference to **{baseline}** (variant − baseline on the same dataset, depth and seed), "
-             "mean ± std over seeds; wins: seeds where the variant's val loss is lower. Route entropy: "
-             "normalised, entropy / ln(number of sources the read sees) (0: one source takes all, "
-             "1: uniform), mean over the reads of more than one source, AttnRes runs (– for runs from "
-             "before it was recorded); JS (nats, ≤ ln 2 = 0.693): QK route vs V route, mean over "
-             "attention layers, RD runs. Both from each run's last evaluation.", ""]
-    command = read_run_json(finished[0]["dir"] / "run.json").get("command") if finished else None
-    if command:
-        lines += [f"Command of run `{finished[0]['name']}`: `{command}`", ""]
-    if notes:
-        lines += ["Left out: " + "; ".join(notes) + ".", ""]
+def titles(groups):
+    """Each group's heading; groups of one dataset and depth also name what sets them apart."""
+    heads = []
     for g in groups:
-        unit = "val bpc" if g["level"] == "char" else "val ppl"
-        lines += [f"## {g['dataset']}, {g['depth']} layers", ""]
-        every = {m for ms in g["blocks"].values() for m in ms}
-        if len(every) == 1:
-            lines += [f"Routing block: {every.pop()} sublayers for every AttnRes variant (like for like).", ""]
-        elif every:
-            lines += ["**Routing blocks differ** (" + ", ".join(f"{v}: {'/'.join(map(str, ms))}" for v, ms in
-                      g["blocks"].items()) + " sublayers): a difference between these variants is also one of "
-                      "block size; rerun them with the same --attnres_block.", ""]
-        if g["baseline"] is None:
-            lines += [f"(baseline {baseline} has no finished run here: no paired differences)", ""]
-        lines += [f"| variant | seeds | val loss | {unit} | Δ val loss | wins | route entropy (norm.) "
-                  "| JS QK‖V | train s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        twins = [dict(h["setup"]) for h in groups
+                 if (h["dataset"], h["depth"]) == (g["dataset"], g["depth"])]
+        apart = [f"{k} {dict(g['setup']).get(k, 'unset')}" for k in sorted(set().union(*twins))
+                 if len({t.get(k) for t in twins}) > 1]
+        apart = f" ({', '.join(apart)})" if apart else ""
+        heads.append(f"{g['dataset']}, {g['depth']} layers{apart}")
+    return heads
+
+def _ms(ms, digits=4, sign=""):  # "mean ± std"; "mean ± –" for one seed; "–" for none
+    std = "–" if ms[1] is None else f"{ms[1]:.{digits}f}"
+    return "–" if ms[0] is None else f"{ms[0]:{sign}.{digits}f} ± {std}"
+
+def _delta(d):  # "Δ mean ± std | wins/n"
+    if not d or not d["n"]:
+        return "– | –"
+    ties = f" ({d['ties']} tied)" if d["ties"] else ""
+    return f"{_ms((d['mean'], d['std']), sign='+')} | {d['wins']}/{d['n']}{ties}"
+
+INTRO = ("A group: runs alike but for seed, lr and variant. Val loss: the last eval's, nats/token, "
+         "mean ± sample std over seeds. Δ: paired difference to **{}** (same seed); wins: seeds "
+         "where lower. lr: of the lowest mean. Route entropy: normalised; JS: RD's QK vs V, nats.")
+
+def markdown(folders, runs, groups, baseline, notes):
+    finished = [r for r in runs if r["summary"]]
+    lines = [f"# Report: {' '.join(folders)}", "", f"{len(runs)} runs: {len(finished)} finished, "
+             f"{len(runs) - len(finished)} unfinished. " + INTRO.format(baseline), ""]
+    lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
+    for g, title in zip(groups, titles(groups)):
+        char = g["level"] == "char"
+        lines += [f"## {title}", ""]
+        if len({row["block"] for row in g["rows"]} - {None}) > 1:
+            lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]
+        lines += [f"(no finished {baseline} run here: no paired differences)", ""] * (not g["base"])
+        lines += [f"| variant | lr | block | seeds | val loss | val {'bpc' if char else 'ppl'} | "
+                  "Δ val loss | wins | route entropy | JS QK‖V | train s |", "|---" * 11 + "|"]
         for row in g["rows"]:
-            delta, wins = _delta(row["delta"])
-            name = f"**{row['variant']}** (baseline)" if row["variant"] == g["baseline"] else row["variant"]
-            lines.append(f"| {name} | {len(row['seeds'])} | {_ms(row['val'])} | "
-                         f"{_ms(row['metric'], 4 if g['level'] == 'char' else 2)} | {delta} | {wins} | "
-                         f"{_ms(row['entropy'], 3)} | {_ms(row['js'], 3)} | {_ms(row['wall'], 0)} |")
-        if g["milestones"]:
-            lines += ["", "Milestones (val loss when the token count crossed each one):", "",
-                      "| variant | " + " | ".join(f"val @{m} | Δ @{m} | wins" for m in g["milestones"]) + " |",
-                      "|---|" + "---|---|---|" * len(g["milestones"])]
-            for row in g["rows"]:
-                cells = [f"{_ms(row['at'][m]['val'])} | {' | '.join(_delta(row['at'][m]['delta']))}"
-                         for m in g["milestones"]]
-                lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
-        lines.append("")
-    unfinished = [r for r in runs if not r["summary"]]
-    if unfinished:
-        lines += ["## Unfinished runs (no summary.json)", ""]
-        for r in unfinished:
-            last = r["evals"][-1] if r["evals"] else None
-            lines.append(f"- {r['name']}: " + (f"last eval at step {last['step']}, val loss {last['val_loss']:.4f}"
-                                               if last else "no evaluation yet"))
-        lines.append("")
-    return "\n".join(lines)
+            name = f"**{row['variant']}** (baseline)" if row is g["base"] else row["variant"]
+            lines.append(f"| {name} | {row['lr']:g} | {row['block'] or '–'} | {len(row['runs'])} "
+                         f"| {_ms(row['val'])} | {_ms(row['metric'], 4 if char else 2)} | "
+                         f"{_delta(row['delta'])} | {_ms(row['entropy'], 3)} | "
+                         f"{_ms(row['js'], 3)} | {_ms(row['wall'], 0)} |")
+        lines += tables_below(g) + [""]
+    unfinished = ", ".join(r["name"] for r in runs if not r["summary"])
+    lines += [f"Unfinished (no summary.json yet): {unfinished}"] * bool(unfinished)
+    return "\n".join(lines) + "\n"
 
+def tables_below(g):
+    """A group's milestones table and its variants' other learning rates."""
+    marks, lines = g["milestones"], []
+    if marks:
+        lines += ["", "Milestones (val loss where the token count crossed each one):", "",
+                  "| variant | " + " | ".join(f"val @{m} | Δ @{m} | wins" for m in marks) + " |",
+                  "|---" * (1 + 3 * len(marks)) + "|"]
+        lines += [f"| {row['variant']} | " + " | ".join(
+            f"{_ms(row['at'][m][0])} | {_delta(row['at'][m][1])}" for m in marks) + " |"
+            for row in g["rows"]]
+    others = [row for row in g["rows"] if row["others"]]
+    lines += ["", "Other learning rates (mean final val loss over their seeds):", ""] * bool(others)
+    return lines + [f"- {row['variant']}: " + "; ".join(
+        f"lr {lr:g}: {m:.4f} ({n} seeds)" for lr, (m, n) in sorted(row["others"].items()))
+        for row in others]
 
-# -----------------------------------------------------------------------------
-# Plots (optional: matplotlib)
+def report(args, extra):
+    runs, notes = find_runs(args.folders)
+    if not runs:
+        raise UsageError(f"no runs in {' '.join(args.folders)} (no run.json or summary.json): "
+                         "give a sweep's --out folder or a train.py --out_dir")
+    variants = {r["variant"] for r in runs if r["summary"]}
+    baseline = args.baseline or next((v for v in ("block", "prenorm") if v in variants),
+                                     min(variants, default=None))
+    if variants and baseline not in variants:
+        raise UsageError(f"--baseline {baseline}: no finished run of that variant; finished "
+                         f"variants: {', '.join(sorted(variants))}")
+    # the checkpoints first: a wrong --heatmap is one line, with or without matplotlib
+    heatmaps = {name: route_matrix(next((r["dir"] for r in runs if r["name"] == name), Path(name)),
+                                   args.data) for name in args.heatmap}
+    groups = summarize([r for r in runs if r["summary"]], baseline)
+    text = markdown(args.folders, runs, groups, baseline, notes)
+    out = Path(args.out or Path(args.folders[0]) / "report.md")
+    write_atomic(out, text.encode())
+    print(text + f"\nwrote {out}")
+    if args.plots or heatmaps:
+        plots(out.parent, groups, heatmaps, baseline)
+    return 0
 
+# --- Figures (matplotlib is optional). ---
 
-def route_matrix(run_dir, rows=16, data_root=None):
-    """Mean routing weights of a run's best.pt on `rows` val crops: (reads, sources, matrix) with
-    sources in pool order and None where a read cannot see a source. The val split is read from
-    the data folder the run was trained on (found from here, or as DATA_ROOT/NAME: --data_root)."""
-    import numpy as np
-    import torch
-
-    import train
-    from nanoroute import GPT, GPTConfig, routing_stats
-    # train.py's loader: weights_only, and one clear line for a missing or damaged file
-    ckpt = train.load_checkpoint(Path(run_dir) / "best.pt", f"no best.pt in {run_dir}",
-                                 keys=("model", "config", "train_args"))
-    if ckpt["config"].get("residual") != "attnres":  # the checkpoint decides, whatever run.json calls it
-        raise UsageError(f"--heatmap: {Path(run_dir) / 'best.pt'} is a residual={ckpt['config'].get('residual')} "
-                         "model, which has no depth routes; choose an AttnRes run")
-    model = GPT(GPTConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
-    model.eval()
-    dataset = ckpt.get("meta", {}).get("dataset")
-    data_dir = train.find_data(ckpt["train_args"]["data"], run_dir,
-                               "give --data_root DIR, the folder that holds it", dataset, data_root)
-    data, T = prepare_data.open_split(data_dir, "val"), model.config.sequence_len
-    x = torch.from_numpy(np.stack([data[o:o + T] for o in np.linspace(0, len(data) - T - 1, rows, dtype=int)])
-                         .astype(np.int64))
-    with torch.no_grad():
-        stats = routing_stats(model(x, return_routes=True)[2])
-    reads, sources = stats["reads"], stats["sources"]
-    matrix = [[dict(zip(r["sources"], r["mean_weight"])).get(s) for s in sources] for r in reads.values()]
-    return list(reads), sources, matrix
-
-
-def plots(runs_dir, runs, heatmaps, baseline=None):
-    """val_loss.png (val_loss_figure) and routes_<run>.png (routes_figure) next to report.md, for
-    heatmaps {run: route_matrix(run)}; returns the paths written. Without matplotlib: a line, no
-    files."""
+def plots(folder, groups, heatmaps, baseline):
+    """val_loss.png and routes_RUN.png (heatmaps {RUN: route_matrix}) into folder."""
     try:
-        importlib.import_module("matplotlib")  # optional; the figures import its parts
+        from matplotlib.figure import Figure
     except ImportError:
-        print(NO_MATPLOTLIB)
-        return []
-    figures = {"val_loss.png": val_loss_figure(runs, baseline)}
-    figures.update({f"routes_{name.replace('/', '_')}.png": routes_figure(name, *matrix)
-                    for name, matrix in heatmaps.items()})
-    written = []
-    for filename, fig in figures.items():
-        if fig is None:
-            print(f"no evaluation past step 0 in any run yet: no {filename}")
-            continue
-        png = io.BytesIO()
-        fig.savefig(png, format="png", dpi=PLOT_DPI)
-        written.append(Path(runs_dir) / filename)
-        prepare_data.write_atomic(written[-1], lambda f: f.write(png.getvalue()))
-    return written
+        return print(NO_MATPLOTLIB)
+    if groups:
+        save_figure(val_loss_figure(Figure, groups, baseline), Path(folder) / "val_loss.png")
+    for name, matrix in heatmaps.items():
+        safe = re.sub(r"[^\w.-]+", "_", name).strip("_.")  # a run's path as a file name
+        save_figure(routes_figure(Figure, name, *matrix), Path(folder) / f"routes_{safe}.png")
 
+def save_figure(fig, path):
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    print(f"wrote {path}")
 
-PLOT_DPI = 110
-
-
-def val_loss_figure(runs, baseline):
-    """One panel pair per (dataset, depth), at most PANELS_PER_ROW side by side: on top each
-    variant's val loss over tokens (mean over seeds, min–max band), below its paired difference to
-    the baseline (same seed; diff_axis). A variant's curve is that of its finished runs, as in the
-    table (of its unfinished ones while none has finished), in the same colour in every panel and
-    figure. Returns a matplotlib Figure, None while no run has an evaluation past step 0 (a curve
-    starts after it)."""
-    from matplotlib.figure import Figure
-    groups = {}
-    for r in runs:
-        if any(e["tokens"] > 0 for e in r["evals"]):
-            groups.setdefault((str(r["dataset"]), r["depth"] or 0), {}).setdefault(r["variant"], []).append(r)
-    if not groups:
-        return None
-    cols = min(PANELS_PER_ROW, len(groups))
-    rows = -(-len(groups) // cols)
-    fig = Figure(figsize=(8.0 * cols, 6.0 * rows), layout="constrained")
-    for cell, ((dataset, depth), by_variant) in zip(fig.subfigures(rows, cols, squeeze=False).ravel(),
-                                                    sorted(groups.items())):
-        ax, dax = cell.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=[3, 2]))
-        finished = {v: [r for r in rs if r["summary"]] or rs for v, rs in by_variant.items()}
-        _draw_group(ax, dax, finished, baseline)
-        ax.set_title(f"{dataset}, {depth} layers")
+def val_loss_figure(Figure, groups, baseline):
+    """A column per group: val loss over tokens per row, its paired difference to the baseline."""
+    from matplotlib import colormaps
+    fig = Figure(figsize=(6.5 * len(groups), 7.5), layout="constrained")
+    axes = fig.subplots(2, len(groups), squeeze=False, sharex="col",
+                        gridspec_kw=dict(height_ratios=[3, 2]))
+    for g, title, ax, dax in zip(groups, titles(groups), axes[0], axes[1]):
+        base = {r["seed"]: curve(r) for r in g["base"]["runs"]} if g["base"] else {}
+        for row in g["rows"]:
+            shade = colormaps["tab20"](([*VARIANTS, row["variant"]].index(row["variant"])) % 20)
+            curves = [curve(r) for r in row["runs"]]
+            band(ax, curves, shade, f"{row['variant']} (lr {row['lr']:g}, {len(curves)})")
+            band(dax, [{t: y - base[r["seed"]][t] for t, y in curve(r).items()
+                        if t in base[r["seed"]]} for r in row["runs"]
+                       if r["seed"] in base and row is not g["base"]], shade)
+        late = [y for row in g["rows"] for r in row["runs"] for t, y in curve(r).items()
+                if t >= 0.2 * max(curve(r), default=0)]  # the first fifth would dwarf the rest
+        ax.set_ylim(top=max(late, default=None))
+        dax.axhline(0, color="black", linewidth=0.8)
+        ax.set(title=title, ylabel="val loss (nats/token)")
+        dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline} (same seed)")
+        ax.legend(fontsize=8, title="variant (lr, seeds); band: min–max", title_fontsize=8)
     return fig
 
+def curve(run):  # {tokens: val loss} of a run's evaluations after step 0
+    return {e["tokens"]: e["val_loss"] for e in run["evals"] if e["tokens"] > 0}
 
-PANELS_PER_ROW = 3  # (dataset, depth) groups side by side in val_loss.png; more go to the next row
-
-
-def _draw_group(ax, dax, by_variant, baseline):
-    """val_loss_figure's two panels of one (dataset, depth) group, {variant: its runs}. As in the
-    table, runs pair by seed value, and a run without a seed is drawn but pairs with none."""
-    curves = {v: [(r["seed"], {e["tokens"]: e["val_loss"] for e in r["evals"] if e["tokens"] > 0})
-                  for r in rs] for v, rs in by_variant.items()}
-    base = {s: c for s, c in curves.get(baseline, []) if s is not None}
-    late, spans = [], {}
-    for variant in sorted(curves, key=_variant_rank):
-        color, seeds = _variant_color(variant), len(curves[variant])
-        finished = by_variant[variant][0]["summary"] is not None
-        label = f"{variant} ({seeds} seed{'s' * (seeds > 1)}{'' if finished else ', unfinished'})"
-        late += _band(ax, [c for _, c in curves[variant]], color, label)
-        diffs = [{t: y - base[s][t] for t, y in c.items() if t in base[s]}
-                 for s, c in curves[variant] if s in base]
-        if variant != baseline and diffs:
-            _band(dax, diffs, color)
-            spans[variant] = [d for c in diffs for d in c.values()]
-    lo = min(y for v in curves.values() for _, c in v for y in c.values())
-    if late and max(late) > lo:  # zoom on the last 80% of training, where the variants differ
-        ax.set_ylim(lo - 0.05 * (max(late) - lo), max(late) + 0.05 * (max(late) - lo))
-    ax.set(ylabel="val loss (nats/token)")
-    ax.legend(title="mean over seeds, band: min–max", fontsize=8, title_fontsize=8,
-              loc="upper left", bbox_to_anchor=(1.01, 1))
-    scale = diff_axis(dax, spans, _variant_color(baseline) if baseline in curves else "black")
-    dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline}\n(same seed{scale})")
-    dax.xaxis.set_major_formatter(_formatter(_tokens))
-    for a in (ax, dax):
-        a.grid(alpha=0.3)
-
-
-def _band(ax, curves, color, label=None):
-    """Mean line and min–max band over seeds, at the tokens every seed reached; returns the mean's
-    values in the last 80% of training."""
+def band(ax, curves, shade, label=None):
+    """Mean line and min–max band over curves ({tokens: value}), at the tokens all reached."""
     import numpy as np
-    tokens = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-    if not tokens:
-        return []
-    y = np.array([[c[t] for t in tokens] for c in curves])
-    marker = "o" if len(tokens) < 3 else None  # a curve of one or two points shows as points
-    ax.plot(tokens, y.mean(0), color=color, label=label, marker=marker, markersize=4)
-    ax.fill_between(tokens, y.min(0), y.max(0), color=color, alpha=0.2, linewidth=0)
-    return [m for t, m in zip(tokens, y.mean(0)) if t >= 0.2 * tokens[-1]]
+    tokens = sorted(set.intersection(*map(set, curves))) if curves else []
+    if tokens:
+        y = np.array([[c[t] for t in tokens] for c in curves])
+        ax.plot(tokens, y.mean(0), color=shade, label=label, marker="o" * (len(tokens) < 3))
+        ax.fill_between(tokens, y.min(0), y.max(0), color=shade, alpha=0.2, linewidth=0)
 
-
-def diff_axis(ax, spans, zero_color):
-    """The paired-difference axis, with a zero line and ticks that read as plain numbers (+0.05,
-    −0.1, never 4.4×10⁻²). Linear around 0; but when the variant furthest off lies more than 10x
-    further than the typical one (ReZero after 300 steps), small gaps would vanish on a linear axis:
-    then linear within ±L, a round number that holds the typical variant, and logarithmic beyond,
-    with ticks on both sides of 0. spans: {variant: its differences}. Returns what the axis label
-    adds ("; log beyond ±0.1", or nothing when linear)."""
-    from matplotlib.ticker import FixedLocator, MaxNLocator, NullLocator
-    values = [d for ds in spans.values() for d in ds] or [0.0]
-    lo, hi = min(0.0, *values), max(0.0, *values)
-    peaks = sorted(max(map(abs, ds), default=0.0) for ds in spans.values()) or [0.0]
-    typical = peaks[len(peaks) // 2]
-    ax.axhline(0, color=zero_color, linewidth=1.2)
-    if peaks[-1] <= 10 * typical or peaks[-1] == 0:
-        pad = 0.08 * ((hi - lo) or 0.01)
-        ax.set_ylim(lo - pad, hi + pad)
-        ax.yaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
-        note = ""
-    else:
-        linear = _round_up(typical)
-        ax.set_yscale("symlog", linthresh=linear, linscale=1.0)
-        ax.set_ylim(1.3 * min(lo, -linear), 1.3 * max(hi, linear))
-        ax.yaxis.set_major_locator(FixedLocator(_symlog_ticks(lo, hi, linear)))
-        ax.yaxis.set_minor_locator(NullLocator())
-        note = f"; log beyond ±{_plain(linear)[1:]}"
-    ax.yaxis.set_major_formatter(_formatter(_plain))
-    return note
-
-
-def _round_up(x):
-    """The smallest of 1, 2, 5 x 10^k that is >= x (x > 0)."""
-    k = math.floor(math.log10(x))
-    return next(m * 10.0 ** e for e in (k, k + 1) for m in (1, 2, 5) if m * 10.0 ** e >= x * (1 - 1e-9))
-
-
-def _symlog_ticks(lo, hi, linear):
-    """Ticks of a symlog axis, linear within ±linear: 0, ±linear/2, ±linear, then 1, 2, 5 x 10^k out
-    to the data, fewer where the data reaches further (1, 5 x 10^k past 4x linear, powers of 10 past
-    40x), so that labels never crowd."""
-    ticks = [-linear, -linear / 2, 0.0, linear / 2, linear]
-    for sign, end in ((1, hi), (-1, -lo)):
-        steps = (1, 2, 5) if end <= 4 * linear else (1, 5) if end <= 40 * linear else (1,)
-        k = math.floor(math.log10(linear))
-        while 10.0 ** k <= end:
-            ticks += [sign * m * 10.0 ** k for m in steps
-                      if linear * 1.0001 < m * 10.0 ** k <= end * 1.0001]
-            k += 1
-    return sorted(ticks)
-
-
-def _plain(x):  # a tick as a plain signed number: +0.05, −0.1, 0
-    if abs(x) < 1e-12:
-        return "0"
+def routes_figure(Figure, name, reads, sources, matrix):
+    """route_matrix as a heatmap: rows reads, columns sources in pool order, blank where unseen."""
     import numpy as np
-    digits = np.format_float_positional(abs(x), precision=3, fractional=False, trim="-")
-    return ("+" if x > 0 else "−") + digits
-
-
-def _tokens(x):  # a token count as the milestones write it: 0, 50K, 1.5M, 2B
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(x) >= scale:
-            return f"{x / scale:g}{suffix}"
-    return f"{x:g}"
-
-
-def _formatter(fn):
-    from matplotlib.ticker import FuncFormatter
-    return FuncFormatter(lambda x, pos: fn(x))
-
-
-def _variant_rank(variant):
-    return (list(VARIANTS) + [variant]).index(variant)
-
-
-def _variant_color(variant):  # the same colour for a variant in every panel and figure
-    return f"C{_variant_rank(variant) % 10}"
-
-
-def routes_figure(name, reads, sources, matrix):
-    """A heatmap of route_matrix's mean routing weights: rows are reads, columns sources in pool order,
-    each cell its weight, blank where the read cannot see the source. Returns a matplotlib Figure."""
-    import numpy as np
-    from matplotlib.figure import Figure
     w = np.array([[np.nan if x is None else x for x in row] for row in matrix], dtype=float)
-    fig = Figure(figsize=(max(6.4, 2.6 + 0.8 * len(sources)), max(3.6, 1.6 + 0.34 * len(reads))),
-                 layout="constrained")
+    fig = Figure(figsize=(2.6 + 0.8 * len(sources), 1.6 + 0.34 * len(reads)), layout="constrained")
     ax = fig.subplots()
     image = ax.imshow(np.ma.masked_invalid(w), cmap="viridis", vmin=0, vmax=1, aspect="auto")
     for (i, j), x in np.ndenumerate(w):
         if not np.isnan(x):
             ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=9,
                     color="white" if x < 0.6 else "black")
-    slanted = max(map(len, sources)) > 3
-    ax.set_xticks(range(len(sources)), sources, rotation=30 if slanted else 0,
-                  ha="right" if slanted else "center", rotation_mode="anchor")
+    ax.set_xticks(range(len(sources)), sources, rotation=30, ha="right", rotation_mode="anchor")
     ax.set_yticks(range(len(reads)), reads)
     ax.set(xlabel="source (blank: not in this read's pool)", ylabel="read",
-           title=f"{name}: mean routing weight (best.pt, val crops)")
+           title=f"{name}: mean routing weight (best.pt, 8 val crops)")
     fig.colorbar(image, ax=ax, label="weight", shrink=0.9)
     return fig
 
+# --- A trained run's routes, and interventions on them (SPEC: Controls, interventions). ---
 
-# -----------------------------------------------------------------------------
-# Command line
+def load_model(run_dir, ckpt="best.pt", data=None, device="cpu"):
+    """A run's model (eval mode), its checkpoint, and the val split of its data (or --data)."""
+    path = Path(run_dir) / ckpt
+    saved = checkpoint.load(path, f"no {ckpt} in {run_dir}: give a run folder of train.py")
+    model = checkpoint.model_from(saved, path).to(device).eval()
+    if model.config.residual != "attnres":
+        raise UsageError(f"{path}: a {model.config.residual} model has no depth routes")
+    folder, meta = checkpoint.open_data(saved, run_dir, data)  # one line if moved or another
+    return model, saved, prepare_data.open_split(folder, "val", meta)
 
+def route_matrix(run_dir, data=None):
+    """(reads, sources, each read's mean weight per source or None): best.pt, train.py's crops."""
+    model, saved, val = load_model(run_dir, data=data)
+    T, s = model.config.sequence_len, saved["settings"]
+    offsets = train.eval_offsets(len(val), T, s["batch_size"], s["eval_tokens"], 1)[0][:8]
+    (x, _), = train.get_batch(val, offsets, T, torch.device("cpu"))
+    with torch.no_grad():
+        stats = routing_stats(model(x, return_routes=True)[2])
+    reads = stats["reads"]
+    return list(reads), stats["sources"], [[dict(zip(r["sources"], r["mean_weight"])).get(s)
+                                             for s in stats["sources"]] for r in reads.values()]
 
-def report(runs_dir, baseline=None, make_plots=False, heatmaps=(), data_root=None):
-    notes = []
-    runs = load_runs(runs_dir, notes)
-    if not runs:
-        raise UsageError(f"no runs under {runs_dir} (no run.json or summary.json): run `python experiments.py "
-                         "sweep NAME` first, or give the sweep's --out folder")
-    variants = {r["variant"] for r in runs if r["summary"]}
-    baseline = baseline or next((v for v in ("block", "prenorm") if v in variants), min(variants, default=None))
-    if variants and baseline not in variants:
-        raise UsageError(f"--baseline {baseline}: no finished run of that variant; finished variants: "
-                         f"{', '.join(sorted(variants)) or 'none'}")
-    for name in heatmaps:
-        run = next((r for r in runs if r["name"] == name), None)
-        if run is None or not (run["dir"] / "best.pt").exists():
-            raise UsageError(f"--heatmap {name}: no run folder with a best.pt of that name under {runs_dir}; "
-                             f"e.g. {next((r['name'] for r in runs if r['variant'] == 'rd'), runs[0]['name'])}")
-        config = (run["summary"] or {}).get("config") or VARIANTS.get(run["variant"], {})
-        if config.get("residual", "attnres") != "attnres":
-            raise UsageError(f"--heatmap {name}: a {run['variant']} run has no depth routes; choose an AttnRes run")
-    # read the checkpoints now, with or without matplotlib: a damaged one is an error either way
-    heatmaps = {name: route_matrix(Path(runs_dir) / name, data_root=data_root) for name in heatmaps}
-    text = markdown(runs_dir, runs, summarize(runs, baseline), baseline, notes)
-    print(text)
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    try:  # report.md and the plots go next to the runs
-        prepare_data.write_atomic(Path(runs_dir) / "report.md", lambda f: f.write(text.encode() + b"\n"))
-        print(f"wrote {Path(runs_dir) / 'report.md'}")
-        for path in plots(runs_dir, runs, heatmaps, baseline) if make_plots else []:
-            print(f"wrote {path}")
-    except OSError as e:
-        raise UsageError(f"cannot write the report into {runs_dir} ({e.strerror or e}): make that "
-                         "folder writable, or report a writable copy of it") from None
+def chosen_mask(pools, m, names=(), older_than=None, only=None):
+    """{Read: sources to mask} by name (C0, P take their details) and by age: in a read of block
+    b = sublayer // m, C<j> and its details with b - j > older_than. Every read, or only `only`.
+    A read it would leave nothing to read keeps its sources and is listed: (mask, kept)."""
+    known = {n for pool in pools.values() for src in pool for n in (src, src.partition(".")[0])}
+    if set(names) - known or only not in (None, *map(str, pools)):
+        raise UsageError(f"--mask {','.join(names)} --read {only}: the sources are "
+                         f"{sorted(known)}; the reads {', '.join(map(str, pools))}")
+    mask, kept = {}, []
+    for read, pool in pools.items():
+        age = {src: read.sublayer // m - source_block(src) for src in pool if src[0] == "C"}
+        hidden = {src for src in pool if src in names or src.partition(".")[0] in names
+                  or (older_than is not None and age.get(src, -1) > older_than)}
+        if hidden and only in (None, str(read)):
+            mask.update({read: hidden} if len(hidden) < len(pool) else {})
+            kept += [str(read)] * (len(hidden) == len(pool))
+    if not mask:
+        raise UsageError("ablate: give --mask NAMES and/or --older_than K that hide a source of "
+                         f"some read (a read keeps a mask of all its sources: {kept or 'none'})")
+    return mask, kept
 
+def random_mask(mask, pools, seed):  # the control: as many sources per read, never all, at random
+    rng = random.Random(seed)
+    return {read: set(rng.sample(pools[read], len(hidden))) for read, hidden in mask.items()}
 
-def _ints(text, flag, low):
-    """'0,1,2', '0-4' or '0-2,5' as a list of distinct integers >= low; None for None."""
-    if text is None:
-        return None
-    parts = [re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part) for part in str(text).split(",")]
-    values = [n for m in parts if m for n in range(int(m[1]), int(m[2] or m[1]) + 1)]
-    if not all(parts) or not values or len(set(values)) != len(values) or min(values) < low \
-            or any(m[2] and int(m[2]) < int(m[1]) for m in parts):
-        raise UsageError(f"{flag} {text}: expected distinct integers >= {low} like 0,1,2 or a rising range "
-                         f"like {low}-{low + 2}")
-    return values
+def ablate(args, extra):
+    """Δ val loss of the mask in each read alone and in all, beside count-matched random masks."""
+    device = train.pick_device(args.device)
+    model, saved, val = load_model(args.run_dir, f"{args.ckpt}.pt", args.data, device)
+    s, T = saved["settings"], model.config.sequence_len
+    offsets = train.eval_offsets(len(val), T, s["batch_size"], s["eval_tokens"], 1)
+    with torch.no_grad():  # each read's sources by name, from one forward (RD tied: one read)
+        routes = model(train.get_batch(val, offsets[0][:1], T, device)[0][0], return_routes=True)[2]
+    pools = {r["read"]: r["sources"] for r in routes if r["read"] in model.reads}
+    names = args.mask.split(",") if args.mask else []
+    mask, kept = chosen_mask(pools, model.config.routing_block, names, args.older_than, args.read)
 
+    @torch.no_grad()
+    def score(masked):  # train.evaluate's number: the mean loss of its forwards over the crops
+        model.masked = masked
+        return torch.stack([model(x, y)[1].float() for rows in offsets for x, y in
+                            train.get_batch(val, rows, T, device, s["micro_batch"])]).mean().item()
+    base, rows = score({}), []
+    path = "fast (the kernel takes the −inf logits)" if model.config.fast_routing else "reference"
+    print(f"{args.run_dir} ({args.ckpt}.pt, step {saved['progress']['step']}): val loss "
+          f"{base:.4f} on its eval crops; routing path {path}; random: {args.draws} draws")
+    masks = [(str(r), {r: h}) for r, h in mask.items()] + [("all", mask)] * (len(mask) > 1)
+    for label, masked in masks:
+        control = [score(random_mask(masked, pools, seed)) - base for seed in range(args.draws)]
+        rows.append(dict(read=label, delta=score(masked) - base, random=control,
+                         random_mean_std=mean_std(control),
+                         masked={str(r): sorted(h, key=source_block) for r, h in masked.items()}))
+        print(f"  {label:<14} {rows[-1]['delta']:+.4f}  random {_ms(mean_std(control), sign='+')}  "
+              + ",".join(rows[-1]["masked"].get(label, [f"{len(mask)} reads"])))
+    if kept:
+        print(f"  not masked (it would hide every source of the read): {', '.join(kept)}")
+    tag = "_".join([f"mask-{args.mask}"] * bool(args.mask) + [f"read-{args.read}"] * bool(args.read)
+                   + [f"older{args.older_than}"] * (args.older_than is not None))
+    write_json(Path(args.run_dir) / f"ablate_{tag}.json", dict(
+        vars(args), step=saved["progress"]["step"], fast_routing=model.config.fast_routing,
+        base_val_loss=base, rows=rows, kept=kept))
+    print(f"wrote {Path(args.run_dir) / f'ablate_{tag}.json'}")
+    return ablate_figure(Path(args.run_dir), tag, rows)
 
-def _variants(text):
-    if text is None:
-        return None
-    names = text.split(",")
-    bad = [v for v in names if v not in VARIANTS]
-    if bad or len(set(names)) != len(names):
-        raise UsageError(f"--variants {text}: " + (f"unknown {', '.join(map(repr, bad))}" if bad else "a variant twice")
-                         + f"; choose from {','.join(VARIANTS)}")
-    return names
-
-
-def build_parser():
-    p = prepare_data.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("sweep", help="run a named sweep, or sweep custom: your grid on a prepared folder "
-                       "(train.py per grid point); flags after -- go to every run",
-                       epilog="named sweeps: " + "; ".join(f"{k}: {v['about']}" for k, v in SWEEPS.items())
-                       + "; custom: --variants x --depths x --seeds on --data, train.py's defaults otherwise")
-    s.add_argument("name", choices=[*SWEEPS, "custom"], help="a named sweep, or custom")
-    s.add_argument("--out", help="folder of the run folders (default: runs/NAME)")
-    s.add_argument("--data", help="custom: the prepared dataset folder (its meta.json names the dataset)")
-    s.add_argument("--seeds", help="override the sweep's seeds: 0,1,2 or 0-4 (custom: default 0-2)")
-    s.add_argument("--depths", help=f"override the sweep's depths (n_layer; custom: default "
-                                    f"{MODEL_DEFAULTS['n_layer']})")
-    s.add_argument("--variants", help="override the variants (custom: required): " + ",".join(VARIANTS))
-    s.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="runs at once (default 1): on CPU each gets cores/N threads, on CUDA its own GPU")
-    s.add_argument("--data_root", default="data", help="folder of the prepared datasets (default: data)")
-    s.add_argument("--torchrun", type=int, metavar="N", help="run each run on N processes (torchrun --standalone)")
-    s.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
-    r = sub.add_parser("report", help="table (and plots) from a sweep's run folders")
-    r.add_argument("runs_dir", help="a sweep's --out folder")
-    r.add_argument("--baseline", help="variant the others are paired against (default: block, else prenorm)")
-    r.add_argument("--plots", action="store_true", help="also write val_loss.png (needs matplotlib)")
-    r.add_argument("--heatmap", action="append", default=[], metavar="RUN",
-                   help="also write routes_RUN.png for this run folder (implies --plots; repeatable)")
-    r.add_argument("--data_root", metavar="DIR",
-                   help="--heatmap: the folder of the prepared datasets, when a run's own --data "
-                   "is not found (default: from here or from the run folder)")
-    return p
-
-
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    args = build_parser().parse_args(argv)
+def ablate_figure(folder, tag, rows):
+    """ablate_TAG.png: a bar per row, Δ of the mask, with the random masks' mean ± std."""
     try:
-        if args.command == "report":
-            if extra:
-                raise UsageError(f"report takes no flags after -- (got {shlex.join(extra)})")
-            report(args.runs_dir, args.baseline, args.plots or bool(args.heatmap), args.heatmap,
-                   args.data_root)
-            return 0
-        return sweep(args, extra)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a full disk, a read-only folder: what was written so far is whole
-        print(f"error: {prepare_data.os_error_line(e, '--out')}", file=sys.stderr)
-        return 2
-
-
-def sweep(args, extra):
-    out = args.out or f"runs/{args.name}"
-    runs = plan(args.name, out, args.seeds, args.depths, args.variants, extra, args.data_root, args.data)
-    slots = job_slots(args.jobs, args.torchrun or 1, extra)
-    launcher = [sys.executable, TRAIN] if not args.torchrun else [  # "--": train.py drops it
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.torchrun}",
-        TRAIN, "--"]
-    if args.dry_run:
-        check_out(out, make=False)
-        run_sweep(runs, launcher, dry_run=True)
-        problems, demo = check_data(runs)
-        for problem in problems:
-            print(f"missing: {problem} (the sweep stops before its first run until then)")
-        for folder in demo:
-            print(f"note: {folder} is not prepared yet; the sweep prepares it first (python "
-                  f"prepare_data.py demo --out {shlex.quote(str(folder))})")
-        return 0
-    try:
-        with stop_on_signals():
-            get_ready(runs, out)
-            failed = run_sweep(runs, launcher, slots=slots)
-    except (KeyboardInterrupt, Stopped) as e:
-        print("interrupted: run the same command again to resume (finished runs are skipped, the "
-              "others continue from their last.pt)", file=sys.stderr)
-        return 128 + getattr(e, "signum", signal.SIGINT)
-    if failed:
-        print(f"{len(failed)} run(s) failed (see their train.log): {', '.join(failed)}", file=sys.stderr)
-        return 1
+        from matplotlib.figure import Figure
+    except ImportError:
+        return print(NO_MATPLOTLIB) or 0
+    fig = Figure(figsize=(7, 1.4 + 0.4 * len(rows)), layout="constrained")
+    ax, y = fig.subplots(), range(len(rows))
+    ax.barh(y, [r["delta"] for r in rows], label="the mask")
+    ax.errorbar([r["random_mean_std"][0] for r in rows], y, fmt="o", color="C1",
+                xerr=[r["random_mean_std"][1] or 0 for r in rows], label="random, mean ± std")
+    ax.set_yticks(y, [r["read"] for r in rows])
+    ax.set(xlabel="Δ val loss (masked − unmasked)", title=f"{folder.name}: ablate {tag}")
+    ax.legend(fontsize=8)
+    save_figure(fig, folder / f"ablate_{tag}.png")
     return 0
 
+# --- Command line. ---
 
-# -----------------------------------------------------------------------------
-# Below this banner: running the runs safely (processes, signals, files), showing their progress, and
-# checking the files they leave; nothing of the experiment's design.
+def build_parser():
+    p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sweep", help="a named sweep or a custom grid, train.py per run",
+                       epilog="; ".join(f"{k}: {v['variants']} x seeds {v['seeds']}, depths "
+                                        f"{v['depths']}" for k, v in SWEEPS.items()) + ". Flags "
+                       "after -- go to every run; `tail -f OUT/*/train.log` follows the runs.")
+    s.add_argument("name", choices=[*SWEEPS, "custom"])
+    s.add_argument("--out", help="folder of the run folders (default: runs/NAME)")
+    s.add_argument("--data", help="custom: a prepared dataset folder (its meta.json names it)")
+    s.add_argument("--data_root", default="data", help="named sweeps: folder of the datasets")
+    s.add_argument("--variants", help="custom (required), or override: " + ",".join(VARIANTS))
+    s.add_argument("--seeds", help="0,1,2 or 0-4 (custom: 0-2)")
+    s.add_argument("--depths", help=f"n_layer values (custom: {CUSTOM['depths'][0]})")
+    s.add_argument("--lrs", help="run each variant and seed at each rate: 1e-3,2e-3,4e-3")
+    s.add_argument("--attnres_block", type=int, help="of all AttnRes runs (default: largest auto)")
+    s.add_argument("--jobs", type=int, default=1, help="runs at once (CPU: cores/N threads each)")
+    s.add_argument("--torchrun", type=int, metavar="N", help="each run on N processes (DDP)")
+    s.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    r = sub.add_parser("report", help="tables (and figures) of finished runs")
+    r.add_argument("folders", nargs="+", help="sweep --out folders or train.py run folders")
+    r.add_argument("--baseline", help="variant the others pair with (default: block, else prenorm)")
+    r.add_argument("--out", help="report.md's path (default: in the first folder)")
+    r.add_argument("--plots", action="store_true", help="also val_loss.png (matplotlib)")
+    r.add_argument("--heatmap", action="append", default=[], metavar="RUN", help="routes_RUN.png")
+    a = sub.add_parser("ablate", help="Δ val loss when a run's reads may not read some sources")
+    a.add_argument("run_dir")
+    a.add_argument("--mask", help="source names: emb,C0 (C0 and P take their details too)")
+    a.add_argument("--older_than", type=int, metavar="K", help="mask blocks older than K blocks")
+    a.add_argument("--read", help="only this read, e.g. layer3.attn (default: every read)")
+    a.add_argument("--draws", type=int, default=5, help="random count-matched masks (seeds 0..N-1)")
+    a.add_argument("--ckpt", choices=("best", "last"), default="best")
+    a.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps")
+    for parser in (r, a):
+        parser.add_argument("--data", help="the runs' dataset folder, if it moved")
+    return p
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-POLL_S = 1.0  # how often the running runs' metrics.jsonl are read for the progress lines
-# the numbers of a progress line per evaluation, named as in train.py's eval line
-EVAL_NUMBERS = (("train", "train_loss"), ("val", "val_loss"), ("bpc", "val_bpc"))
-
-
-class Stopped(Exception):
-    """The sweep stops on a signal: its own (Ctrl-C, SIGTERM, SIGHUP), or one that stopped a run."""
-
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def stop_signal(returncode):
-    """The signal that ended a run, else None: train.py exits 128 + signum after it saved (130 for
-    SIGINT, 143 for SIGTERM); a process that a signal killed before it could save has -signum."""
-    return next((s for s in STOP_SIGNALS if returncode in (128 + s, -s)), None)
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """SIGTERM and SIGHUP stop the sweep as Ctrl-C does (Stopped in the main thread); a signal that is
-    ignored (SIGHUP under nohup) stays ignored."""
-    def handler(signum, frame):
-        raise Stopped(signum)
-
-    before = {}
-    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is not signal.SIG_IGN:
-                before[sig] = signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, old in before.items():
-            signal.signal(sig, old)
-
-
-class Sweep:
-    """The runs under way, one per free slot. A run that a signal stopped, or the sweep's own signal,
-    stops the sweep: no run starts after it, and each run under way gets the signal once, as from a
-    Ctrl-C (train.py stops after its step and saves last.pt). Each run has a session of its own, so a
-    terminal's Ctrl-C reaches only the sweep, which passes it on; a second Ctrl-C passes on too
-    (train.py then stops at once)."""
-
-    def __init__(self, slots, progress):
-        self.free, self.jobs, self.progress = queue.SimpleQueue(), len(slots), progress
-        for slot in slots:
-            self.free.put(slot)
-        self.lock = threading.Lock()
-        self.running, self.signalled = {}, set()  # label: its process; labels that got the stop signal
-        self.failed, self.stopped, self.done, self.signum = [], [], 0, None
-
-    def run(self, todo):
-        """Every (label, run, cmd, resume) of todo; raises Stopped if a signal stopped the sweep."""
-        pool = concurrent.futures.ThreadPoolExecutor(self.jobs)
-        futures = [pool.submit(self.launch, *job) for job in todo]
-        with self.progress.polling():
-            while True:
-                try:
-                    for future in futures:
-                        future.result()
-                    break
-                except KeyboardInterrupt:
-                    self.stop(signal.SIGINT, again=True)
-                except Stopped as e:
-                    self.stop(e.signum, again=True)
-                except BaseException:  # a bug: the runs under way stop and save, then the traceback
-                    self.stop(signal.SIGTERM)
-                    raise
-        pool.shutdown()
-        if self.signum is not None:
-            raise Stopped(self.signum)
-
-    def launch(self, label, run, cmd, resume):  # in a worker thread: one run, from start to end
-        slot = self.free.get()  # a free slot exists: the pool runs at most len(slots) of these at once
-        try:
-            t = time.time()
-            process = self.start(label, run, cmd, slot, resume)
-            if process is not None:
-                self.finish(label, run, process.wait(), time.time() - t)
-        finally:
-            self.free.put(slot)
-
-    def start(self, label, run, cmd, slot, resume):
-        """The run's process, after run.json and train.log are in its folder; None once the sweep stops
-        or when the folder cannot be written (a failed run)."""
-        d, env = run["dir"], _run_env(run, slot)
-        info = {k: run[k] for k in ("variant", "dataset", "depth", "seed", "sweep", "attnres_block", "args")}
-        with self.lock:  # under the lock: stop() sees every process that starts
-            if self.signum is not None:
-                return None
-            try:
-                log, log_start = open_run_folder(d, dict(info, command=_shell(cmd, env)))
-                tail = RunTail(run, log_start)  # before the run writes: what is there now is not news
-            except OSError as e:
-                self.failed.append(run["name"])
-                self.progress.say(f"{label}: FAILED: {prepare_data.os_error_line(e, '--out')}")
-                return None
-            with log:  # PYTHONUNBUFFERED: train.log shows each line as it is printed
-                process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True,
-                                           env={"PYTHONUNBUFFERED": "1", **os.environ, **env})
-            self.running[label] = process
-        self.progress.say(f"{label}{' (resuming from last.pt)' if resume else ''}: started"
-                          + "".join(f" {k}={v}" for k, v in env.items()))
-        self.progress.watch(label, tail)  # after the line that names the run
-        return process
-
-    def finish(self, label, run, returncode, seconds):
-        with self.lock:
-            del self.running[label]
-        self.progress.unwatch(label)  # its last evaluations come before its end line
-        d, signum = run["dir"], stop_signal(returncode)
-        if signum is not None:
-            self.stop(signum)
-            with self.lock:
-                self.stopped.append(run["name"])
-            again = "resumes it from its last.pt" if (d / "last.pt").exists() else "starts it again"
-            name = signal.Signals(signum).name
-            result = f"stopped by {name} (exit {returncode}); the same command {again}"
-        else:
-            result = self.outcome(run, returncode, seconds)
-        self.progress.say(f"{label}: {result}")
-
-    def outcome(self, run, returncode, seconds):
-        d, why = run["dir"], None
-        if returncode == 0 and (d / "summary.json").exists():
-            try:
-                final = read_summary(d / "summary.json")["final"]
-                with self.lock:
-                    self.done += 1
-                return f"done in {seconds:.0f} s, val loss {final['val_loss']:.4f}"
-            except UsageError as e:
-                why = str(e)
-        with self.lock:
-            self.failed.append(run["name"])
-        return f"FAILED (exit {returncode}): {why or last_error_line(d / 'train.log')}"
-
-    def stop(self, signum, again=False):
-        """Start no more runs; each run under way gets signum (SIGTERM for SIGHUP: train.py saves on
-        it), once, unless again (a second Ctrl-C)."""
-        with self.lock:
-            self.signum = signum if self.signum is None else self.signum
-            for label, process in self.running.items():
-                if (again or label not in self.signalled) and process.returncode is None:
-                    self.signalled.add(label)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(process.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
-
-
-def open_run_folder(d, info):
-    """Make run folder d, write its run.json (info) and open its train.log to append to: (file, its
-    size before). A planted link named train.log is refused (O_NOFOLLOW), never followed."""
-    d.mkdir(parents=True, exist_ok=True)
-    prepare_data.write_json(d / "run.json", info)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(d / "train.log", flags, 0o644)
-    return os.fdopen(fd, "ab"), os.fstat(fd).st_size
-
-
-def last_error_line(log):
-    """The last line of a train.log that names an error, else its last line."""
-    try:
-        lines = log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
-    except OSError as e:
-        return f"(its train.log cannot be read: {e.strerror or e})"
-    return next((s for s in reversed(lines) if "error" in s.lower()), lines[-1])
-
-
-class Progress:
-    """The sweep's lines, and each running run's latest step (read from its metrics.jsonl): on a
-    terminal, one status line below the others, refreshed in place; elsewhere (a file, a pipe), a
-    line per evaluation. A run's evaluations all appear before its end line."""
-
-    def __init__(self, stream):
-        self.stream, self.tty = stream, stream.isatty()
-        self.lock, self.runs = threading.Lock(), {}  # label: RunTail
-
-    def say(self, line):
-        with self.lock:
-            self._write(line + "\n")
-
-    def watch(self, label, tail):
-        with self.lock:
-            self.runs[label] = tail
-
-    def unwatch(self, label):
-        with self.lock:
-            self._news(label, self.runs.pop(label))
-
-    def poll(self):
-        with self.lock:
-            for label, tail in self.runs.items():
-                self._news(label, tail)
-            self._write("")  # the status line, refreshed
-
-    @contextlib.contextmanager
-    def polling(self):
-        """poll() every POLL_S seconds in a thread while the block runs; then the status line goes."""
-        done = threading.Event()
-
-        def loop():
-            while not done.wait(POLL_S):
-                self.poll()
-        thread = threading.Thread(target=loop, daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-            with self.lock:
-                self.runs.clear()
-                self._write("")
-
-    def status(self):
-        """The status line: each running run's latest step, cut to the terminal's width."""
-        width = shutil.get_terminal_size().columns - 1
-        line = "  ".join(f"[{tail.name}: {tail.latest}]" for tail in self.runs.values())
-        return line if len(line) <= width else line[:max(0, width - 3)] + "..."
-
-    def _news(self, label, tail):  # under the lock
-        for line in tail.read():
-            if not self.tty:
-                self._write(f"{label}: {line}\n")
-
-    def _write(self, text):  # under the lock; on a terminal the status line is redrawn below the text
-        if self.tty:
-            text = "\r\x1b[K" + text + self.status()
-        if text:
-            self.stream.write(text)
-            self.stream.flush()
-
-
-class RunTail:
-    """What a running run logs from the moment the sweep starts it: the evaluation lines that its
-    metrics.jsonl gains (read on from where the last look stopped; from the start again if train.py
-    rewrote the file, printing no evaluation twice), its latest step as text, and its number of steps
-    (from the header line train.py writes to train.log)."""
-
-    def __init__(self, run, log_start=0):
-        self.name, self.log = run["name"], run["dir"] / "train.log"
-        self.metrics = run["dir"] / "metrics.jsonl"
-        self.offset, self.inode, self.log_offset, self.total = 0, None, log_start, None
-        self.last_eval, self.latest = -1, "starting"
-        self.read()  # what is there already (a resumed run's earlier lines) is not news
-
-    def read(self):
-        """The evaluations since the last read, as lines; updates latest."""
-        self._find_total()
-        try:
-            with open(self.metrics, "rb") as f:
-                inode = os.fstat(f.fileno()).st_ino
-                if inode != self.inode or os.fstat(f.fileno()).st_size < self.offset:
-                    self.inode, self.offset = inode, 0  # rewritten (train.py's repair on resume)
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []  # not written yet
-        data = data[:data.rfind(b"\n") + 1]  # whole lines: one being written waits for the next look
-        self.offset += len(data)
-        news = []
-        for line in data.splitlines():
-            record = _json_object(line)
-            if record is None or not _is_int(record.get("step")):
-                continue
-            of = f"/{self.total}" if self.total else ""
-            if record.get("type") == "eval" and _is_number(record.get("val_loss")):
-                numbers = [(name, record.get(key)) for name, key in EVAL_NUMBERS]
-                self.latest = f"eval step {record['step']}{of}" + "".join(
-                    f" | {name} {v:.4f}" for name, v in numbers if _is_number(v))
-                if record["step"] > self.last_eval:
-                    self.last_eval = record["step"]
-                    news.append(self.latest)
-            elif record.get("type") == "train" and _is_number(record.get("loss")):
-                self.latest = f"step {record['step']}{of} | loss {record['loss']:.4f}"
-        return news
-
-    def _find_total(self):  # "training: 300 steps x ..." near the top of this start's part of train.log
-        if self.total is not None:
-            return
-        try:
-            with open(self.log, "rb") as f:
-                f.seek(self.log_offset)
-                text = f.read(1 << 16).decode(errors="replace")
-        except OSError:
-            return
-        found = re.search(r"^training: ([\d,]+) steps", text, re.MULTILINE)
-        if found:
-            self.total = int(found[1].replace(",", ""))
-        elif re.search(r"^(eval )?step \d", text, re.MULTILINE):  # training began without it
-            self.total = 0
-
-
-# checking the files runs leave: a damaged one is a note or one error line, never a traceback
-
-
-def summary_problem(s):
-    """Why s (a summary.json's content) is not what train.py writes, in the parts the report reads;
-    None if it is."""
-    if not isinstance(s, dict):
-        return "not a JSON object"
-    if not _is_number((s.get("final") if isinstance(s.get("final"), dict) else {}).get("val_loss")):
-        return "no final val_loss"
-    shape = dict(config=dict, train=dict, milestones=dict, routes=dict, wall_time_s=float, dataset=str,
-                 level=str)
-    why = (_wrong_fields(s, shape) or _wrong_fields(s.get("train") or {}, dict(seed=int), "train.")
-           or _wrong_fields(s.get("config") or {}, dict(n_layer=int, residual=str), "config."))
-    if why:
-        return why
-    for label, m in (s.get("milestones") or {}).items():
-        if not (isinstance(m, dict) and _is_number(m.get("tokens")) and _is_number(m.get("val_loss"))):
-            return f"milestone {label} has no tokens and val_loss"
-    routes = s.get("routes") or {}
-    for key in ("entropy", "entropy_norm"):
-        values = routes.get(key) or {}
-        if not (isinstance(values, dict) and all(v is None or _is_number(v) for v in values.values())):
-            return f"routes.{key} is not an object of numbers"
-    return _wrong_fields(routes, dict(js_mean=float), "routes.")
-
-
-def _json_object(line):
-    """A JSON line as a dict, else None (not JSON, or JSON that is not an object)."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _wrong_fields(obj, types, prefix=""):
-    """Why obj is not a dict whose fields in `types` are None or of their type (float: any number);
-    None if it is."""
-    if not isinstance(obj, dict):
-        return f"{prefix.rstrip('.') or 'it'} is not a JSON object"
-    for key, kind in types.items():
-        value = obj.get(key)
-        if value is None:
-            continue
-        ok = {int: _is_int, float: _is_number}.get(kind, lambda v: isinstance(v, kind))(value)
-        if not ok or (kind is list and not all(isinstance(v, str) for v in value)):
-            return f"{prefix}{key} is not {_KINDS[kind]}"
-    return None
-
-
-_KINDS = {int: "an integer", float: "a number", str: "a string", list: "a list of strings",
-          dict: "an object"}
-
-
-def _unreadable(e):
-    if isinstance(e, OSError):
-        return f"cannot be read: {e.strerror or e}"
-    return "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"not valid JSON: {e}"
-
+@prepare_data.cli
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = build_parser().parse_args(argv[:cut]), argv[cut + 1:]
+    if extra and args.command != "sweep":
+        raise UsageError(f"{args.command} takes no flags after -- (got {shlex.join(extra)})")
+    return dict(sweep=sweep, report=report, ablate=ablate)[args.command](args, extra)
 
 if __name__ == "__main__":
     sys.exit(main())

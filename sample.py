@@ -58,13 +58,7 @@ def main(argv=None):
     path, train_it = Path(a.out_dir) / f"{a.ckpt}.pt", command("train.py", ["--out_dir", a.out_dir])
     ckpt = checkpoint.load(path, f"no checkpoint at {path}: train one with {train_it}")
     model = checkpoint.model_from(ckpt, path)
-    data_dir = prepare_data.dataset_folder(a.data) if a.data else \
-        checkpoint.data_folder(ckpt, a.out_dir)
-    meta = prepare_data.load_meta(data_dir)
-    if checkpoint.dataset_identity(meta) != ckpt["dataset"]:
-        raise UsageError(f"{data_dir} is not the dataset {path} was trained on "
-                         f"({ckpt['dataset']['dataset']}, vocab {ckpt['dataset']['vocab_size']}): "
-                         "give --data with that dataset")
+    data_dir, meta = checkpoint.open_data(ckpt, a.out_dir, a.data)
     device = pick_device(a.device)
     model.to(device).eval()
     ids = prompt_ids(a, meta, data_dir, model.config.sequence_len)

@@ -190,23 +190,19 @@ def check_settings(a, world):
 # -----------------------------------------------------------------------------
 # Data: random crops at offsets that depend only on (seed, step, micro-step)
 
-def open_data(a, ckpt, run_dir, master):
-    """The dataset's folder and meta.json; the demo is prepared on the spot for a new run.
-    --resume without --data reads the run's own data folder (checkpoint.data_folder)."""
+def open_data(a, ckpt, run_dir, master, given):
+    """The dataset's folder and meta.json: --resume reads the run's own (checkpoint.open_data)
+    unless --data is given; a new run's demo is prepared on the spot."""
+    if ckpt is not None:
+        folder, meta = checkpoint.open_data(ckpt, run_dir, a.data if given else None)
+        a.data = str(folder)
+        return folder, meta
     folder = prepare_data.dataset_folder(a.data)
-    if ckpt is not None and a.data == ckpt["settings"]["data"]:
-        folder = checkpoint.data_folder(ckpt, run_dir)
-        a.data = a.data if folder == prepare_data.dataset_folder(a.data) else str(folder)
-    if ckpt is None and folder.name == "demo" and not (folder / "meta.json").exists() and master:
+    if folder.name == "demo" and not (folder / "meta.json").exists() and master:
         prepare_data.prepare("demo", folder)  # refuses a folder that holds files it did not make
     if dist.is_initialized():
         dist.barrier()  # the other processes wait for rank 0 to prepare it
-    meta = prepare_data.load_meta(folder)
-    if ckpt is not None and ckpt["dataset"] != checkpoint.dataset_identity(meta):
-        raise UsageError(f"{folder} is not the dataset {run_dir / 'last.pt'} was trained on "
-                         f"({ckpt['dataset']['dataset']}, vocab {ckpt['dataset']['vocab_size']}): "
-                         "give --data with that dataset")
-    return folder, meta
+    return folder, prepare_data.load_meta(folder)
 
 
 def batch_offsets(seed, step, micro, n_tokens, T, rows):
@@ -340,7 +336,7 @@ def setup(argv, stop):
     ckpt = checkpoint.check_out_dir(out_dir, explicit.get("resume", False))
     a, model_settings = resolve_settings(explicit, ckpt)
     check_settings(a, world)
-    data_dir, meta = open_data(a, ckpt, out_dir, rank == 0)
+    data_dir, meta = open_data(a, ckpt, out_dir, rank == 0, "data" in explicit)
     try:
         config = GPTConfig(**dict(model_settings, vocab_size=meta["vocab_size"]))
     except ValueError as e:

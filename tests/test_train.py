@@ -146,7 +146,7 @@ def test_logged_losses_are_the_losses_of_their_crops(routed):
     """The eval line's val loss is the model's mean loss over the fixed crops of EVAL_SEED."""
     ckpt = weights(routed)
     model = checkpoint.model_from(ckpt, routed).eval()
-    data = prepare_data.open_split(checkpoint.data_folder(ckpt, routed), "val")
+    data = prepare_data.open_split(checkpoint.open_data(ckpt, routed)[0], "val")
     a, T = train.resolve_settings({}, ckpt)[0], model.config.sequence_len
     batches = train.eval_offsets(len(data), T, a.batch_size, a.eval_tokens, 1)
     with torch.no_grad():

@@ -1,0 +1,400 @@
+"""experiments.py: the report's statistics on hand-made run folders, one real sweep through train.py
+(resume, skip, a failure), the plans of the named sweeps, and ablate on a real tiny run."""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+import experiments
+import nanoroute
+import prepare_data
+import train
+from conftest import TINY, run
+
+assert TINY[:2] == ["--n_layer", "2"]
+SWEPT = TINY[2:]  # a sweep sets --n_layer itself (--depths)
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def hand_run(root, name, variant, seed, val, *, lr=2e-3, depth=4, dataset="demo", level="char",
+             milestones=(), evals=((0, 4.0), (500, 3.0)), run_json=True, **flags):
+    """A finished run folder as train.py (and a sweep: run.json) leaves it, with the final val loss
+    `val`; flags: GPTConfig or TrainSettings fields. Route entropy and RD's JS from the seed."""
+    d = Path(root) / name
+    d.mkdir(parents=True)
+    config = dataclasses.asdict(nanoroute.GPTConfig(n_layer=depth, **nanoroute.variant(variant)))
+    config.update({k: flags.pop(k) for k in list(flags) if k in config})
+    routed = config["residual"] == "attnres"
+    routes = dict(entropy_norm_mean=0.5 + seed % 10 / 10,
+                  js_mean=seed / 10 if variant == "rd" else None)
+    settings = dataclasses.asdict(train.TrainSettings(seed=seed, lr=lr, **flags))
+    summary = dict(config=config, train=settings,
+                   dataset=dataset, level=level, final=dict(val_loss=val), wall_time_s=10.0,
+                   milestones={k: dict(step=1, tokens=t, val_loss=v) for k, t, v in milestones},
+                   routes=routes if routed else None)
+    (d / "summary.json").write_text(json.dumps(summary))
+    lines = [dict(type="eval", step=i, tokens=t, val_loss=v) for i, (t, v) in enumerate(evals)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if run_json:
+        (d / "run.json").write_text(json.dumps(dict(variant=variant, seed=seed, args=[])))
+    return d
+
+
+def report(*argv):
+    """The report's groups as summarize returns them for these folders (default baseline)."""
+    runs, notes = experiments.find_runs(argv)
+    assert not notes
+    return experiments.summarize([r for r in runs if r["summary"]], "block")
+
+
+# --- The report's statistics, on hand-made runs ---
+
+def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path, capsys):
+    block, rd = {2: 2.0, 3: 2.5, 10: 3.0}, {10: 2.7, 2: 2.1}  # rd - block: +0.1 (2), -0.3 (10)
+    at = {("block", 2): 2.8, ("block", 3): 2.9, ("block", 10): 3.1, ("rd", 10): 3.0, ("rd", 2): 2.8}
+    for variant, finals in (("block", block), ("rd", rd)):
+        for seed, val in finals.items():
+            hand_run(tmp_path, f"{variant}_L4_s{seed}", variant, seed, val,
+                     milestones=[("10K", 10_000, val), ("2K", 2_000, at[variant, seed])])
+    hand_run(tmp_path, "fw/block_L16_s0", "block", 0, 3.0, depth=16, level="gpt2",
+             dataset="fineweb_edu")
+    demo, fw = report(tmp_path)
+    assert (demo["dataset"], demo["depth"], fw["dataset"]) == ("demo", 4, "fineweb_edu")
+    rows = {row["variant"]: row for row in demo["rows"]}
+    assert rows["block"]["val"] == pytest.approx((2.5, 0.5))
+    assert [r["seed"] for r in rows["block"]["runs"]] == [2, 3, 10]
+    assert rows["rd"]["val"] == pytest.approx((2.4, statistics.stdev([2.1, 2.7])))
+    assert rows["rd"]["metric"][0] == pytest.approx(2.4 / math.log(2))  # bits per char
+    assert rows["rd"]["delta"] == pytest.approx(dict(mean=-0.1, std=statistics.stdev([0.1, -0.3]),
+                                                     wins=1, ties=0, n=2))
+    assert demo["milestones"] == ["2K", "10K"]  # in token order, not text order
+    assert rows["rd"]["at"]["2K"][1] == pytest.approx(dict(mean=-0.05, std=statistics.stdev(
+        [0.0, -0.1]), wins=1, ties=1, n=2))  # seed 2 ties
+    assert rows["rd"]["entropy"] == pytest.approx((0.6, statistics.stdev([0.5, 0.7])))
+    assert rows["rd"]["js"] == pytest.approx((0.6, statistics.stdev([1.0, 0.2])))
+    assert fw["rows"][0]["metric"][0] == pytest.approx(math.exp(3.0))  # perplexity for tokens
+    code, out, _ = run(experiments.main, ["report", tmp_path], capsys)
+    text = (tmp_path / "report.md").read_text()
+    assert code == 0 and text in out
+    assert ("| rd | 0.002 | 2 | 2 | 2.4000 ± 0.4243 | 3.4625 ± 0.6121 | -0.1000 ± 0.2828 | 1/2 |"
+            in text)
+    assert "| **block** (baseline) | 0.002 | 2 | 3 | 2.5000 ± 0.5000 |" in text
+    assert "| rd | 2.9000 ± 0.1414 | -0.0500 ± 0.0707 | 1/2 (1 tied) |" in text
+    assert "## fineweb_edu, 16 layers" in text and "val ppl" in text
+
+
+def test_report_keeps_unlike_runs_apart_and_names_what_differs(tmp_path):
+    """A 40-step 128-wide run is not a seed of a 300-step 64-wide one; where and how a run ran
+    (out_dir, device, compile, the data folder as written) does not split a group."""
+    for seed in (0, 1):
+        hand_run(tmp_path, f"block_s{seed}", "block", seed, 2.0 + seed / 10, n_embd=96,
+                 max_iters=300, device="cpu", out_dir=f"runs/b{seed}", data="demo")
+        hand_run(tmp_path, f"prenorm_s{seed}", "prenorm", seed, 2.2 + seed / 10, n_embd=96,
+                 max_iters=300, compile=True, data="data/demo")
+    hand_run(tmp_path, "block_wide", "block", 0, 1.5, n_embd=192, max_iters=40)
+    narrow, wide = report(tmp_path)
+    assert [len(row["runs"]) for row in narrow["rows"]] == [2, 2]  # prenorm, block: 2 seeds each
+    assert [len(row["runs"]) for row in wide["rows"]] == [1] and wide["base"] is not None
+    assert narrow["rows"][0]["delta"] == pytest.approx(dict(mean=0.2, std=0.0, wins=0, ties=0, n=2))
+    assert experiments.titles([narrow, wide]) == ["demo, 4 layers (max_iters 300, n_embd 96)",
+                                                  "demo, 4 layers (max_iters 40, n_embd 192)"]
+    assert experiments.main(["report", str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert text.count("## demo, 4 layers (") == 2 and "| prenorm | 0.002 | – | 2 |" in text
+
+
+def test_report_of_several_folders_and_of_run_folders_themselves(tmp_path, capsys):
+    """train.py's `python experiments.py report out out_prenorm`: two run folders without run.json,
+    their variants from their configs; report.md goes to the first folder, or --out."""
+    out = hand_run(tmp_path, "out", "block", 1337, 2.0, run_json=False)
+    base = hand_run(tmp_path, "out_prenorm", "prenorm", 1337, 2.25, run_json=False)
+    code, printed, _ = run(experiments.main, ["report", out, base], capsys)
+    text = (out / "report.md").read_text()
+    assert code == 0 and f"# Report: {out} {base}" in text
+    assert "| prenorm | 0.002 | – | 1 | 2.2500 ± – | 3.2461 ± – | +0.2500 ± – | 0/1 |" \
+        in text
+    sweep = tmp_path / "sweep"
+    hand_run(sweep, "wav_L4_s1337", "wav", 1337, 1.75)
+    argv = ["report", sweep, out, "--out", tmp_path / "both.md"]
+    code, _, _ = run(experiments.main, argv, capsys)
+    text = (tmp_path / "both.md").read_text()
+    assert code == 0 and "| wav | 0.002 | 4 | 1 | 1.7500 ± – |" in text
+    assert "-0.2500 ± – | 1/1" in text
+    code, _, err = run(experiments.main, ["report", out, "--baseline", "rd"], capsys)
+    assert code == 2 and "--baseline rd: no finished run of that variant; finished variants: " \
+        "block" in err
+
+
+def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(tmp_path, capsys):
+    finals = {("block", 1e-3): [2.0, 2.2], ("block", 2e-3): [1.9, 2.1],
+              ("rd", 1e-3): [1.8, 2.0], ("rd", 2e-3): [2.0, 2.0]}
+    for (variant, lr), vals in finals.items():
+        for seed, val in enumerate(vals):
+            hand_run(tmp_path, f"{variant}_L4_s{seed}_lr{lr:g}", variant, seed, val, lr=lr)
+    group, = report(tmp_path)
+    rows = {row["variant"]: row for row in group["rows"]}
+    assert (rows["block"]["lr"], rows["rd"]["lr"]) == (2e-3, 1e-3)
+    assert rows["rd"]["delta"] == pytest.approx(dict(mean=-0.1, std=0.0, wins=2, ties=0, n=2))
+    assert list(rows["rd"]["others"]) == [2e-3] and rows["rd"]["others"][2e-3] == (2.0, 2)
+    code, _, _ = run(experiments.main, ["report", tmp_path], capsys)
+    text = (tmp_path / "report.md").read_text()
+    assert code == 0 and "| rd | 0.001 | 2 | 2 | 1.9000 ± 0.1414 |" in text
+    assert "- block: lr 0.001: 2.1000 (2 seeds)" in text
+    assert "- rd: lr 0.002: 2.0000 (2 seeds)" in text
+    args = experiments.build_parser().parse_args(["sweep", "tiny", "--lrs", "1e-3,2e-3",
+                                                  "--variants", "block", "--seeds", "0"])
+    runs = experiments.plan(args)
+    assert [r["name"] for r in runs] == ["block_L4_s0_lr0.001", "block_L4_s0_lr0.002"]
+    assert [experiments.flag_dict(r["args"])["--lr"] for r in runs] == ["0.001", "0.002"]
+
+
+def test_a_run_whose_files_cannot_be_read_is_left_out_with_a_note(tmp_path, capsys):
+    hand_run(tmp_path, "block_L4_s0", "block", 0, 2.0)
+    (hand_run(tmp_path, "rd_L4_s0", "rd", 0, 1.9) / "summary.json").write_text("{not json")
+    code, out, _ = run(experiments.main, ["report", tmp_path], capsys)
+    assert code == 0 and "Left out: " in out and "rd_L4_s0: its files cannot be read" in out
+    assert "| **block** (baseline) | 0.002 | 2 | 1 |" in out
+
+
+# --- Sweeps ---
+
+def test_bad_grid_input_is_one_error_line(demo, tmp_path, capsys):
+    custom = ["sweep", "custom", "--out", tmp_path / "runs", "--dry_run", "--data", demo]
+    cases = [
+        ([*custom, "--variants", "prenorm,blok"], "--variants prenorm,blok: expected distinct"),
+        ([*custom, "--variants", "wav,wav"], "--variants wav,wav: expected distinct"),
+        ([*custom, "--variants", "block", "--seeds", "2-0"], "--seeds 2-0: expected distinct"),
+        ([*custom, "--variants", "block", "--seeds", "0,1,1"], "--seeds 0,1,1: expected"),
+        ([*custom, "--variants", "block", "--depths", "0"], "--depths 0: expected distinct"),
+        ([*custom, "--variants", "wav", "--depths", "1"], "--depths 1: n_layer=1: WAV needs"),
+        ([*custom, "--variants", "wav", "--attnres_block", "2"], "WAV needs an even routing block"),
+        ([*custom, "--variants", "block", "--lrs", "0,1e-3"], "--lrs 0,1e-3: expected distinct"),
+        ([*custom[:-1], tmp_path / "text8", "--variants", "block"],
+         f"data folder {tmp_path / 'text8'} does not exist"),
+        ([*custom[:-2], "--variants", "block"], "sweep custom needs --data FOLDER"),
+        (["sweep", "tiny", "--data", demo, "--dry_run"], "only sweep custom takes a data folder"),
+        ([*custom, "--variants", "block", "--", "--n_layer", "8"],
+         "--n_layer after --: the sweep sets it for each run; use --depths"),
+        ([*custom, "--variants", "block", "--", "--seed=3"], "--seed after --: the sweep sets"),
+        ([*custom, "--variants", "block", "--", "--wav", "True"], "--wav after --: the sweep sets"),
+        ([*custom, "--variants", "block", "--", "--out_dir", "x"], "use --out"),
+        ([*custom, "--variants", "block", "--", "--resume"], "--resume after --"),
+        ([*custom, "--variants", "block", "--", "-h"], "the flags after -- are train.py's"),
+        ([*custom, "--variants", "block", "--lrs", "1e-3", "--", "--lr", "1"], "use --lrs"),
+        ([*custom, "--variants", "block", "--", "--n_lay", "3"],
+         "after --: unrecognized arguments: --n_lay 3 (did you mean --n_layer?)"),
+        ([*custom, "--variants", "block", "--", "--max_iters", "abc"],
+         "after --: argument --max_iters: invalid int value: 'abc'"),
+        ([*custom, "--variants", "block", "--jobs", "0"], "--jobs 0: must be at least 1"),
+        (["sweep", "wav_paper", "--dry_run", "--", "--preset", "wav12"], "use sweep custom"),
+        (["sweep", "wav_paper", "--dry_run", "--depths", "8"], "has presets for depths 12, 24"),
+        (["report", tmp_path, "--", "--baseline", "rd"], "report takes no flags after --"),
+        (["report", tmp_path / "nothing"], "no runs in"),
+    ]
+    for argv, message in cases:
+        code, out, err = run(experiments.main, argv, capsys)
+        assert code == 2 and out == "" and err.startswith("error: "), (argv, out, err)
+        assert err.count("\n") == 1 and message in err, (argv, err)
+
+
+def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_path, capsys,
+                                                                           monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    code, out, _ = run(experiments.main, ["sweep", "controls", "--dry_run", "--out", tmp_path,
+                                          "--data_root", tmp_path / "data"], capsys)
+    commands = out.splitlines()
+    variants = experiments.SWEEPS["controls"]["variants"].split()
+    assert code == 0 and len(commands) == 3 * len(variants) == 21
+    assert [c.split("--out_dir ")[1] for c in commands[:7]] == [
+        str(tmp_path / f"{v}_L4_s0") for v in variants]  # seed-major: whole pairs first
+    for command in commands:
+        name = Path(command.split("--out_dir ")[1]).name.split("_L4")[0]
+        flags = experiments.flag_dict(command.split()[1:])
+        assert command.startswith("OMP_NUM_THREADS=1 ")
+        assert flags["--data"] == f"{tmp_path}/data/demo"
+        assert all(flags[f"--{k}"] == str(v) for k, v in nanoroute.variant(name).items()), command
+        routed = nanoroute.VARIANTS[name]["residual"] == "attnres"
+        assert flags.get("--attnres_block") == ("4" if routed else None)  # WAV's 4 for all
+    args = experiments.build_parser().parse_args(["sweep", "rd_paper", "--seeds", "0"])
+    rd = experiments.plan(args)
+    assert {r["attnres_block"] for r in rd} == {4, 6} and all(r["args"][:2] == ["--preset", "rd_s"]
+                                                              for r in rd[:5])
+    assert all(experiments.flag_dict(r["args"])["--rd"] == nanoroute.variant(r["variant"])["rd"]
+               for r in rd)  # rd_s's rd=decoupled never leaks into block
+    code, out, _ = run(experiments.main, ["sweep", "tiny", "--dry_run", "--torchrun", 2, "--seeds",
+                                          0, "--variants", "rd", "--out", tmp_path], capsys)
+    assert code == 0 and " -m torch.distributed.run --standalone --nproc_per_node=2 " \
+        f"{experiments.TRAIN} -- --data data/demo " in out  # "--": torchrun keeps off --rd
+    args = experiments.build_parser().parse_args(["sweep", "wav_paper", "--depths", "12"])
+    assert [r["name"] for r in experiments.plan(args)][:2] == ["tinystories/prenorm_L12_s0",
+                                                               "tinystories/rezero_L12_s0"]
+
+
+def test_job_slots_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert experiments.job_slots(1) == [{}]
+    assert experiments.job_slots(2, extra=["--device", "cpu"]) == [
+        {"OMP_NUM_THREADS": str(max(1, cores // 2))}] * 2
+    assert experiments.job_slots(2 * cores + 1, extra=["--device", "cpu"])[0] == {
+        "OMP_NUM_THREADS": "1"}  # more runs than cores: never 0 threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert experiments.job_slots(2, extra=["--device", "cpu"]) == [{}, {}]
+
+
+def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_failure(
+        demo, tmp_path, capsys):
+    """One real sweep through train.py, two runs at once: prenorm finished earlier with another
+    --max_iters (skipped, with a warning naming it), block interrupted after step 1 (resumed),
+    rd's folder holds a stray best.pt (train.py refuses it: the sweep goes on and exits 1)."""
+    out = tmp_path / "runs"
+    argv = ["sweep", "custom", "--data", demo, "--variants", "prenorm,block,rd", "--depths", "2",
+            "--seeds", "0", "--jobs", "2", "--out", out, "--", *SWEPT, "--max_iters", "3"]
+    argv = [str(a) for a in argv]
+    cut = argv.index("--")
+    runs = {r["variant"]: r for r in experiments.plan(experiments.build_parser().parse_args(
+        argv[:cut]), argv[cut + 1:])}
+    prenorm, block, rd = (runs[v] for v in ("prenorm", "block", "rd"))
+    assert run(train.main, [*prenorm["args"], "--out_dir", prenorm["dir"]])[0] == 0
+    before = [a.replace("3", "5") if a == "3" and prev == "--max_iters" else a
+              for prev, a in zip(["", *prenorm["args"]], prenorm["args"])]
+    (prenorm["dir"] / "run.json").write_text(json.dumps(dict(variant="prenorm", args=before)))
+    assert run(train.main, [*block["args"], "--out_dir", block["dir"], "--stop_after", 1])[0] == 0
+    assert not (block["dir"] / "summary.json").exists()
+    rd["dir"].mkdir(parents=True)
+    (rd["dir"] / "best.pt").write_bytes(b"not a run of this sweep")
+    capsys.readouterr()
+
+    code, printed, _ = run(experiments.main, argv, capsys)
+    assert code == 1, printed
+    assert f"WARNING: {prenorm['dir']} ran with other flags: --max_iters 3 (was 5)" in printed
+    assert f"skip {prenorm['dir']}: finished" in printed
+    assert f"[1/2] {block['dir']}: started (resuming from last.pt)" in printed
+    assert f"[1/2] {block['dir']}: done in " in printed and "val loss " in printed
+    assert printed.index(f"[2/2] {rd['dir']}: started") < printed.index(": done in ")  # 2 at once
+    assert f"[2/2] {rd['dir']}: FAILED (exit 2): error: {rd['dir']} already holds a run" in printed
+    assert "sweep: 3 runs: 1 skipped, 1 done, 1 failed" in printed
+    assert f"\nfailed: {rd['name']}: error: {rd['dir']} already holds a run" in printed
+    summary = json.loads((block["dir"] / "summary.json").read_text())
+    assert summary["step"] == 3 and "resuming" in (block["dir"] / "train.log").read_text()
+    info = json.loads((block["dir"] / "run.json").read_text())
+    assert info["attnres_block"] == 2 and info["command"].endswith(" --resume")
+    assert info["args"] == block["args"] and info["variant"] == "block"
+
+    code, printed, _ = run(experiments.main, ["report", out], capsys)
+    assert code == 0 and "Unfinished (no summary.json yet): rd_L2_s0" in printed
+    assert "| **block** (baseline) | 0.002 | 2 | 1 |" in printed
+    assert "| prenorm | 0.002 | – | 1 |" in printed
+
+
+# --- A trained run's routes: ablate, heatmap ---
+
+@pytest.fixture(scope="module")
+def block_run(demo, tmp_path_factory):
+    """A finished Block AttnRes run of 3 steps (2 layers: routing blocks of 2 sublayers)."""
+    out = tmp_path_factory.mktemp("runs") / "block_L2_s0"
+    code, _, _ = run(train.main, ["--data", demo, "--out_dir", out, *TINY, "--max_iters", 3,
+                                  "--residual", "attnres"])
+    assert code == 0
+    return out
+
+
+def evaluate(model, val, offsets, masked):
+    """The mean loss over the crops at offsets, directly, with model.masked = masked."""
+    model.masked, T = masked, model.config.sequence_len
+    batches = [b for rows in offsets for b in train.get_batch(val, rows, T, torch.device("cpu"))]
+    with torch.no_grad():
+        return torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
+
+
+def test_ablate_measures_what_two_direct_evaluations_measure(block_run, capsys):
+    code, printed, _ = run(experiments.main, ["ablate", block_run, "--mask", "emb", "--draws", 4],
+                           capsys)
+    result = json.loads((block_run / "ablate_mask-emb.json").read_text())
+    assert code == 0 and "routing path fast" in printed and result["fast_routing"]
+    assert "not masked (it would hide every source of the read): layer0.attn" in printed
+    saved = checkpoint.load(block_run / "best.pt", "")
+    model = checkpoint.model_from(saved, block_run).eval()
+    folder, meta = checkpoint.open_data(saved, block_run)
+    val = prepare_data.open_split(folder, "val", meta)
+    s = saved["settings"]
+    offsets = train.eval_offsets(len(val), model.config.sequence_len, s["batch_size"],
+                                 s["eval_tokens"], 1)
+    base = evaluate(model, val, offsets, {})
+    assert result["base_val_loss"] == pytest.approx(base, abs=1e-6)
+    assert base == pytest.approx(saved["progress"]["best_val_loss"], abs=1e-5)  # train.py's score
+    reads = {str(r): r for r in model.reads}
+    every = {reads[name]: set(hidden) for row in result["rows"] if row["read"] == "all"
+             for name, hidden in row["masked"].items()}
+    assert set(map(str, every)) == {"layer0.mlp", "layer1.attn", "layer1.mlp", "readout"}
+    all_row = next(row for row in result["rows"] if row["read"] == "all")
+    assert all_row["delta"] == pytest.approx(evaluate(model, val, offsets, every) - base, abs=1e-6)
+    assert len(all_row["random"]) == 4 and all_row["random_mean_std"][0] == pytest.approx(
+        statistics.fmean(all_row["random"]))
+    assert (block_run / "ablate_mask-emb.png").exists() == HAS_MPL
+
+
+def test_the_random_control_is_count_matched_per_read_and_never_empties_one(block_run):
+    model = checkpoint.model_from(checkpoint.load(block_run / "best.pt", ""), block_run).eval()
+    x = torch.zeros(1, 8, dtype=torch.long)
+    with torch.no_grad():
+        pools = {r["read"]: r["sources"] for r in model(x, return_routes=True)[2]}
+    mask, kept = experiments.chosen_mask(pools, 2, [], older_than=0)
+    assert {str(r): h for r, h in mask.items()} == {"layer1.attn": {"C0"}, "layer1.mlp": {"C0"},
+                                                     "readout": {"C0", "C1"}} and kept == []
+    mask, kept = experiments.chosen_mask(pools, 2, ["emb", "C0"])
+    assert kept == ["layer0.attn", "layer1.attn"]  # they read emb (and C0) alone
+    draws = [experiments.random_mask(mask, pools, seed) for seed in range(30)]
+    for drawn in draws:
+        assert drawn.keys() == mask.keys()
+        for read, hidden in drawn.items():
+            assert len(hidden) == len(mask[read]) < len(pools[read]) and hidden <= set(pools[read])
+    assert len({frozenset(d[max(mask, key=lambda r: len(pools[r]))]) for d in draws}) > 1
+    assert experiments.random_mask(mask, pools, 7) == experiments.random_mask(mask, pools, 7)
+
+
+def test_ablate_one_read_and_its_errors(block_run, capsys):
+    code, printed, _ = run(experiments.main, ["ablate", block_run, "--older_than", 0, "--read",
+                                              "readout", "--draws", 2], capsys)
+    result = json.loads((block_run / "ablate_read-readout_older0.json").read_text())
+    assert code == 0 and [row["read"] for row in result["rows"]] == ["readout"]
+    assert result["rows"][0]["masked"] == {"readout": ["C0", "C1"]}
+    for argv, message in [(["--mask", "C7"], "--mask C7 --read None: the sources are"),
+                          (["--mask", "emb", "--read", "layer9.mlp"], "the reads layer0.attn"),
+                          (["--read", "layer0.attn", "--mask", "emb"], "hide a source of some"),
+                          ([], "give --mask NAMES and/or --older_than K")]:
+        code, _, err = run(experiments.main, ["ablate", block_run, *argv], capsys)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.optional
+@pytest.mark.skipif(not HAS_MPL, reason="needs matplotlib (optional: pip install matplotlib)")
+def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block_run, tmp_path,
+                                                                           monkeypatch, capsys):
+    for variant, seed, val in [("block", 0, 2.0), ("block", 1, 2.1), ("rd", 0, 1.9),
+                               ("rd", 1, 2.2)]:
+        hand_run(tmp_path, f"{variant}_L4_s{seed}", variant, seed, val,
+                 evals=((0, 4.0), (500, 3.0 + val / 10), (1000, val)))
+    code, printed, _ = run(experiments.main, ["report", tmp_path, block_run, "--plots",
+                                              "--heatmap", block_run], capsys)
+    heatmap = tmp_path / f"routes_{str(block_run).strip('/').replace('/', '_')}.png"
+    assert code == 0 and (tmp_path / "val_loss.png").stat().st_size > 0 and heatmap.exists()
+    assert f"wrote {heatmap}" in printed
+    reads, sources, matrix = experiments.route_matrix(block_run)
+    assert reads[0] == "layer0.attn" and sources == ["emb", "C0", "C1", "P"]
+    assert matrix[0] == [pytest.approx(1.0), None, None, None]  # the first read sees emb alone
+    assert all(sum(w for w in row if w is not None) == pytest.approx(1.0) for row in matrix)
+    (tmp_path / "val_loss.png").unlink()
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if not installed
+    code, printed, _ = run(experiments.main, ["report", tmp_path, "--plots"], capsys)
+    assert code == 0 and experiments.NO_MATPLOTLIB in printed and "| rd | 0.002 |" in printed
+    assert not (tmp_path / "val_loss.png").exists()
