@@ -55,7 +55,6 @@ EXTRAS = {"full": dict(nanoroute.VARIANTS["block"], attnres_block=1),
 VARIANTS = {**nanoroute.VARIANTS, **EXTRAS}
 DEFAULT_VARIANTS = "prenorm,block,full,wav,rd"
 
-
 def build_parser():
     p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n")[0])
     p.add_argument("--shape", default="s12", choices=SHAPES, help="model and batch (default s12)")
@@ -84,7 +83,6 @@ def build_parser():
     p.add_argument("--json", metavar="PATH", help="every number, rewritten as they come")
     return p
 
-
 class Model(NamedTuple):
     """One timed model: the module, what its steps call (compiled or itself), its AdamW, and with
     --compile its own backend's counts {"graphs": compiled, "calls": run}."""
@@ -92,7 +90,6 @@ class Model(NamedTuple):
     step_model: object
     opt: torch.optim.Optimizer
     counts: dict = None
-
 
 class Bench:
     """The flags, checked, and what every measurement reads; out: the numbers so far (--json)."""
@@ -161,7 +158,6 @@ class Bench:
         m.opt.step()
         m.opt.zero_grad(set_to_none=True)
 
-
 def check_flags(args, variants):
     """The shape (--shape or --preset, with the flags' values), every count in its range, and
     every variant buildable at that shape; else a UsageError naming the flag."""
@@ -182,7 +178,6 @@ def check_flags(args, variants):
             raise UsageError(f"{name} at this shape: {e}") from None
     return shape
 
-
 def names(text, flag):
     found = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in found if v not in VARIANTS]
@@ -191,7 +186,6 @@ def names(text, flag):
                          f"{', '.join(VARIANTS)}")
     return found
 
-
 def preset_shape(name):
     """A train.py preset as a shape: its model; B, the sequences one GPU runs per forward (its
     --micro_batch, or its whole batch); its data's vocabulary (GPT-2's, or at most 256 chars)."""
@@ -199,7 +193,6 @@ def preset_shape(name):
     vocab = prepare_data.GPT2_VOCAB if preset["data"] == "fineweb_edu" else 256
     return dict({k: preset[k] for k in MODEL_FIELDS[:-1]}, vocab_size=vocab,
                 batch_size=preset.get("micro_batch") or preset["batch_size"])
-
 
 def load_against(path):
     """The nanoroute module in `path` (a .py file, or a folder holding nanoroute.py)."""
@@ -219,12 +212,10 @@ def load_against(path):
                          "nanoroute.py?")
     return module
 
-
 def cpu_name():
     with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
         return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     return platform.processor() or platform.machine()
-
 
 # -----------------------------------------------------------------------------
 # The measurements: build, first step, the rounds, each model's record, ratios, generation
@@ -250,7 +241,6 @@ def main(argv=None):
     b.out["complete"] = True
     b.save()
 
-
 def build(b, name):
     """VARIANT (or VARIANT@against, from the --against file), seeded alike: paired weights."""
     module = b.against if name.endswith("@against") else nanoroute
@@ -270,7 +260,6 @@ def build(b, name):
     step_model, counts = compile_counted(model, b.args.compile_backend)
     return Model(model, step_model, opt, counts)
 
-
 def compile_counted(model, backend_name):
     """torch.compile(model) with a backend of its own (backend_name's, wrapped): the model never
     shares another's graphs, and the counts say how many it compiled and how often its steps ran
@@ -286,7 +275,6 @@ def compile_counted(model, backend_name):
             return compiled(*args)
         return run
     return torch.compile(model, backend=backend), counts
-
 
 def time_rounds(b, models):
     """{name: seconds per timed step}: each model's first step (with --compile, it compiles),
@@ -308,7 +296,6 @@ def time_rounds(b, models):
             b.save()
     return times
 
-
 def record(b, name, m, times):
     """One model's numbers: its steps, whether they ran compiled, memory by part, MFU."""
     median, first = statistics.median(times), b.out["first_steps"][name]["first_step_s"]
@@ -321,7 +308,6 @@ def record(b, name, m, times):
     r["memory_bytes"] = sum(r["memory"].values())
     r["mfu"] = b.peak and m.model.estimate_mfu(b.B * b.T, median, b.peak)
     return r
-
 
 def memory_parts(b, m):
     """Bytes of one training step by part (see the docstring at the top); they add up."""
@@ -342,7 +328,6 @@ def memory_parts(b, m):
     saved = saved_bytes(m.model, b.x, b.y, b.amp, set(params) | buffers)
     return dict(parts, grads=grads, saved=saved)
 
-
 def saved_bytes(model, x, y, amp, exclude):
     """Bytes of the unique storages saved for backward by one forward pass and still held by the
     graph at its end (weak references: a freed storage whose address is reused is not counted
@@ -359,7 +344,6 @@ def saved_bytes(model, x, y, amp, exclude):
     del loss  # frees the graph
     return sum({s.data_ptr(): s.nbytes() for s in alive if s.data_ptr() not in exclude}.values())
 
-
 def paired_ratio(times, base):
     """Round i over round i of the baseline (they ran side by side: a drifting machine cancels
     out): the median of these ratios and their quartiles."""
@@ -368,7 +352,6 @@ def paired_ratio(times, base):
         return ratios * 3
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
     return [statistics.median(ratios), q1, q3]
-
 
 def add_ratios(b, times):
     """To prenorm and to block within each version of the code; with --against, this / that."""
@@ -387,19 +370,15 @@ def add_ratios(b, times):
             r["memory_ratio_against"] = r["memory_bytes"] / res[that]["memory_bytes"]
     b.save()
 
-
 def md_table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows])
 
-
 def fmt(x):
     return "-" if x is None else f"{x:.3f}"
 
-
 def quartiles(x):  # a paired ratio: median [quartiles]
     return "-" if x is None else "{:.3f} [{:.3f}, {:.3f}]".format(*x)
-
 
 def print_training(b):
     header = ["variant", "params", "median ms", "min ms", "tokens/s", "/ prenorm", "/ block",
@@ -433,7 +412,6 @@ def print_training(b):
                        [[v, quartiles(res[v]["paired_ratio_against"]),
                          fmt(res[v]["memory_ratio_against"])] for v in b.variants]))
 
-
 @torch.no_grad()
 def generate_recompute(model, idx, max_new_tokens):
     """Greedy decoding without a cache, nanoGPT style: re-run the whole (cropped) context."""
@@ -441,7 +419,6 @@ def generate_recompute(model, idx, max_new_tokens):
         logits, _ = model(idx[:, -model.config.sequence_len:])
         idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
     return idx
-
 
 def time_generation(b, models):
     """--gen_tokens after a 1-token prompt, greedy: KV cache against full recompute, the median
@@ -475,7 +452,6 @@ def time_generation(b, models):
                     for v, g in out.items()]))
     return dict(new_tokens=b.n_new, repeats=b.args.gen_repeats, variants=out)
 
-
 def profile(b, m):
     """--profile VARIANT: the top ops of 3 training steps, after an unprofiled one."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -491,7 +467,6 @@ def profile(b, m):
     calls = sum(e.count for e in ops if e.key.startswith("aten::")) / 3
     print(f"\n### Profile: {b.args.profile}, 3 training steps ({calls:.0f} aten calls a step), "
           f"top ops by {sort_by}\n{ops.table(sort_by=sort_by, row_limit=20)}")
-
 
 if __name__ == "__main__":
     main()

@@ -33,7 +33,6 @@ from prepare_data import UsageError, write_atomic
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "summary.json")
 KEYS = ("model", "optimizer", "config", "settings", "data_dir", "dataset", "progress", "rng")
 
-
 @dataclasses.dataclass
 class Progress:
     """A run's course so far: what a checkpoint records besides the model and the optimizer."""
@@ -43,7 +42,6 @@ class Progress:
     milestones: dict = dataclasses.field(default_factory=dict)  # {label: step, tokens, val_loss}
     lines: list = dataclasses.field(default_factory=list)  # metrics.jsonl
     seconds: float = 0.0  # spent before this invocation
-
 
 def check_out_dir(out_dir, resume):
     """The checkpoint to resume (--resume), or None after checking that out_dir holds no run."""
@@ -58,7 +56,6 @@ def check_out_dir(out_dir, resume):
                          "continue it, or choose another --out_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
     return None
-
 
 def load(path, missing):
     """A checkpoint as tensors and plain values, its CRCs checked; `missing`: the message when
@@ -81,7 +78,6 @@ def load(path, missing):
                          f"{', '.join(absent)}): use the version of nanoroute that wrote it")
     return ckpt
 
-
 def model_from(ckpt, path, model=None):
     """The checkpoint's weights in `model` (default: a new GPT of its config), or one line naming
     what differs (another version of nanoroute wrote it)."""
@@ -93,11 +89,9 @@ def model_from(ckpt, path, model=None):
                          f"{' '.join(str(e).split())[:300]}") from None
     return model
 
-
 def dataset_identity(meta):
     """What tells datasets apart, recorded in each checkpoint: the name and the vocabulary."""
     return dict(dataset=meta["dataset"], vocab_size=meta["vocab_size"], chars=meta.get("chars"))
-
 
 def open_data(ckpt, run_dir, data=None):
     """(folder, meta.json) of the data a run was trained on: `data` (a --data flag) or the run's
@@ -113,7 +107,6 @@ def open_data(ckpt, run_dir, data=None):
                          f"({ckpt['dataset']['dataset']}, vocab {ckpt['dataset']['vocab_size']}): "
                          "give --data with that dataset")
     return Path(os.path.relpath(folder)) if not data else folder, meta
-
 
 def save(run, improved):
     """metrics.jsonl, then best.pt (when improved), then last.pt. best.pt before last.pt: a crash
@@ -141,7 +134,6 @@ def save(run, improved):
     for name in ("best.pt", "last.pt") if improved else ("last.pt",):
         write_atomic(run.out_dir / name, buffer.getbuffer())
 
-
 def restore(run, ckpt):
     """--resume: the weights, the optimizer, the progress and each process's RNG states."""
     path, rng = run.out_dir / "last.pt", ckpt["rng"]
@@ -163,9 +155,7 @@ def restore(run, ckpt):
                 "reseeded (the batches are unaffected)")
         torch.manual_seed(run.settings.seed + 1000 * p.step + run.rank)
 
-
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
 
 def catch_stop_signals():
     """SIGINT (Ctrl-C) and SIGTERM only note the signal in the list returned; the loop stops at the
@@ -177,7 +167,6 @@ def catch_stop_signals():
         if handler is not signal.SIG_IGN:
             signal.signal(sig, lambda signum, frame: received.append(signum))
     return received, old
-
 
 def stop_signal(run):
     """The signal to stop on (0: none); under DDP any process's, so all stop at the same step."""

@@ -37,7 +37,6 @@ RESIDUALS = ("prenorm", "rezero", "layerscale", "denseformer", "attnres")
 WAV_BASES = {"phase": ("phase",), "split": ("split",), "both": ("phase", "split")}
 EPS = 1e-6  # RMSNorm epsilon, for sublayer inputs and routing keys alike
 
-
 class RD(NamedTuple):
     """A mode of RD-AttnRes (SPEC: RD-AttnRes). value: attention's value route, None (one read
     feeds Q, K and V), "learned", "frozen" (its query stays zero) or "tied" (the Q/K read itself,
@@ -45,17 +44,14 @@ class RD(NamedTuple):
     value: str = None
     average: bool = False
 
-
 # The one table of RD's modes: reads_before, sublayer_inputs and the diagnostics read it.
 RD_MODES = {"off": RD(), "decoupled": RD("learned"), "tied": RD("tied"),
             "average": RD("learned", average=True), "frozen_v": RD("frozen")}
-
 
 def setting(default, help, needs=None):
     """A config field with its help text (train.py's --help). needs="attnres" or "wav" marks a
     field of the depth routing: an error unless residual=attnres (and wav=True)."""
     return field(default=default, metadata=dict(help=help, needs=needs))
-
 
 @dataclass
 class GPTConfig:
@@ -137,12 +133,10 @@ class GPTConfig:
     def detail_bases(self):
         return WAV_BASES[self.wav_bases] if self.wav else ()
 
-
 def routing_fields(config_class=GPTConfig):
     """residual and every field of the depth routing (needs=): a paired baseline without routing
     (--residual prenorm) drops them all."""
     return ("residual",) + tuple(f.name for f in fields(config_class) if f.metadata.get("needs"))
-
 
 # The variants this codebase compares, as GPTConfig values: train.py's presets, experiments.py's
 # sweeps and bench.py read this table. A new variant is one line here (and its test).
@@ -161,13 +155,11 @@ VARIANTS = {
     "rd_frozen_v": dict(residual="attnres", rd="frozen_v"),
 }
 
-
 def variant(name):
     """VARIANTS[name] with every field a variant may set (the others' defaults), so that nothing of
     a preset or another variant leaks into it (a wav preset run as block gets wav=False)."""
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     return {k: defaults[k] for row in VARIANTS.values() for k in row} | VARIANTS[name]
-
 
 # -----------------------------------------------------------------------------
 # Transformer sublayers
@@ -176,18 +168,15 @@ def norm(x):
     # choice: parameterless RMSNorm; a gain would only rescale what the next Linear learns anyway
     return F.rms_norm(x, (x.size(-1),), eps=EPS)
 
-
 def rotary_tables(sequence_len, head_dim, base=10000.0):  # choice: rotary positions, e = wte(idx)
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
     freqs = torch.outer(torch.arange(sequence_len).float(), inv_freq)  # (T, hs/2)
     return freqs.cos(), freqs.sin()
 
-
 def apply_rotary(x, cos, sin):  # x (B, nh, T, hs), cos/sin (T, hs/2)
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
 
 class KVCache:
     """Keys and values of every layer for generation. Only attention needs a cache: depth routing
@@ -206,7 +195,6 @@ class KVCache:
         self.k[layer, :, :, self.pos:end] = k
         self.v[layer, :, :, self.pos:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
@@ -236,7 +224,6 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -246,7 +233,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
-
 
 # -----------------------------------------------------------------------------
 # Depth routing (residual=attnres). SPEC: Attention Residuals, WAV v1, RD-AttnRes. A routing
@@ -261,11 +247,9 @@ def float32(x):
         return torch.autocast(device, enabled=False)
     return contextlib.nullcontext()
 
-
 def mean_square(v):  # per-token mean(v²) in float32 (B, T): one fused reduction
     with float32(v):
         return torch.linalg.vector_norm(v.float(), dim=-1).square() / v.size(-1)
-
 
 class Read(NamedTuple):
     """A depth read: the input of layer `layer`'s attention (role "attn": Q and K, and V unless
@@ -284,13 +268,11 @@ class Read(NamedTuple):
     def sublayer(self):  # the sublayer it feeds: 2·layer (+1 for an MLP); 2·n_layer: the readout
         return 2 * self.layer + (self.role == "mlp")
 
-
 class Source(NamedTuple):
     """A named source of the pool: emb, C0, C0.phase, C0.split, ..., the partial block's P, ..."""
     name: str
     value: torch.Tensor  # (B, T, d), float32; None where only the name and basis matter (route)
     basis: str = None  # None for a state source, else its detail basis (a detail bias applies)
-
 
 def depth_read(query, bias, values, heads=1):
     """SPEC: one read, h = Σ_s α_s v_s, α = softmax_s(wᵀ RMSNorm(v_s) + bias_s), no 1/sqrt(d);
@@ -306,7 +288,6 @@ def depth_read(query, bias, values, heads=1):
         weights = logits.softmax(0)  # (S, B, T, H)
         return (weights[..., None] * V.unflatten(-1, (heads, -1))).sum(0).flatten(-2), weights
 
-
 def combine(coefficients, updates):
     """Σ_i c_i·u_i over a block's updates; c_i a number (a sign) or a 0-d tensor (learned). The
     sum starts at c_0·u_0, which is u_0 itself for the number 1: Full AttnRes's block of one
@@ -318,12 +299,10 @@ def combine(coefficients, updates):
             torch.addcmul(total, c, u)
     return total
 
-
 def matching_scale(state_ms, detail_ms, rho):
     """SPEC: WAV stability 2, from mean squares: s = min(ρ, rms(C) / (rms(D) + ε)) per token.
     Without gradient: it sets how much a selected detail contributes, not where gradients go."""
     return (state_ms.sqrt() / (detail_ms.sqrt() + EPS)).clamp(max=rho)
-
 
 class DepthRouting:
     """The routing of residual=attnres, inherited by GPT: parameters, pool, read, RD, the loop."""
@@ -499,7 +478,6 @@ class DepthRouting:
         reads = self.block_reads(pool, n_sub - len(block), [n_sub], cache, reads)
         return self.read(reads, self.reads_before(n_sub)[0], block, routes)
 
-
 class ReferenceReads(NamedTuple):
     """The reads of one routing block, one by one: depth_read over the pool and the block's own
     sources, built explicitly (block_sources; details only if `details`): h, weights, sources."""
@@ -514,7 +492,6 @@ class ReferenceReads(NamedTuple):
         query, bias = self.model.route(read, sources)
         heads = self.model.config.route_heads
         return *depth_read(query, bias, [s.value for s in sources], heads), sources
-
 
 # -----------------------------------------------------------------------------
 # The model
@@ -667,7 +644,6 @@ class GPT(DepthRouting, nn.Module):
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
 
-
 # -----------------------------------------------------------------------------
 # Routing diagnostics
 
@@ -677,14 +653,12 @@ def source_block(name):
     block = name.partition(".")[0]
     return -1 if block == "emb" else math.inf if block == "P" else int(block[1:])
 
-
 def js_divergence(p, q):
     """Jensen-Shannon divergence (nats, ≤ ln 2) of two routes (S, ...), mean over the rest."""
     p, q = p.double(), q.double()
     mid = 0.5 * (p + q)
     kl = lambda a: (torch.xlogy(a, a) - torch.xlogy(a, mid)).sum(0)  # noqa: E731
     return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).mean().item()
-
 
 def routing_stats(routes):
     """Summary of model(..., return_routes=True)'s routes. "reads": {name: {"role", "sources",
@@ -712,7 +686,6 @@ def routing_stats(routes):
     return dict(reads=reads, sources=sources, js=js,
                 js_mean=sum(js.values()) / len(js) if js else None,
                 entropy_norm_mean=sum(norms) / len(norms) if norms else None)
-
 
 # =============================================================================
 # Below this banner: a fast kernel for depth reads, and nothing of the model. It is given a pool
@@ -833,14 +806,11 @@ class BlockReads:
             term = column.float()[:, None, None, None] * u  # (P, B, T, d)
             self.sums = term if self.sums is None else self.sums + term
 
-
 def _head_masks(heads, query):  # (H, d): row k is 1 on the k-th slice of the width, else 0
     eye = torch.eye(heads, device=query.device, dtype=query.dtype)
     return eye.repeat_interleave(query.size(-1) // heads, dim=1)
 
-
 _CONSTANTS = {}  # (values, device) -> tensor
-
 
 def _constant(values, device):
     """A small float32 tensor of fixed values on `device`, built once per values and device: a
@@ -853,7 +823,6 @@ def _constant(values, device):
         with torch.inference_mode(False):
             _CONSTANTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
     return _CONSTANTS[key]
-
 
 def completed_reads(queries, biases, values, inv_rms):
     """Phase 1's forward: queries (R, d), biases (R, S), S sources (B, T, d), their inv_rms (B, T).
@@ -868,7 +837,6 @@ def completed_reads(queries, biases, values, inv_rms):
         p = (logits - lse[:, :, None]).exp()
         mix = p.transpose(2, 3) @ V  # (B, T, R, S) @ (B, T, S, d) -> (B, T, R, d)
     return mix, lse, p, inv_rms, dots
-
 
 def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
     """Phase 2's forward: a read's summary (mix, lse), query (d,) and P partial sources scale_p ·
@@ -886,16 +854,13 @@ def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
             h.addcmul_(w[..., None], t.float())
     return h, a, dots, term_dots
 
-
 def _per_source(coeffs, x):  # Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)
     return x if coeffs is None else \
         (coeffs.float() @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
 
-
 def _per_term(coeffs, x):  # Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -> (K, ...)
     return x if coeffs is None else \
         (coeffs.float().t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
-
 
 class CompletedReads(torch.autograd.Function):
     """Phase 1 with a batched backward (one gradient per source, not one per read). Read r returns
@@ -933,7 +898,6 @@ class CompletedReads(torch.autograd.Function):
             dbiases = dlogits.sum((0, 1)).t()  # (R, S)
         dvalues = (t.to(v.dtype) for t, v in zip(dV.unbind(2), values))
         return dQ.to(queries.dtype), dbiases, *dvalues, *dinv_rms.unbind(2)
-
 
 class PartialMerge(torch.autograd.Function):
     """Phase 2 with a hand-written backward: a softmax over [lse, the partial sources' logits].

@@ -25,7 +25,6 @@ from train import command, pick_device
 
 SHADES = " ░▒▓█"  # a weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; blank: not seen
 
-
 def build_parser():
     p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n")[0])
     p.add_argument("--out_dir", default="out", help="train.py's run folder (default: out)")
@@ -43,7 +42,6 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--routes", action="store_true", help="how it routes over the prompt, not text")
     return p
-
 
 @prepare_data.cli
 def main(argv=None):
@@ -83,7 +81,6 @@ def main(argv=None):
     n = a.num_samples * a.max_new_tokens
     print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
 
-
 def prompt_ids(a, meta, data_dir, sequence_len):
     """The prompt's token ids: --start (or the file it names), else the default; at most the last
     sequence_len of them."""
@@ -108,10 +105,8 @@ def prompt_ids(a, meta, data_dir, sequence_len):
               f"using its last {sequence_len}", file=sys.stderr)
     return ids[-sequence_len:]
 
-
 def shade(weight):
     return SHADES[min(4, max(1, math.ceil(weight * 4)))]
-
 
 @torch.no_grad()
 def show_routes(model, idx, path, prompt):
@@ -140,7 +135,6 @@ def show_routes(model, idx, path, prompt):
             print(f"  {layer:<8} {js:.4f}  " + SHADES[4] * round(40 * js / math.log(2)))
         print(f"  {'mean':<8} {stats['js_mean']:.4f}")
 
-
 def heatmap(sources, rows):
     """rows: {read: (the sources it sees, their weights, its entropy or None)}, one line each."""
     short = [s.replace(".phase", ".ph").replace(".split", ".sp") for s in sources]
@@ -153,7 +147,6 @@ def heatmap(sources, rows):
                  else " " * width for s in sources]
         print(f"{name:<{name_width}}" + "".join(cells)
               + ("" if entropy is None else f"  {entropy + 0.0:5.2f}"))
-
 
 if __name__ == "__main__":
     main()

@@ -60,7 +60,6 @@ PRESETS = {
     "rd_m": dict(_RD, n_layer=24, n_embd=832, n_head=13, lr=3e-4),
 }
 
-
 def count(text):
     """Token counts: '2B' -> 2_000_000_000 (also M, K, plain integers); '1M,2M' -> a list."""
     if "," in str(text):
@@ -70,13 +69,11 @@ def count(text):
         raise ValueError(f"{text!r} is not a token count such as 2B, 500M, 64K or 10000")
     return int(round(float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}[m[2].lower()]))
 
-
 def option(default, help, low=None, high=math.inf, parse=None, choices=None, runtime=False):
     """A TrainSettings field: its --help, its range [low, high) or choices, a parse for a text that
     is not its type. runtime: how this invocation runs, which --resume never takes from last.pt."""
     return dataclasses.field(default=default, metadata=dict(
         help=help, low=low, high=high, parse=parse, choices=choices, runtime=runtime))
-
 
 @dataclasses.dataclass
 class TrainSettings:
@@ -119,7 +116,6 @@ class TrainSettings:
                                        "project (pip install wandb)", runtime=True)
     wandb_run: str | None = option(None, "the wandb run's name", runtime=True)
 
-
 def build_parser():
     """One flag per field of TrainSettings, then of GPTConfig: its type, help and default."""
     p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n")[0],
@@ -137,12 +133,10 @@ def build_parser():
                 **dict(nargs="?", const=True, metavar="BOOL") if kind is bool else {})
     return p
 
-
 def true_or_false(text):
     if text.lower() not in ("true", "1", "false", "0"):
         raise ValueError(text)
     return text.lower() in ("true", "1")
-
 
 def resolve_settings(explicit, ckpt=None):
     """defaults < checkpoint (--resume) < preset < explicit flags (a model flag that differs from
@@ -166,7 +160,6 @@ def resolve_settings(explicit, ckpt=None):
     a = TrainSettings(**{f.name: settings[f.name] for f in dataclasses.fields(TrainSettings)})
     return a, {f.name: settings[f.name] for f in dataclasses.fields(GPTConfig)}
 
-
 def check_settings(a, world):
     """Every setting in its range, wherever it came from (a flag, a preset, a checkpoint)."""
     for f in dataclasses.fields(TrainSettings):
@@ -186,7 +179,6 @@ def check_settings(a, world):
                          f"{a.micro_batch}: each process takes an equal share, in equal forwards: "
                          "choose a --micro_batch that divides its share")
 
-
 # -----------------------------------------------------------------------------
 # Data: random crops at offsets that depend only on (seed, step, micro-step)
 
@@ -204,21 +196,17 @@ def open_data(a, ckpt, run_dir, master, given):
         dist.barrier()  # the other processes wait for rank 0 to prepare it
     return folder, prepare_data.load_meta(folder)
 
-
 def batch_offsets(seed, step, micro, n_tokens, T, rows):
     """Where a micro-batch's crops start: a function of the position in the schedule alone, the
     same for every model and any number of processes (process r of W takes rows r::W)."""
     return np.random.default_rng([seed, step, micro]).integers(0, n_tokens - T, size=rows)
 
-
 EVAL_SEED = 20260501  # evaluation crops ignore --seed: every run is scored on the same text
-
 
 def eval_offsets(n_tokens, T, rows, eval_tokens, split):
     n_batches = max(1, math.ceil(eval_tokens / (rows * T)))
     rng = np.random.default_rng([EVAL_SEED, split])
     return rng.integers(0, n_tokens - T, size=(n_batches, rows))
-
 
 def get_batch(data, offsets, T, device, micro_batch=0):
     """The (x, y) crops at offsets, in forwards of micro_batch rows (0: one forward)."""
@@ -227,7 +215,6 @@ def get_batch(data, offsets, T, device, micro_batch=0):
     if device.type == "cuda":
         x, y = (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
     return list(zip(x.split(micro_batch or len(offsets)), y.split(micro_batch or len(offsets))))
-
 
 # -----------------------------------------------------------------------------
 # The device, the precision and the learning-rate schedule
@@ -246,14 +233,12 @@ def pick_device(name, local_rank=0, world=1):
                          "--device cuda (each process takes its LOCAL_RANK's)")
     return torch.device(f"cuda:{local_rank}" if name == "cuda" else name)
 
-
 def pick_dtype(name, device):
     """auto: bf16 autocast on a CUDA GPU with native bf16 (capability 8.0 on), else float32."""
     if name == "auto":
         native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
         return torch.bfloat16 if native else torch.float32
     return getattr(torch, name)
-
 
 def get_lr(step, a):
     """Linear warmup over warmup_iters steps, then cosine decay to min_lr at the last step."""
@@ -262,7 +247,6 @@ def get_lr(step, a):
         return a.lr * (step + 1) / a.warmup_iters
     progress = min(1.0, (step - a.warmup_iters) / max(1, a.max_iters - 1 - a.warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (a.lr - min_lr)
-
 
 # -----------------------------------------------------------------------------
 # The run: setup, the loop, one step, evaluation, the end
@@ -304,7 +288,6 @@ class Run:
     def elapsed(self):  # seconds, over every invocation of the run
         return self.progress.seconds + time.time() - self.t_start
 
-
 @prepare_data.cli
 def main(argv=None):
     stop, handlers = checkpoint.catch_stop_signals()
@@ -318,7 +301,6 @@ def main(argv=None):
             signal.signal(sig, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
-
 
 def setup(argv, stop):
     """Everything before the first step: settings, processes, data, model, --resume."""
@@ -377,7 +359,6 @@ def setup(argv, stop):
     run.wandb = start_wandb(run)
     return run
 
-
 def train(run):
     """The loop: steps, log lines, evaluations with checkpoints; it may stop early (stop_early)."""
     a, p = run.settings, run.progress
@@ -400,7 +381,6 @@ def train(run):
         if stop_early(run):
             return
     finish(run)
-
 
 def train_step(run, lr):
     """One AdamW step on the clipped gradient of the mean loss over --grad_accum micro-steps (and
@@ -432,7 +412,6 @@ def train_step(run, lr):
     run.optimizer.zero_grad(set_to_none=True)
     return loss
 
-
 def log_step(run, loss, lr, dt):
     """A train line; dt: seconds per step since the last one, but this invocation's first step."""
     n, peak, p = run.tokens_per_step, peak_flops(run.device, run.dtype), run.progress
@@ -443,7 +422,6 @@ def log_step(run, loss, lr, dt):
                      ms_per_step=round(1000 * dt, 2) if dt else None, mfu=mfu),
            f"step {p.step} | loss {loss:.4f} | lr {lr:.1e}{speed}"
            + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""))
-
 
 def evaluate_and_save(run, lr, crossed=()):
     """Losses on the fixed evaluation crops, routing diagnostics, an eval line, the checkpoints."""
@@ -468,7 +446,6 @@ def evaluate_and_save(run, lr, crossed=()):
         raise diverged(run, "weights", p.step)
     checkpoint.save(run, improved)
 
-
 @torch.no_grad()
 def evaluate(run, data, batches):
     """Mean loss over fixed crops; each process takes its rows of every batch."""
@@ -485,7 +462,6 @@ def evaluate(run, data, batches):
         loss /= run.world
     return loss.item()
 
-
 @torch.no_grad()
 def routes(run):
     """routing_stats of 8 fixed val crops; None for a model without depth routing."""
@@ -498,7 +474,6 @@ def routes(run):
         stats = routing_stats(run.raw_model(x, y, return_routes=True)[2])
     run.raw_model.train()
     return stats
-
 
 def finish(run):
     """The end: the test loss, summary.json, then how the model routes and what to try next."""
@@ -525,7 +500,6 @@ def finish(run):
     summary = routing_summary(last["routes"]) + "\n\n" if last["routes"] else ""
     run.log("\n" + summary + next_commands(run))
 
-
 def routing_summary(stats, top=3):
     """The sources each read leans on most (mean weight over 8 val crops and route heads)."""
     lines = ["routing (mean weight per source, 8 val crops; emb: embedding, C<i>: completed "
@@ -538,7 +512,6 @@ def routing_summary(stats, top=3):
         lines.append(f"  RD: JS divergence between the QK and V routes, mean over layers "
                      f"{stats['js_mean']:.4f} nats")
     return "\n".join(lines)
-
 
 def next_commands(run):
     """Commands to paste after a run: text, routes, the paired baseline and the comparison."""
@@ -554,7 +527,6 @@ def next_commands(run):
                       "compare the two once both have finished")]
     width = min(60, max(len(line) for line, _ in commands))
     return "\n".join(["next:"] + [f"  {line:<{width}}  # {why}" for line, why in commands])
-
 
 def baseline_flags(a, config):
     """The flags and --out_dir of the paired run without routing: --residual prenorm and every other
@@ -572,13 +544,11 @@ def baseline_flags(a, config):
     out = f"{Path(a.out_dir)}_prenorm"
     return flags + ["--out_dir", out], out
 
-
 def command(script, flags, world=1):
     """A command line that works when pasted into a shell: each argument quoted where needed."""
     launcher = ["torchrun", f"--nproc_per_node={world}", script, "--"] if world > 1 else \
         ["python", script]
     return shlex.join([*launcher, *map(str, flags)])
-
 
 def stop_early(run):
     """After --stop_after or a stop signal: save last.pt, say how to continue, exit 130 / 143 after
@@ -602,7 +572,6 @@ def stop_early(run):
         sys.exit(128 + signum)
     return True
 
-
 def record(run, line, text):
     """A line of metrics.jsonl (written whole with each checkpoint), printed, and sent to wandb."""
     run.progress.lines.append(line)
@@ -611,12 +580,10 @@ def record(run, line, text):
         run.wandb.log({f"{line['type']}/{k}": v for k, v in line.items() if k != "step" and
                        isinstance(v, (int, float)) and not isinstance(v, bool)}, step=line["step"])
 
-
 def diverged(run, what, step):
     kept = "last.pt is the last good step" if (run.out_dir / "last.pt").exists() else "none saved"
     return UsageError(f"non-finite {what} at step {step}; {kept} (lower --lr or raise "
                       "--warmup_iters)")
-
 
 def start_wandb(run):
     """The wandb run of --wandb_project (rank 0); a missing package is one line, before training."""
@@ -630,17 +597,14 @@ def start_wandb(run):
     return wandb.init(project=a.wandb_project, name=a.wandb_run, dir=run.out_dir,
                       config=dict(dataclasses.asdict(a), **dataclasses.asdict(run.config)))
 
-
 # Dense peak FLOP/s (bf16, TF32) from NVIDIA's data sheets, for MFU; other GPUs (H100 PCIe and NVL
 # among them: lower peaks) get no MFU.
 PEAK_FLOPS = {r"\bA100\b": (312e12, 156e12), r"\bH[12]00\b(?!.*(PCIe|NVL))": (989e12, 494e12)}
-
 
 def peak_flops(device, dtype):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peaks = next((v for pattern, v in PEAK_FLOPS.items() if re.search(pattern, name)), None)
     return peaks and peaks[dtype != torch.bfloat16]
-
 
 if __name__ == "__main__":
     main()
