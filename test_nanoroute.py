@@ -1242,3 +1242,15 @@ def test_masked_sources_get_no_weight_and_the_rest_renormalise():
     model.masked = {nanoroute.Read(0, "attn"): {"emb"}}
     with pytest.raises(ValueError, match="masking every source of layer0.attn"):
         model(tokens())
+
+
+def test_a_read_computed_but_not_used_is_an_error():
+    class GPTWithAnExtraRead(GPT):  # a read added to reads_before that no sublayer takes
+        def reads_before(self, l):
+            extra = [nanoroute.Read(l // 2, "mlp.gate")] if l % 2 and l < 2 * self.config.n_layer else []
+            return super().reads_before(l) + extra
+
+    model = GPTWithAnExtraRead(GPTConfig(**TINY, residual="attnres"))
+    assert "layer0_mlp_gate" in model.query  # it gets its parameters like every read
+    with pytest.raises(ValueError, match="reads computed but not used by the sublayer: mlp.gate"):
+        model(tokens())
