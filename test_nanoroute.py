@@ -523,6 +523,9 @@ def test_routing_stats_entropy_and_means():
         S = len(r["sources"])  # normalised by the log of the pool size: 1 for the uniform weights at init
         assert s["entropy_norm"] == (None if S == 1 else pytest.approx(s["entropy"] / math.log(S)))
     assert stats["js"] == {} and stats["js_mean"] is None
+    rd = routing_stats(randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))(tokens(), return_routes=True)[2])
+    norms = [r["entropy_norm"] for r in rd["reads"].values() if r["role"] != "attn.v" and r["entropy_norm"]]
+    assert rd["entropy_norm_mean"] == pytest.approx(sum(norms) / len(norms))  # value routes left out
     assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]  # pool order
     # by block number, not as text: C2 before C10 (a 48-layer model has up to 8 blocks; an extension more)
     names = ["emb", "C10", "C2", "C10.split", "C1", "P"]
@@ -546,19 +549,60 @@ def test_causal(mode):
 def test_kv_cache_generate_equals_full_recompute(mode):
     model = randomise_routing(make_model(**ALL_MODES[mode], sequence_len=8), scale=0.3)
     prompt = tokens(B=2, T=3)
-    rng = torch.get_rng_state()
+    rng, seen = torch.get_rng_state(), []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out))
     out = model.generate(prompt, 9, top_k=1)  # runs past sequence_len=8: the sliding window
+    hook.remove()
     assert torch.equal(rng, torch.get_rng_state())  # greedy decoding draws no random numbers
     idx = prompt
     with torch.no_grad():
-        for _ in range(9):  # greedy decoding by full recompute, nanoGPT-style crop
-            idx = torch.cat([idx, model(idx[:, -8:])[0][:, -1].argmax(-1, keepdim=True)], 1)
+        for step in range(9):  # greedy decoding by full recompute, nanoGPT-style crop
+            logits = model(idx[:, -8:])[0][:, -1]  # the last sequence_len tokens: what it saw
+            torch.testing.assert_close(seen[step], logits, atol=1e-5, rtol=1e-5)
+            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, idx)
     # the cached pass gives the same logits as the full pass at every position, not only the argmax
     cache = nanoroute.KVCache(model.config, 2, "cpu", torch.float32)
     with torch.no_grad():
         steps = [model._hidden(idx[:, :3], cache)] + [model._hidden(idx[:, t:t + 1], cache) for t in range(3, 8)]
         torch.testing.assert_close(torch.cat(steps, 1), model._hidden(idx[:, :8]), atol=1e-5, rtol=1e-5)
+
+
+def sample_probs(logits, temperature, k):  # softmax(logits / T) over the top k tokens
+    probs = torch.zeros_like(logits, dtype=torch.float64)
+    top = logits.topk(k).indices
+    probs[top] = torch.softmax(logits[top].double() / temperature, 0)
+    return probs
+
+
+def counts_fit(counts, probs, n):  # each count within 6 binomial standard deviations of n·p
+    return bool(((counts - n * probs).abs() <= 6 * torch.sqrt(n * probs * (1 - probs)) + 1).all())
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.7, 5), (1.6, None)])
+def test_generate_draws_from_softmax_over_temperature_among_top_k(temperature, top_k):
+    model = make_model()
+    with torch.no_grad():  # spread the logits over a few units, so that temperature matters
+        model.lm_head.weight.normal_(0, 0.3)
+        prompt, n = tokens(B=1, T=3), 20000
+        logits = model(prompt)[0][0, -1]
+        torch.manual_seed(0)
+        drawn = model.generate(prompt.expand(n, -1), 1, temperature, top_k)[:, -1]
+    counts, k = torch.bincount(drawn, minlength=VOCAB).double(), top_k or VOCAB
+    assert counts_fit(counts, sample_probs(logits, temperature, k), n)
+    # the check sees the usual mistakes: no temperature, top-k off by one
+    assert not counts_fit(counts, sample_probs(logits, 1.0, k), n)
+    for wrong_k in (k - 1, k + 1) if top_k else ():
+        assert not counts_fit(counts, sample_probs(logits, temperature, wrong_k), n)
+
+
+def test_flops_per_token_by_hand():
+    # 2 layers, n_embd 32, sequence_len 16, vocabulary 64 (tied embedding, no biases): per layer
+    # c_attn 32·96 + c_proj 32·32 + c_fc 32·128 + c_proj 128·32 = 12288; N = 2·12288 + 64·32 =
+    # 26624, 6N = 159744; attention (PaLM, appendix B): 12·L·d·T = 12·2·32·16 = 12288
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, sequence_len=16, vocab_size=64))
+    assert model.get_num_params() == 26624 and model.flops_per_token() == 159744 + 12288
+    assert model.estimate_mfu(1000, 0.5, 1e12) == pytest.approx(172032 * 1000 / 0.5 / 1e12)
 
 
 def test_generate_rejects_bad_sampling_settings():

@@ -158,3 +158,25 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     proc = check(tmp_path / "mine")
     assert (proc.returncode, proc.stderr.count("\n")) == (2, 1) and "error: " in proc.stderr
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+def test_models_start_paired_memory_counts_no_buffer_and_a_fallback_is_said(tmp_path, capsys,
+                                                                             monkeypatch):
+    b = bench.Bench(bench.build_parser().parse_args([*TINY, "--iters", "2"]), [])
+    torch.manual_seed(123)  # whatever the random state: every model starts from the same seed
+    prenorm, block = bench.build(b, "prenorm"), (torch.rand(3), bench.build(b, "block"))[1]
+    assert torch.equal(prenorm.model.lm_head.weight, block.model.lm_head.weight)
+    stored = {t.untyped_storage().data_ptr() for t in (*prenorm.model.parameters(),
+                                                       *prenorm.model.buffers())}
+    saved = bench.saved_bytes(prenorm.model, b.x, b.y, b.amp, stored)  # not a weight nor a buffer
+    assert bench.memory_parts(b, prenorm)["saved"] == saved
+    b.out["first_steps"]["prenorm"] = dict(first_step_s=1.0)  # 1 first + 1 warm-up + 2 timed steps
+    fell_back = bench.Model(prenorm.model, prenorm.model, prenorm.opt, dict(graphs=1, calls=3))
+    assert bench.record(b, "prenorm", fell_back, [0.1, 0.2])["compiled"] is False
+    def recompute_otherwise(model, idx, n):  # a reference that disagrees with the KV cache
+        kv = model.generate(idx, n, top_k=1)
+        return torch.cat([kv[:, :-1], (kv[:, -1:] + 1) % 256], 1)
+    monkeypatch.setattr(bench, "generate_recompute", recompute_otherwise)
+    gen = bench_json(tmp_path, "--variants", "prenorm", "--iters", 1, "--gen_tokens", 3)
+    assert gen["generation"]["variants"]["prenorm"]["same_tokens"] is False  # said, not assumed
+    assert "| prenorm |" in capsys.readouterr().out.split("### Generation")[1].split("NO")[0]

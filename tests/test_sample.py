@@ -56,6 +56,10 @@ def test_text_prompts_seed_temperature_and_top_k(runs, tmp_path, monkeypatch, ca
     monkeypatch.chdir(tmp_path)  # FILE: a UTF-8 file, relative to the working folder
     (tmp_path / "prompt.txt").write_text("Tom saw a cat.", encoding="utf-8")
     assert text("--start", "FILE:prompt.txt") == text("--start", "Tom saw a cat.")
+    long = "Lily had a red ball. Tom saw a cat by the big old tree."  # 56 > sequence_len 32
+    code, out, err = run(sample.main, ["--out_dir", routed, "--start", long, "--num_samples", 1,
+                                       "--max_new_tokens", 3], capsys)
+    assert out.startswith(long[-32:]) and "using its last 32" in err  # it keeps the prompt's end
     default = text()  # char level: after a newline, which is not printed
     assert [s for s in default.split(SEP) if s] == \
         [s[1:] for s in text("--start", "\n").split(SEP) if s]
@@ -80,6 +84,16 @@ def test_routes_view(runs, demo, tmp_path, capsys):
         assert re.search(r"  \d\.\d\d$", row), name  # its entropy
     js = lines[next(i for i, line in enumerate(lines) if "JS divergence" in line) + 1:]
     assert [line.split()[0] for line in js] == ["layer1", "mean"]  # layer 0 reads e alone
+    val = prepare_data.open_split(demo, "val")[:32]  # the default prompt: the start of val
+    text = prepare_data.decoder(prepare_data.load_meta(demo), demo)(val)
+    first = sample_text(capsys, routed, "--routes").splitlines()[0]
+    assert first.endswith(f"over a 32-token prompt: {'...' + text[-57:] if len(text) > 60 else text!r}")
+    ckpt = torch.load(routed / "best.pt", weights_only=True)  # the V route the QK route: JS 0
+    for name in ("query.layer1_attn", "detail_bias.layer1_attn"):
+        ckpt["model"][name.replace("attn", "attn_v")] = ckpt["model"][name]
+    torch.save(ckpt, tmp_path / "best.pt")
+    lines = sample_text(capsys, tmp_path, "--routes", "--data", demo).splitlines()
+    assert [x.split() for x in lines[-2:]] == [["layer1", "0.0000"], ["mean", "0.0000"]]
     # route heads: the mean, then a block per head; here head 0 reads sharply, head 1 evenly
     ckpt = torch.load(heads / "best.pt", weights_only=True)
     ckpt["model"]["query.readout"][:16] = 50.0  # the readout's query, on head 0's slice
