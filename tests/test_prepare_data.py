@@ -137,6 +137,9 @@ def test_demo_is_deterministic_whole_stories_and_every_split_in_the_vocabulary(t
     for split in pd.SPLITS:  # every split decodes back to its stories, whole
         assert decode(pd.open_split(a, split)) == texts[split] and texts[split].endswith("\n\n")
     assert set(texts["val"] + texts["test"]) <= set(meta["chars"])
+    small = pd.prepare("demo", tmp_path / "small", demo_mb=0.005, seed=0)  # 'R' in val or test
+    assert "R" not in pd.demo_stories(0, 0.005)["train"] and "R" in pd.load_meta(small)["chars"]
+    pd.open_split(small, "val"), pd.open_split(small, "test")  # every id in the vocabulary
     assert decode([meta["vocab_size"] + 3]) == "\ufffd"  # a padded head's extra ids: harmless
     capsys.readouterr()
     pd.prepare("demo", tmp_path / "a", demo_mb=0.05)
@@ -278,12 +281,16 @@ def test_retries_print_a_line_each_then_fail_as_one_line(mirror, tmp_path, capsy
 def test_each_retry_says_so_and_waits_twice_as_long(mirror, tmp_path, monkeypatch, capsys):
     waits = []
     monkeypatch.setattr(pd.time, "sleep", waits.append)
-    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "200")
+    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "150")
     mirror.status["text8.zip"] = 500
     with pytest.raises(SystemExit):
-        pd.main(["text8", "--out", str(tmp_path), "--retries", "3"])
-    assert waits == [200, 400, 600]  # at most 600 s a wait
-    assert capsys.readouterr().out.count("text8.zip: HTTP 500; retry") == 3
+        pd.main(["text8", "--out", str(tmp_path), "--retries", "4"])
+    assert waits == [150, 300, 600, 600]  # doubling, at most 600 s a wait
+    assert capsys.readouterr().out.count("text8.zip: HTTP 500; retry") == 4
+    mirror.status["text8.zip"], mirror.log[:] = 429, []  # too many requests: retried, not fatal
+    with pytest.raises(SystemExit):
+        pd.main(["text8", "--out", str(tmp_path / "b"), "--retries", "1"])
+    assert len(mirror.log) == 2
 
 
 @pytest.mark.parametrize("served, why", [
@@ -352,6 +359,14 @@ def test_load_meta_names_the_command_and_the_prepared_folders_nearby(tmp_path, m
         pd.load_meta("data/demo_typo")
     assert "data/demo_typo does not exist; prepared datasets: data/demo;" in str(e.value)
     assert "python prepare_data.py DATASET --out data/demo_typo" in str(e.value)
+    pd.prepare("demo", "runs/demo", demo_mb=0.01)  # the prepared folders next to it too
+    with pytest.raises(pd.UsageError, match="prepared datasets: data/demo, runs/demo;"):
+        pd.load_meta("runs/demo_typo")
+    assert pd.dataset_folder("runs") == Path("data/runs")  # a bare name: data/NAME, unless
+    assert pd.dataset_folder("demo") == Path("data/demo")  # ./NAME is a prepared dataset
+    Path("here").mkdir()
+    Path("here/meta.json").write_text("{}")
+    assert pd.dataset_folder("here") == Path("here")
     Path("x").mkdir()  # a job started as fineweb_edu --shards 3
     Path("x/progress.json").write_text('{"dataset": "fineweb_edu", "options": {"shards": 3}}')
     with pytest.raises(pd.UsageError, match="run: python prepare_data.py fineweb_edu --shards 3"):
@@ -369,6 +384,13 @@ def test_open_split_checks_the_size_and_every_token_id(tmp_path):
     val[-1] = 200  # id 200 in a 51-symbol vocabulary: a file of another dataset
     (out / "val.bin").write_bytes(val)
     with pytest.raises(pd.UsageError, match="holds token id 200, but vocab_size is 51"):
+        pd.open_split(out, "val")
+    val[-1] = 51  # the first id past the vocabulary
+    (out / "val.bin").write_bytes(val)
+    with pytest.raises(pd.UsageError, match="holds token id 51, but vocab_size is 51"):
+        pd.open_split(out, "val")
+    (out / "val.bin").write_bytes(val + b"\0")  # a byte too many
+    with pytest.raises(pd.UsageError, match=f"holds {len(val) + 1} bytes, not {len(val)} tokens"):
         pd.open_split(out, "val")
     (out / "val.bin").write_bytes(val[:-7])
     with pytest.raises(pd.UsageError, match=re.escape(f"again: {fix} --demo_mb 0.01 --out {out}")):
@@ -417,3 +439,22 @@ def test_training_and_sampling_import_it_without_the_download_packages(tmp_path)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=Path(SCRIPT).parent)
     assert r.returncode == 0 and int(r.stdout.split()[-1]) > 0, r.stderr
+
+
+def test_write_atomic_gives_an_ordinary_file_and_leaves_nothing_when_stopped(tmp_path, mirror,
+                                                                            capsys):
+    umask = os.umask(0)
+    os.umask(umask)
+    pd.write_atomic(tmp_path / "a.json", b"{}")
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file
+
+    def interrupted(f):
+        f.write(b"half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        pd.write_atomic(tmp_path / "a.json", interrupted)
+    assert os.listdir(tmp_path) == ["a.json"] and (tmp_path / "a.json").read_bytes() == b"{}"
+    mirror.serve({"finewebedu_val_000000.bin": shard([50256, 50257]), **gpt2_files()})  # 50257:
+    # one id past GPT-2's
+    assert "token id 50257 is not a GPT-2 token" in error_line(capsys, [
+        "fineweb_edu", "--shards", 1, "--out", tmp_path / "fw"])
