@@ -301,6 +301,8 @@ def main(argv=None):
             signal.signal(sig, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
+    if "RANK" in os.environ:
+        checkpoint.leave(0)
 
 def setup(argv, stop):
     """Everything before the first step: settings, processes, data, model, --resume."""
@@ -568,6 +570,8 @@ def stop_early(run):
     run.log(f"{why} after step {step}; continue with: {command('train.py', flags, run.world)}")
     if run.wandb:
         run.wandb.finish()
+    if signum and run.world > 1:
+        checkpoint.leave(128 + signum)
     if signum:
         sys.exit(128 + signum)
     return True

@@ -1,14 +1,17 @@
 """train.py and checkpoint.py end to end on tiny models (conftest.TINY: a step takes milliseconds)."""
 
 import dataclasses
+import itertools
 import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -62,6 +65,7 @@ def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(demo, 
     assert [(x["type"], x["step"]) for x in lines] == [
         ("eval", 0), ("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4), ("eval", 4)]
     assert [x["tokens"] for x in lines if x["type"] == "train"] == [256, 512, 768, 1024]
+    assert lines[1]["tok_per_s"] is None and lines[2]["tok_per_s"] > 0  # step 1 warms up
     assert [x["milestone"] for x in lines if x["type"] == "eval"] == [None, "512", "1K"]
     summary = json.loads((out / "summary.json").read_text())
     last = lines[-1]
@@ -77,16 +81,25 @@ def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(demo, 
     assert best["progress"]["best_val_loss"] == summary["best_val_loss"] == last_pt["progress"]["best_val_loss"]
 
 
-def test_resume_is_bitwise_exact(demo, tmp_path, capsys):
+def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
     # dropout (each process's RNG state), grad_accum and micro_batch: all must carry over
     flags = [*ROUTED, "--dropout", "0.1", "--grad_accum", "2", "--micro_batch", "4",
              "--max_iters", "6", "--eval_interval", "3"]
     assert run(train.main, tiny(demo, tmp_path / "whole", *flags))[0] == 0
-    assert run(train.main, tiny(demo, tmp_path / "part", *flags, "--stop_after", "2"))[0] == 0
+    with monkeypatch.context() as patch:  # a slow machine: each reading of the clock 1000 s on
+        clock = itertools.count(0, 1000)
+        patch.setattr(time, "time", lambda: float(next(clock)))
+        assert run(train.main, tiny(demo, tmp_path / "part", *flags, "--stop_after", "2"))[0] == 0
     stopped = capsys.readouterr().out
     assert "stopped (--stop_after) after step 2; continue with: python train.py --out_dir" in stopped
-    code, printed, _ = run(train.main, ["--out_dir", tmp_path / "part", "--resume"], capsys)
+    assert "--resume --device cpu\n" in stopped  # how this invocation ran: not in last.pt
+    before = weights(tmp_path / "part")["progress"]["seconds"]
+    code, printed, _ = run(train.main, ["--out_dir", tmp_path / "part", "--resume", "--device",
+                                        "cpu"], capsys)
     assert code == 0 and "resuming" in printed
+    elapsed = [x["elapsed_s"] for x in metrics(tmp_path / "part") if x["type"] == "eval"]
+    assert before >= 1000 and elapsed == sorted(elapsed)  # the wall time counts on over resumes
+    assert json.loads((tmp_path / "part" / "summary.json").read_text())["wall_time_s"] > before
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "part")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert without_times(metrics(tmp_path / "whole")) == without_times(metrics(tmp_path / "part"))
@@ -94,17 +107,17 @@ def test_resume_is_bitwise_exact(demo, tmp_path, capsys):
     assert whole["final"] == part["final"] and whole["best_val_loss"] == part["best_val_loss"]
 
 
-def test_resume_from_another_folder_finds_the_data_and_extends_the_schedule(demo, tmp_path):
-    out = tmp_path / "runs" / "r"
-    assert run(train.main, tiny(demo, out, "--max_iters", "2"))[0] == 0
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    cwd = os.getcwd()
-    try:  # the data folder is recorded relative to the run folder
-        os.chdir(elsewhere)
-        assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", "3"])[0] == 0
-    finally:
-        os.chdir(cwd)
+def test_resume_from_another_folder_finds_the_data_and_extends_the_schedule(demo, tmp_path,
+                                                                           monkeypatch):
+    shutil.copytree(demo, tmp_path / "project" / "data" / "demo")
+    monkeypatch.chdir(tmp_path / "project")  # --data demo: data/demo, recorded from runs/r
+    assert run(train.main, [*tiny("demo", "runs/r", "--max_iters", "2")])[0] == 0
+    assert weights("runs/r")["data_dir"] == os.path.join("..", "..", "data", "demo")
+    (tmp_path / "project").rename(tmp_path / "moved")  # the whole project moves
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    out = tmp_path / "moved" / "runs" / "r"
+    assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", "3"])[0] == 0
     assert metrics(out)[-1]["step"] == 3 and weights(out)["settings"]["max_iters"] == 3
 
 
@@ -122,6 +135,8 @@ def test_same_seed_runs_start_paired_across_variants_and_batches_ignore_processe
     assert np.array_equal(rows, train.batch_offsets(7, 3, 1, 10_000, 32, 8))
     assert np.array_equal(np.concatenate([rows[0::2], rows[1::2]]), np.concatenate([rows[r::2] for r in (0, 1)]))
     assert not np.array_equal(rows, train.batch_offsets(7, 4, 1, 10_000, 32, 8))
+    assert not np.array_equal(rows, train.batch_offsets(7, 3, 0, 10_000, 32, 8))  # a micro-step
+    assert train.eval_offsets(10_000, 32, 8, 300, 1).shape == (2, 8)  # up to whole batches
 
 
 def test_schedule_token_budget_and_micro_batches(demo, tmp_path):
@@ -149,9 +164,19 @@ def test_logged_losses_are_the_losses_of_their_crops(routed):
     data = prepare_data.open_split(checkpoint.open_data(ckpt, routed)[0], "val")
     a, T = train.resolve_settings({}, ckpt)[0], model.config.sequence_len
     batches = train.eval_offsets(len(data), T, a.batch_size, a.eval_tokens, 1)
+    cpu, folder = torch.device("cpu"), checkpoint.open_data(ckpt, routed)[0]
+    test = prepare_data.open_split(folder, "test")
     with torch.no_grad():
-        losses = [model(x, y)[1] for o in batches for x, y in train.get_batch(data, o, T, torch.device("cpu"))]
+        losses = [model(x, y)[1] for o in batches for x, y in train.get_batch(data, o, T, cpu)]
+        tests = [model(x, y)[1] for o in train.eval_offsets(len(test), T, a.batch_size,
+                                                             a.eval_tokens, 2)
+                 for x, y in train.get_batch(test, o, T, cpu)]
+        (x, y), = train.get_batch(data, batches[0][:8], T, cpu)  # the routes: 8 val crops
+        routes = nanoroute.routing_stats(model(x, y, return_routes=True)[2])
     assert torch.stack(losses).mean().item() == pytest.approx(metrics(routed)[-1]["val_loss"], rel=1e-6)
+    summary = json.loads((routed / "summary.json").read_text())
+    assert torch.stack(tests).mean().item() == pytest.approx(summary["final"]["test_loss"], rel=1e-6)
+    assert summary["routes"]["entropy_norm_mean"] == pytest.approx(routes["entropy_norm_mean"])
 
 
 def test_the_printed_baseline_runs_and_is_the_same_run_without_routing(demo, tmp_path, capsys):
@@ -210,6 +235,10 @@ def test_a_folder_that_holds_a_run_is_refused_unless_resumed(demo, routed, tmp_p
     assert code == 2 and "no last.pt" in err
 
 
+class Unpicklable:
+    pass
+
+
 def damaged_copies(routed, tmp_path):
     """Copies of a run whose last.pt is damaged or does not fit: {case: (folder, words)}."""
     def copy(name, edit):
@@ -226,6 +255,11 @@ def damaged_copies(routed, tmp_path):
             int.from_bytes(data[header + 28:header + 30], "little") + 16
         return data[:start] + bytes(x ^ 0xFF for x in data[start:start + 8]) + data[start + 8:]
 
+    def pickled(data):  # an object weights_only=True refuses to unpickle (it could run code)
+        ckpt = torch.load(routed / "last.pt", weights_only=True)
+        torch.save(dict(ckpt, extra=Unpicklable()), tmp_path / "pickled.pt")
+        return (tmp_path / "pickled.pt").read_bytes()
+
     def foreign(data):  # a checkpoint of another code version: a tensor more in its model
         ckpt = torch.load(routed / "last.pt", weights_only=True)
         ckpt["model"]["query.layer9_mlp"] = torch.zeros(32)
@@ -235,7 +269,8 @@ def damaged_copies(routed, tmp_path):
     return {"flipped bytes": (copy("flipped", flip), "damaged (CRC"),
             "truncated": (copy("truncated", lambda d: d[:len(d) // 2]), "damaged"),
             "not a checkpoint": (copy("text", lambda d: b"hello"), "damaged"),
-            "another version": (copy("foreign", foreign), "does not fit this version of nanoroute")}
+            "another version": (copy("foreign", foreign), "does not fit this version of nanoroute"),
+            "a pickled object": (copy("pickled", pickled), "damaged (UnpicklingError")}
 
 
 def test_a_damaged_or_foreign_checkpoint_is_one_line(routed, tmp_path, capsys):
@@ -294,7 +329,7 @@ def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path
         done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env(), timeout=240)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         return done.stdout
-    torchrun(tmp_path / "whole")
+    assert "torchrun --nproc_per_node=2 train.py -- --residual prenorm" in torchrun(tmp_path / "whole")
     assert "continue with: torchrun --nproc_per_node=2 train.py --" in torchrun(tmp_path / "part", "--stop_after", 2)
     torchrun(tmp_path / "part", "--resume")
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "part")
@@ -383,3 +418,60 @@ def test_as_a_command_bad_input_is_one_line_and_a_bare_data_name_is_under_data(t
                           capture_output=True, text=True, env=env(), cwd=tmp_path)
     assert done.returncode == 2 and "data/text8" in done.stderr and "python prepare_data.py text8" in done.stderr
     assert not (tmp_path / "text8").exists() and not (tmp_path / "out" / "last.pt").exists()
+
+
+def test_the_baseline_of_a_token_budget_and_of_a_named_wandb_run():
+    a, model = train.resolve_settings({"preset": "rd_s", "wandb_project": "p", "wandb_run": "r"})
+    a.max_iters = 3815  # as setup computes it from the preset's --max_tokens 2B
+    flags, out = train.baseline_flags(a, nanoroute.GPTConfig(**dict(model, vocab_size=50257)))
+    flags = list(map(str, flags))
+    assert "--max_iters" not in flags and flags[flags.index("--wandb_run") + 1] == "r_prenorm"
+    given = {k: v for k, v in vars(train.build_parser().parse_args(flags)).items() if v is not None}
+    b, model = train.resolve_settings(given)  # the printed command is a run train.py accepts
+    assert b.max_tokens == a.max_tokens and model["residual"] == "prenorm"
+    stats = dict(reads={"readout": dict(sources=["emb", "C0", "C1", "P"],
+                                        mean_weight=[0.2, 0.5, 0.1, 0.2])}, js_mean=None)
+    assert train.routing_summary(stats).splitlines()[1].split() == \
+        ["readout", "C0", "0.50", "emb", "0.20", "P", "0.20", "..."]  # the heaviest first
+
+
+def test_best_is_the_lowest_val_loss_and_survives_a_crash_between_the_two_files(demo, tmp_path,
+                                                                                  monkeypatch):
+    out, flags = tmp_path / "r", ["--max_iters", 2, "--eval_interval", 1]
+    assert run(train.main, tiny(demo, out, *flags))[0] == 0
+    assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", 4, "--lr", 3.0])[0] == 0
+    vals = {x["step"]: x["val_loss"] for x in metrics(out) if x["type"] == "eval"}
+    best = weights(out, "best.pt")["progress"]
+    assert vals[4] > min(vals.values()) == best["best_val_loss"] == vals[best["step"]]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_val_loss"] == min(vals.values())
+    # a crash between the two writes of an improving step: best.pt ahead, last.pt behind
+    real, writes = checkpoint.write_atomic, []
+
+    def crash_at_step_2s_second_checkpoint(path, data):  # steps 0, 1, 2 each improve
+        writes.append(path) if str(path).endswith(".pt") else None
+        if len(writes) == 6 and str(path).endswith(".pt"):
+            raise OSError(28, "No space left on device")
+        real(path, data)
+    monkeypatch.setattr(checkpoint, "write_atomic", crash_at_step_2s_second_checkpoint)
+    assert run(train.main, tiny(demo, tmp_path / "c", "--max_iters", 3, "--eval_interval", 1))[0] == 2
+    progress = [weights(tmp_path / "c", f)["progress"] for f in ("best.pt", "last.pt")]
+    assert progress[0]["step"] == 2 and progress[1]["step"] == 1  # best.pt never behind
+    monkeypatch.setattr(checkpoint, "write_atomic", real)
+    assert run(train.main, ["--out_dir", tmp_path / "c", "--resume", "--max_iters", 1])[0] == 0
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["best_val_loss"] == \
+        progress[0]["best_val_loss"]  # resume takes best.pt's, the lower
+
+
+def test_stop_after_the_last_step_finishes_and_a_signal_ignored_at_start_stays_so(demo, tmp_path):
+    assert run(train.main, tiny(demo, tmp_path, "--max_iters", 2, "--stop_after", 2))[0] == 0
+    assert (tmp_path / "summary.json").exists()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `cmd &` in a script starts it
+    try:
+        received, handlers = checkpoint.catch_stop_signals()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.signal(signal.SIGINT, old)
