@@ -266,7 +266,7 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     prenorm, block, rd = (runs[v] for v in ("prenorm", "block", "rd"))
     assert run(train.main, [*prenorm["args"], "--out_dir", prenorm["dir"]])[0] == 0
     before = [a.replace("3", "5") if a == "3" and prev == "--max_iters" else a
-              for prev, a in zip(["", *prenorm["args"]], prenorm["args"])]
+              for prev, a in zip(["", *prenorm["args"]], prenorm["args"])] + ["--dropout", "0.1"]
     (prenorm["dir"] / "run.json").write_text(json.dumps(dict(variant="prenorm", args=before)))
     assert run(train.main, [*block["args"], "--out_dir", block["dir"], "--stop_after", 1])[0] == 0
     assert not (block["dir"] / "summary.json").exists()
@@ -276,7 +276,8 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
 
     code, printed, _ = run(experiments.main, argv, capsys)
     assert code == 1, printed
-    assert f"WARNING: {prenorm['dir']} ran with other flags: --max_iters 3 (was 5)" in printed
+    assert f"WARNING: {prenorm['dir']} ran with other flags: --max_iters 3 (was 5), --dropout " \
+        "unset (was 0.1)" in printed
     assert f"skip {prenorm['dir']}: finished" in printed
     assert f"[1/2] {block['dir']}: started (resuming from last.pt)" in printed
     assert f"[1/2] {block['dir']}: done in " in printed and "val loss " in printed
@@ -303,7 +304,7 @@ def block_run(demo, tmp_path_factory):
     """A finished Block AttnRes run of 3 steps (2 layers: routing blocks of 2 sublayers)."""
     out = tmp_path_factory.mktemp("runs") / "block_L2_s0"
     code, _, _ = run(train.main, ["--data", demo, "--out_dir", out, *TINY, "--max_iters", 3,
-                                  "--residual", "attnres"])
+                                  "--residual", "attnres", "--eval_tokens", 700])  # 3 batches
     assert code == 0
     return out
 
@@ -341,6 +342,12 @@ def test_ablate_measures_what_two_direct_evaluations_measure(block_run, capsys):
     assert len(all_row["random"]) == 4 and all_row["random_mean_std"][0] == pytest.approx(
         statistics.fmean(all_row["random"]))
     assert (block_run / "ablate_mask-emb.png").exists() == HAS_MPL
+    x = torch.zeros(1, 8, dtype=torch.long)
+    pools = {r["read"]: r["sources"] for r in model(x, return_routes=True)[2]}
+    row = next(row for row in result["rows"] if row["read"] == "layer1.mlp")  # masked alone
+    alone = {reads[name]: set(hidden) for name, hidden in row["masked"].items()}
+    assert row["random"][1] == pytest.approx(
+        evaluate(model, val, offsets, experiments.random_mask(alone, pools, 1)) - base, abs=1e-6)
 
 
 def test_the_random_control_is_count_matched_per_read_and_never_empties_one(block_run):
@@ -351,6 +358,12 @@ def test_the_random_control_is_count_matched_per_read_and_never_empties_one(bloc
     mask, kept = experiments.chosen_mask(pools, 2, [], older_than=0)
     assert {str(r): h for r, h in mask.items()} == {"layer1.attn": {"C0"}, "layer1.mlp": {"C0"},
                                                      "readout": {"C0", "C1"}} and kept == []
+    mask, _ = experiments.chosen_mask(pools, 2, [], older_than=1)  # only C0 in the readout: 2
+    assert {str(r): h for r, h in mask.items()} == {"readout": {"C0"}}
+    wav = {nanoroute.Read(2, "attn"): ["emb", "C0", "C0.phase", "C0.split", "C1"]}
+    assert experiments.chosen_mask(wav, 4, ["C0"])[0] == {  # C0 with its details; C0.split alone
+        nanoroute.Read(2, "attn"): {"C0", "C0.phase", "C0.split"}}
+    assert experiments.chosen_mask(wav, 4, ["C0.split"])[0] == {nanoroute.Read(2, "attn"): {"C0.split"}}
     mask, kept = experiments.chosen_mask(pools, 2, ["emb", "C0"])
     assert kept == ["layer0.attn", "layer1.attn"]  # they read emb (and C0) alone
     draws = [experiments.random_mask(mask, pools, seed) for seed in range(30)]
@@ -398,3 +411,27 @@ def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block
     code, printed, _ = run(experiments.main, ["report", tmp_path, "--plots"], capsys)
     assert code == 0 and experiments.NO_MATPLOTLIB in printed and "| rd | 0.002 |" in printed
     assert not (tmp_path / "val_loss.png").exists()
+
+
+def test_a_failure_shows_its_last_error_line_and_the_sweep_env_wins_over_the_slot(tmp_path,
+                                                                                  monkeypatch):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "train.log").write_text("note: an error of no consequence\nerror: the real one\n")
+    assert experiments.ended(dict(dir=d), 2, "[1/1]", 1.0) == "error: the real one"
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tiny's one thread beats --jobs' share
+    assert experiments.run_env(dict(env={"OMP_NUM_THREADS": "1"}), {"OMP_NUM_THREADS": "2"}) == \
+        {"OMP_NUM_THREADS": "1"}
+
+
+def test_duplicate_runs_stop_the_report_and_several_folders_name_runs_by_path(demo, tmp_path,
+                                                                             capsys):
+    for folder, val in (("a", 2.0), ("b", 2.2)):
+        hand_run(tmp_path / folder, "block_L4_s0", "block", 0, val)
+    hand_run(tmp_path / "a", "block_L4_s1", "block", 1, 2.1)
+    code, _, err = run(experiments.main, ["report", tmp_path / "a", tmp_path / "b"], capsys)
+    assert code == 2 and f"runs {tmp_path / 'a'}/block_L4_s0 and {tmp_path / 'b'}/block_L4_s0 " \
+        "are both block, seed 0" in err
+    code, printed, _ = run(experiments.main, ["sweep", "custom", "--data", demo, "--variants",
+                                              "block", "--dry_run", "--", "--lr", "1e-3"], capsys)
+    assert code == 0 and printed.count("--lr 1e-3") == 3  # --lr without --lrs: every run's
