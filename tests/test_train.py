@@ -336,9 +336,31 @@ def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert without_times(metrics(tmp_path / "whole")) == without_times(metrics(tmp_path / "part"))
     # one process: the same initial weights and evaluation crops (each process scores its rows)
-    assert run(train.main, tiny(demo, tmp_path / "one", *ROUTED, "--max_iters", 1))[0] == 0
+    assert run(train.main, tiny(demo, tmp_path / "one", *ROUTED, "--dropout", 0.1, "--max_iters", 4,
+                                "--stop_after", 1))[0] == 0
     assert metrics(tmp_path / "one")[0]["val_loss"] == pytest.approx(metrics(tmp_path / "whole")[0]["val_loss"],
                                                                      rel=1e-6)
+    # resumed on two processes: each draws its own dropout stream again
+    assert "written by 1 process(es), not 2: dropout is reseeded" in torchrun(tmp_path / "one", "--resume")
+    rng = weights(tmp_path / "one")["rng"]
+    assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])
+
+
+def test_under_torchrun_a_signal_to_one_process_stops_them_all(demo, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           ROOT / "train.py", "--", *tiny(demo, tmp_path, "--max_iters", 400, "--eval_interval", 1000)]
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env())
+    try:
+        while "step 3 " not in proc.stdout.readline():
+            assert proc.poll() is None, proc.stderr.read()
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        os.kill(int(children[-1]), signal.SIGTERM)  # one worker alone gets it
+        printed, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    step = weights(tmp_path)["progress"]["step"]
+    assert f"stopped by SIGTERM after step {step}" in printed and step < 400, printed + err[-2000:]
 
 
 def test_bf16_autocast_and_compile(demo, tmp_path, monkeypatch):
