@@ -1,17 +1,11 @@
 """
 What keeps a train.py run safe, and nothing of training (as nanochat's checkpoint_manager.py is to
-its training script). The rules, each in one place:
-
-- a new run never writes over a run: an --out_dir holding any of RUN_FILES is refused unless
-  --resume, which needs its last.pt (check_out_dir); train.py deletes nothing;
-- every file is written whole, through prepare_data.write_atomic (save);
-- a checkpoint is read with weights_only=True after its zip CRCs are checked (torch.load does not
-  check them: bytes flipped on disk would load silently), and one that does not fit this code is
-  one line naming what differs (load, model_from);
-- SIGINT and SIGTERM only note the signal; the loop stops at the end of its step and saves
-  (catch_stop_signals, stop_signal);
-- a resumed run is bitwise the same as an uninterrupted one: the batches depend on the step alone,
-  and the checkpoint holds the optimizer, each process's RNG states and the metrics so far.
+its training script). A new run never writes over a run (check_out_dir), and train.py deletes
+nothing; every file is written whole (prepare_data.write_atomic); a checkpoint is read with
+weights_only=True after its zip CRCs are checked (torch.load does not: flipped bytes would load
+silently), and one that does not fit is one line naming what differs; SIGINT and SIGTERM stop the
+loop at the end of a step, which saves; a resumed run is bitwise the same as an uninterrupted one
+(the batches depend on the step alone; a checkpoint holds each process's RNG states).
 """
 
 import dataclasses
@@ -59,8 +53,7 @@ def check_out_dir(out_dir, resume):
     return None
 
 def load(path, missing):
-    """A checkpoint as tensors and plain values, its CRCs checked; `missing`: the message when
-    there is no file."""
+    """A checkpoint as tensors and plain values, its CRCs checked; `missing`: if there is none."""
     path = Path(path)
     if not path.exists():
         raise UsageError(missing)
@@ -80,8 +73,7 @@ def load(path, missing):
     return ckpt
 
 def model_from(ckpt, path, model=None):
-    """The checkpoint's weights in `model` (default: a new GPT of its config), or one line naming
-    what differs (another version of nanoroute wrote it)."""
+    """The weights in `model` (default: a GPT of the config), or one line saying what differs."""
     try:
         model = model or GPT(GPTConfig(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
@@ -95,9 +87,8 @@ def dataset_identity(meta):
     return dict(dataset=meta["dataset"], vocab_size=meta["vocab_size"], chars=meta.get("chars"))
 
 def open_data(ckpt, run_dir, data=None):
-    """(folder, meta.json) of the data a run was trained on: `data` (a --data flag) or the run's
-    own folder, found from any working folder (recorded relative to the run folder, or absolute).
-    One line when it is not there, or is another dataset."""
+    """(folder, meta.json) of a run's data: `data` (--data), or its own, from any working folder
+    (recorded relative to the run folder, or absolute). One line if missing, or another dataset."""
     folder = prepare_data.dataset_folder(data) if data else Path(run_dir) / ckpt["data_dir"]
     if not data and not (folder / "meta.json").exists():
         raise UsageError(f"the data of the run in {run_dir} is not at {folder} any more: give "
@@ -159,10 +150,8 @@ def restore(run, ckpt):
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def catch_stop_signals():
-    """SIGINT (Ctrl-C) and SIGTERM only note the signal in the list returned; the loop stops at the
-    end of its step. One ignored at start stays ignored (`cmd &` in a script ignores SIGINT). A
-    run that should outlive its terminal: tmux or nohup (docs/training.md). Returns the list and
-    the old handlers, to put back."""
+    """SIGINT and SIGTERM note the signal in a list (returned, with the old handlers); one ignored
+    at start stays so (`cmd &` in a script ignores SIGINT). tmux or nohup outlive a terminal."""
     received, old = [], {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig, handler in old.items():
         if handler is not signal.SIG_IGN:
@@ -177,11 +166,9 @@ def stop_signal(run):
         dist.all_reduce(signum, op=dist.ReduceOp.MAX)
     return int(signum)
 
-
 def leave(code):
-    """A torchrun worker ends here, with its exit code: once the run is over, a gloo thread can
-    still abort the interpreter's teardown ("terminate called without an active exception",
-    which torchrun reports as a failed run). Seen in CI and in this project's own test runs."""
+    """A torchrun worker ends here: a gloo thread can abort the interpreter's teardown after a
+    finished run ("terminate called without an active exception"; seen in CI and in tests here)."""
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()

@@ -38,9 +38,8 @@ WAV_BASES = {"phase": ("phase",), "split": ("split",), "both": ("phase", "split"
 EPS = 1e-6  # RMSNorm epsilon, for sublayer inputs and routing keys alike
 
 class RD(NamedTuple):
-    """A mode of RD-AttnRes (SPEC: RD-AttnRes). value: attention's value route, None (one read
-    feeds Q, K and V), "learned", "frozen" (its query stays zero) or "tied" (the Q/K read itself,
-    w^V ≡ w^QK); average: Q, K and V all read ½(h^QK + h^V)."""
+    """An RD-AttnRes mode (SPEC). value: the value route, None (one read feeds Q, K, V), "learned",
+    "frozen" (query zero) or "tied" (w^V ≡ w^QK); average: Q, K and V read ½(h^QK + h^V)."""
     value: str = None
     average: bool = False
 
@@ -242,10 +241,8 @@ class MLP(nn.Module):
 
 def float32(x):
     """Context for routing math: autocast off, which would run it in bf16 (entered only when on)."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.autocast(device, enabled=False)
-    return contextlib.nullcontext()
+    on = torch.is_autocast_enabled(x.device.type)
+    return torch.autocast(x.device.type, enabled=False) if on else contextlib.nullcontext()
 
 def mean_square(v):  # per-token mean(v²) in float32 (B, T): one fused reduction
     with float32(v):
@@ -289,9 +286,8 @@ def depth_read(query, bias, values, heads=1):
         return (weights[..., None] * V.unflatten(-1, (heads, -1))).sum(0).flatten(-2), weights
 
 def combine(coefficients, updates):
-    """Σ_i c_i·u_i over a block's updates; c_i a number (a sign) or a 0-d tensor (learned). The
-    sum starts at c_0·u_0, which is u_0 itself for the number 1: Full AttnRes's block of one
-    update is that update, not a copy."""
+    """Σ_i c_i·u_i, c_i a number (a sign) or a 0-d tensor (learned); from c_0·u_0, which is u_0
+    itself for the number 1: Full AttnRes's block of one update is that update, not a copy."""
     c0, u0 = coefficients[0], updates[0]
     total = u0 if isinstance(c0, (int, float)) and c0 == 1 else c0 * u0
     for c, u in zip(coefficients[1:], updates[1:]):
@@ -340,8 +336,7 @@ class DepthRouting:
                 "with fast_routing=False (docs/routing.md)")
 
     def reads_before(self, l):
-        """The reads that feed sublayer l, in forward order: attention's (and RD's value route),
-        the MLP's; "before" sublayer 2·n_layer is the final readout (SPEC)."""
+        """The reads that feed sublayer l, in forward order; before 2·n_layer, the readout."""
         if l == 2 * self.config.n_layer:
             return [Read(self.config.n_layer, "readout")]
         if l % 2:
@@ -350,8 +345,8 @@ class DepthRouting:
         return [Read(l // 2, "attn")] + ([Read(l // 2, "attn.v")] if value_read else [])
 
     def pool_size(self, read):
-        """How many sources a read sees (route_static's logits): e, per completed block its state
-        and details, the same for the partial block (the readout: states only, by default)."""
+        """How many sources a read sees (route_static's logits): e, then per completed block and
+        the partial one its state and details (the readout: states only, by default)."""
         m, l = self.config.routing_block, read.sublayer
         per_block = 1 + len(self.bases)
         if read.role == "readout" and not self.config.wav_readout_details:
@@ -360,17 +355,15 @@ class DepthRouting:
 
     # ----- the pool --------------------------------------------------------------
     def detail_signs(self, l):
-        """SPEC: WAV v1 bases. Sublayer l's sign in each basis ({} without WAV): phase +1 for
-        attention, −1 for an MLP; split +1 in the first half of a full block (i < m/2, also when
-        partial). Add a basis here."""
+        """SPEC: WAV v1 bases. Sublayer l's sign in each basis: phase +1 attention, −1 MLP; split
+        +1 in the first half of a full block (i < m/2, also when partial). Add a basis here."""
         m = self.config.routing_block
         signs = {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
         return {basis: signs[basis] for basis in self.config.detail_bases}
 
     def block_coefficients(self, first, n):
-        """How the sources of a block combine its n updates (sublayers first, ..., first+n-1): the
-        state's row of ones, then a row per detail basis, its signs (SPEC: WAV v1) or, with
-        wav_learned_bases, learned coefficients: lists of numbers, or a (1 + bases, n) tensor."""
+        """How a block's sources combine its n updates (sublayers first, ...): a row of ones, then
+        per basis its signs or learned coefficients: lists of numbers or a (1 + bases, n) tensor."""
         if not self.config.wav_learned_bases:
             signs = [self.detail_signs(l) for l in range(first, first + n)]
             return [[1] * n] + [[s[basis] for s in signs] for basis in self.bases]
@@ -397,10 +390,9 @@ class DepthRouting:
 
     # ----- the read --------------------------------------------------------------
     def route(self, read, sources):
-        """A read's pseudo-query (d,) and its logit bias per source (S,): 0 for a state source, the
-        read's detail bias for its basis (SPEC: WAV stability 1), plus route_static's logits, and
-        −inf for a masked source. It sees the sources' names and bases, not their values (the
-        fast kernel never builds the partial block's)."""
+        """A read's pseudo-query (d,) and logit bias per source (S,): the detail bias of a detail's
+        basis (SPEC: WAV stability 1), route_static's logits, −inf if masked. It sees the sources'
+        names and bases, not their values (the kernel never builds the partial block's)."""
         key = read.key
         query = self.query[key] if key in self.query else self.frozen_query
         beta = self.detail_bias[key] if key in self.detail_bias else self.frozen_detail_bias
@@ -459,10 +451,9 @@ class DepthRouting:
 
     # ----- the forward loop ------------------------------------------------------
     def _attnres(self, e, rope, cache, routes):
-        """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}] (with WAV
-        each block also brings its details) and its own block's sources, runs on what it read, and
-        appends its update to the block; a complete block's sources join the pool. The final
-        readout reads them all."""
+        """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}] (and WAV's
+        details) and its own block's sources, runs, and appends its update to the block; a full
+        block's sources join the pool. The final readout reads them all."""
         m, n_sub = self.config.routing_block, 2 * self.config.n_layer
         pool, block, reads = [Source("emb", e)], [], None  # completed sources; block l // m so far
         for l in range(n_sub):
