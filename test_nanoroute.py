@@ -23,7 +23,7 @@ from nanoroute import GPT, GPTConfig, js_divergence, routing_stats
 
 @pytest.fixture(autouse=True)
 def _tf32_as_before():
-    """train.py and bench.py turn TF32 on in this process; a later float32 test on CUDA must not inherit it."""
+    """train.py and bench.py turn TF32 on here; a later float32 test on CUDA must not inherit it."""
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
@@ -42,21 +42,26 @@ ATTNRES_MODES = {
     "full": dict(residual="attnres", attnres_block=1),
     "wav": dict(residual="attnres", wav=True, attnres_block=4),
     "wav_split": dict(residual="attnres", wav=True, wav_bases="split", attnres_block=4),
-    "wav_phase_readout": dict(residual="attnres", wav=True, wav_bases="phase", wav_readout_details=True,
-                              attnres_block=4),
+    "wav_phase_readout": dict(residual="attnres", wav=True, wav_bases="phase",
+                              wav_readout_details=True, attnres_block=4),
     "wav_wide": dict(residual="attnres", wav=True, attnres_block=6, n_layer=3),
-    **{f"rd_{m}": dict(residual="attnres", rd=m, attnres_block=4) for m in nanoroute.RD_MODES if m != "off"},
+    **{f"rd_{m}": dict(residual="attnres", rd=m, attnres_block=4)
+       for m in nanoroute.RD_MODES if m != "off"},
     "rd_wav": dict(residual="attnres", rd="decoupled", wav=True, attnres_block=4),
-    "wav_learned": dict(residual="attnres", wav=True, wav_learned_bases=True, attnres_block=4),  # SPEC: Learnable bases
-    "wav_learned_rd": dict(residual="attnres", wav=True, wav_learned_bases=True, wav_readout_details=True, rd="decoupled",
-                           attnres_block=6),
+    # SPEC: Learnable bases
+    "wav_learned": dict(residual="attnres", wav=True, wav_learned_bases=True, attnres_block=4),
+    "wav_learned_rd": dict(residual="attnres", wav=True, wav_learned_bases=True,
+                           wav_readout_details=True, rd="decoupled", attnres_block=6),
     "static": dict(residual="attnres", route_static=True, attnres_block=4),  # SPEC: Controls
-    "static_wav_rd": dict(residual="attnres", route_static=True, wav=True, rd="decoupled", attnres_block=4),
-    "heads": dict(residual="attnres", route_heads=4, attnres_block=4),  # SPEC: Multi-head depth reads
-    "heads_wav_rd": dict(residual="attnres", route_heads=2, wav=True, rd="frozen_v", attnres_block=4),
+    "static_wav_rd": dict(residual="attnres", route_static=True, wav=True, rd="decoupled",
+                          attnres_block=4),
+    "heads": dict(residual="attnres", route_heads=4, attnres_block=4),  # SPEC: Multi-head reads
+    "heads_wav_rd": dict(residual="attnres", route_heads=2, wav=True, rd="frozen_v",
+                         attnres_block=4),
 }
-ALL_MODES = {"prenorm": dict(), "rezero": dict(residual="rezero"), "layerscale": dict(residual="layerscale"),
-             "denseformer": dict(residual="denseformer"), **ATTNRES_MODES}
+ALL_MODES = {"prenorm": dict(), "rezero": dict(residual="rezero"),
+             "layerscale": dict(residual="layerscale"), "denseformer": dict(residual="denseformer"),
+             **ATTNRES_MODES}
 
 
 def make_model(seed=0, **overrides):
@@ -65,8 +70,8 @@ def make_model(seed=0, **overrides):
 
 
 def randomise_routing(model, seed=1, scale=1.0):
-    """Move every routing parameter away from its init, so tests do not only see uniform weights: every
-    parameter that is not a Linear or Embedding matrix (the rule configure_optimizers uses), whatever its name."""
+    """Move every routing parameter off its init, so tests see more than uniform weights: every
+    parameter not a Linear or Embedding matrix (configure_optimizers' rule), whatever its name."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.no_decay_parameters().values():
@@ -79,9 +84,9 @@ def tokens(B=2, T=12, seed=3):
 
 
 def ref_read(query, bias, values, heads=1):
-    """SPEC: α = softmax_s(wᵀ RMSNorm(v_s) + bias_s), h = Σ α_s v_s, one source at a time; with H
-    heads (MHAR), the same per slice k of the width: w_k against RMSNorm(v_s)'s slice k (the norm
-    over the whole width), mixing the values' slice k. Weights (S, B, T, H)."""
+    """SPEC: α = softmax_s(wᵀ RMSNorm(v_s) + bias_s), h = Σ α_s v_s, one source at a time; with
+    H heads (MHAR), the same per slice k of the width: w_k against RMSNorm(v_s)'s slice k (the
+    norm over the whole width), mixing the values' slice k. Weights (S, B, T, H)."""
     width = values[0].size(-1) // heads
     hs, ws = [], []
     for k in range(heads):
@@ -114,28 +119,27 @@ def ref_block_sources(updates, first, name, bases, m, rho, learned=None):
             c = (a if basis == "phase" else r) if learned is None else learned[l, k - 1]
             detail = detail + c * u
         rms = lambda x: torch.sqrt((x * x).mean(-1))  # noqa: E731
-        scale = torch.minimum(rms(state) / (rms(detail) + nanoroute.EPS), torch.tensor(rho)).detach()
-        out.append((f"{name}.{basis}", scale[..., None] * detail, k))
+        scale = torch.minimum(rms(state) / (rms(detail) + nanoroute.EPS), torch.tensor(rho))
+        out.append((f"{name}.{basis}", scale.detach()[..., None] * detail, k))
     return out
 
 
 def ref_pool(e, updates, l, cfg, learned=None):
     """The pool before sublayer l: [e, C_0 (+details), ..., C_{b-1} (+details)] + [P (+details)]."""
-    m, bases = cfg.routing_block, cfg.detail_bases
+    m, bases, rho = cfg.routing_block, cfg.detail_bases, cfg.wav_rho
     pool = [("emb", e, 0)]
     for b in range(l // m):
-        pool += ref_block_sources(updates[b * m:(b + 1) * m], b * m, f"C{b}", bases, m, cfg.wav_rho, learned)
+        pool += ref_block_sources(updates[b * m:b * m + m], b * m, f"C{b}", bases, m, rho, learned)
     if l % m:
         first = l // m * m
-        pool += ref_block_sources(updates[first:l], first, "P", bases, m, cfg.wav_rho, learned)
+        pool += ref_block_sources(updates[first:l], first, "P", bases, m, rho, learned)
     return pool
 
 
 def reference_forward(model, idx):
     """AttnRes forward from SPEC.md, using the model's own parameters and sublayer modules.
     Returns logits, {read name: (source names, weights)} and the normed sublayer inputs."""
-    cfg = model.config
-    T = idx.size(1)
+    cfg, T = model.config, idx.size(1)
     rope = (model.rope_cos[:T], model.rope_sin[:T])
     e = model.wte(idx)
     updates, reads, inputs = [], {}, []
@@ -153,7 +157,6 @@ def reference_forward(model, idx):
         h, w = ref_read(query, bias, [v for _, v, _ in pool], cfg.route_heads)
         reads[name] = ([n for n, _, _ in pool], w)
         return h
-
     learned = getattr(model, "basis_coefficients", None)  # SPEC: Learnable bases
     for l in range(2 * cfg.n_layer):
         pool = ref_pool(e, updates, l, cfg, learned)
@@ -195,8 +198,9 @@ def ref_full_attnres(model, idx):
 
 
 def reference_residual(model, idx):
-    """SPEC: prenorm x += f(norm(x)); rezero x += α·f(x) (no norm inside); layerscale x += γ⊙f(norm(x));
-    denseformer: PreNorm layers, each layer's input the weighted sum of e and every earlier layer's output."""
+    """SPEC: prenorm x += f(norm(x)); rezero x += α·f(x) (no norm inside); layerscale
+    x += γ⊙f(norm(x)); denseformer: PreNorm layers, each layer's input the weighted sum of e and
+    every earlier layer's output."""
     cfg = model.config
     rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
     x = model.wte(idx)
@@ -215,33 +219,33 @@ def reference_residual(model, idx):
 
 @pytest.mark.parametrize("residual", ["prenorm", "rezero", "layerscale", "denseformer"])
 def test_classic_residuals_equal_reference(residual):
-    model = randomise_routing(make_model(residual=residual), scale=0.5)
-    idx = tokens()
+    model, idx = randomise_routing(make_model(residual=residual), scale=0.5), tokens()
     with torch.no_grad():
-        torch.testing.assert_close(model(idx)[0], reference_residual(model, idx), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(idx)[0], reference_residual(model, idx),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_residual_gain_init():
-    assert torch.equal(make_model(residual="rezero").residual_gain, torch.zeros(6, 1))  # ReZero: α = 0
+    assert torch.equal(make_model(residual="rezero").residual_gain, torch.zeros(6, 1))  # α = 0
     for n_layer, gamma in [(3, 0.1), (18, 0.1), (20, 1e-5), (24, 1e-5), (30, 1e-6)]:  # CaiT's rule
         gain = GPT(GPTConfig(**{**TINY, "n_layer": n_layer}, residual="layerscale")).residual_gain
         assert gain.shape == (2 * n_layer, 16) and torch.all(gain == gamma), n_layer
 
 
 def capture_sublayer_inputs(model):
-    """Forward pre-hooks recording what each attention and MLP sublayer receives, in forward order."""
+    """Forward pre-hooks recording what each attention and MLP sublayer gets, in forward order."""
     seen, hooks = [], []
     for layer in model.layers:
         for sub in (layer.attn, layer.mlp):
-            hooks.append(sub.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach())))
+            hooks.append(sub.register_forward_pre_hook(
+                lambda mod, args: seen.append(args[0].detach())))
     return seen, hooks
 
 
 @pytest.mark.parametrize("mode", ATTNRES_MODES)
 @pytest.mark.parametrize("fast", [True, False])
 def test_routed_inputs_equal_reference(mode, fast):
-    model = randomise_routing(make_model(**ATTNRES_MODES[mode], fast_routing=fast))
-    idx = tokens()
+    model, idx = randomise_routing(make_model(**ATTNRES_MODES[mode], fast_routing=fast)), tokens()
     seen, hooks = capture_sublayer_inputs(model)
     logits, _, routes = model(idx, return_routes=True)
     for hook in hooks:
@@ -261,16 +265,16 @@ def test_routed_inputs_equal_reference(mode, fast):
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
 
 
-
-# WAV with a short last block, or a routing block that does not divide 2*n_layer, equals the reference
-@pytest.mark.parametrize("n_layer,block,bases", [(3, 4, "split"), (4, 6, "split"), (5, 4, "both"), (5, 6, "split"),
-                                                 (5, 8, "split")])
+# WAV with a short last block, or a routing block not dividing 2*n_layer, equals the reference
+@pytest.mark.parametrize("n_layer,block,bases", [(3, 4, "split"), (4, 6, "split"), (5, 4, "both"),
+                                                 (5, 6, "split"), (5, 8, "split")])
 def test_wav_split_basis_with_a_short_last_block_equals_reference(n_layer, block, bases):
-    # the split basis signs by position in the *full* block (SPEC), so a short last block is the hard case
+    # the split basis signs by place in the *full* block (SPEC): a short last block is the hard case
     assert (2 * n_layer) % block  # every shape here ends on a partial block
     for fast in (True, False):
-        model = randomise_routing(make_model(residual="attnres", wav=True, wav_bases=bases, n_layer=n_layer,
-                                             attnres_block=block, wav_readout_details=True, fast_routing=fast))
+        model = randomise_routing(make_model(
+            residual="attnres", wav=True, wav_bases=bases, n_layer=n_layer, attnres_block=block,
+            wav_readout_details=True, fast_routing=fast))
         idx = tokens(T=6)
         logits, _, routes = model(idx, return_routes=True)
         with torch.no_grad():
@@ -280,13 +284,12 @@ def test_wav_split_basis_with_a_short_last_block_equals_reference(n_layer, block
             names, w = ref_reads[r["name"]]
             assert r["sources"] == names, (fast, r["name"])
             torch.testing.assert_close(r["weights"], w, atol=1e-5, rtol=1e-5)
-        assert any(n.endswith(".split") for n in ref_reads["readout"][0])  # the readout sees details
+        assert any(n.endswith(".split") for n in ref_reads["readout"][0])  # readout sees details
         torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
 
 def test_pool_names_and_short_last_block():
-    model = make_model(residual="attnres", wav=True, attnres_block=4)  # 6 sublayers: blocks of 4 and 2
-    _, _, routes = model(tokens(), return_routes=True)
-    by_name = {r["name"]: r["sources"] for r in routes}
+    model = make_model(residual="attnres", wav=True, attnres_block=4)  # 6 sublayers: 4 + 2
+    by_name = {r["name"]: r["sources"] for r in model(tokens(), return_routes=True)[2]}
     assert by_name["layer0.attn"] == ["emb"]
     assert by_name["layer0.mlp"] == ["emb", "P", "P.phase", "P.split"]
     assert by_name["layer2.attn"] == ["emb", "C0", "C0.phase", "C0.split"]
@@ -295,10 +298,10 @@ def test_pool_names_and_short_last_block():
 
 
 def test_full_attnres_is_attnres_block_1():
-    model = randomise_routing(make_model(residual="attnres", attnres_block=1))
-    idx = tokens()
+    model, idx = randomise_routing(make_model(residual="attnres", attnres_block=1)), tokens()
     with torch.no_grad():
-        torch.testing.assert_close(model(idx)[0], ref_full_attnres(model, idx), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(idx)[0], ref_full_attnres(model, idx),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_default_routing_block_is_whole_layers_at_most_8_blocks():
@@ -317,8 +320,7 @@ def test_zero_queries_give_uniform_weights(mode):
 
 
 def test_wav_details_start_at_exp_minus_2_of_state():
-    _, _, routes = make_model(**ATTNRES_MODES["wav"])(tokens(), return_routes=True)
-    checked = 0
+    routes, checked = make_model(**ATTNRES_MODES["wav"])(tokens(), return_routes=True)[2], 0
     for r in routes:
         state = [i for i, n in enumerate(r["sources"]) if "." not in n]
         detail = [i for i, n in enumerate(r["sources"]) if "." in n]
@@ -331,17 +333,17 @@ def test_wav_details_start_at_exp_minus_2_of_state():
     assert checked > 0
 
 
-@pytest.mark.parametrize("coefficients", [[1], [-1], [2.5], [0], [1, -1, 0], [-1, 1, 1], [0, 1], [-1, -1]])
+@pytest.mark.parametrize("coefficients",
+                         [[1], [-1], [2.5], [0], [1, -1, 0], [-1, 1, 1], [0, 1], [-1, -1]])
 def test_combine_is_the_weighted_sum_for_any_coefficients(coefficients):
-    """combine(c, u) = Σ c_i·u_i exactly, whatever the first coefficient (a basis of one's own may start
-    at −1 or 0), and for learned coefficients (0-d tensors, the first at 1 as at init) each gets the
-    gradient ⟨dL/dsum, u_i⟩."""
+    """combine(c, u) = Σ c_i·u_i exactly, whatever the first coefficient (a basis of one's own
+    may start at −1 or 0), and for learned coefficients (0-d tensors, the first at 1 as at init)
+    each gets the gradient ⟨dL/dsum, u_i⟩."""
     us = [torch.randn(2, 3, 4) for _ in coefficients]
     want = sum(c * u for c, u in zip(coefficients, us))
     torch.testing.assert_close(nanoroute.combine(coefficients, us), want, rtol=0, atol=1e-6)
     learned = [torch.tensor(float(c), requires_grad=True) for c in coefficients]
-    g = torch.randn(2, 3, 4)
-    total = nanoroute.combine(learned, us)
+    g, total = torch.randn(2, 3, 4), nanoroute.combine(learned, us)
     torch.testing.assert_close(total, want, rtol=0, atol=1e-6)
     (total * g).sum().backward()
     for c, u in zip(learned, us):
@@ -356,8 +358,9 @@ def test_wav_bases_are_explicit_signed_sums():
     sources = {s.basis or "state": s.value for s in model.block_sources("C0", us, 0)}
     torch.testing.assert_close(sources["state"], us[0] + us[1] + us[2] + us[3] + us[4] + us[5])
     rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
-    for basis, want in (("phase", us[0] - us[1] + us[2] - us[3] + us[4] - us[5]),  # attention +, MLP −
-                        ("split", us[0] + us[1] + us[2] - us[3] - us[4] - us[5])):  # first half +, second −
+    # phase: attention +, MLP −; split: first half +, second half −
+    for basis, want in (("phase", us[0] - us[1] + us[2] - us[3] + us[4] - us[5]),
+                        ("split", us[0] + us[1] + us[2] - us[3] - us[4] - us[5])):
         scale = torch.clamp(rms(sources["state"]) / (rms(want) + nanoroute.EPS), max=cfg.wav_rho)
         torch.testing.assert_close(sources[basis], scale[..., None] * want)
     # a partial block keeps the same signs: after 4 of 6 updates, split is u0+u1+u2−u3
@@ -368,12 +371,13 @@ def test_wav_bases_are_explicit_signed_sums():
 
 
 def test_kernel_sums_updates_with_equal_coefficients_into_one_term():
-    # the kernel's representation (below the banner): WAV's two bases make at most four sign patterns
-    # (attention / MLP × first / second half), so a block of 6 updates is read through 4 terms; with
-    # learned coefficients every update is its own term. Either way the sources are the same.
+    # the kernel's representation (below the banner): WAV's two bases make at most four sign
+    # patterns (attention / MLP × first / second half), so a block of 6 updates is read through 4
+    # terms; with learned coefficients every update is its own term. Either way, the same sources.
     us = [torch.randn(2, 5, 16, requires_grad=True) for _ in range(6)]
     for learned in (False, True):
-        model = randomise_routing(make_model(residual="attnres", wav=True, attnres_block=6, wav_learned_bases=learned))
+        model = randomise_routing(make_model(residual="attnres", wav=True, attnres_block=6,
+                                             wav_learned_bases=learned))
         pool = [nanoroute.Source("emb", torch.randn(2, 5, 16))]
         reads = model.block_reads(pool, 0, range(0, 6), None, None)
         terms, coeffs, inv_rms, scale = reads._block_state(us[:5])  # what sublayer 5's read sees
@@ -382,15 +386,17 @@ def test_kernel_sums_updates_with_equal_coefficients_into_one_term():
         for p, source in enumerate(sources):  # the same sources, and their key norms
             value = scale[p][..., None] * sum(c * t for c, t in zip(coeffs[p], terms))
             torch.testing.assert_close(value, source.value)
-            torch.testing.assert_close(inv_rms[p], torch.rsqrt(nanoroute.mean_square(source.value) + nanoroute.EPS))
+            want = torch.rsqrt(nanoroute.mean_square(source.value) + nanoroute.EPS)
+            torch.testing.assert_close(inv_rms[p], want)
 
 
 def test_wav_rms_matching_caps_at_rho_and_passes_no_gradient_through_scale():
-    model = GPT(GPTConfig(**TINY, residual="attnres", wav=True, wav_rho=3.0))  # block of 4: phase + − + −, split + + − −
+    # a block of 4: phase + − + −, split + + − −
+    model = GPT(GPTConfig(**TINY, residual="attnres", wav=True, wav_rho=3.0))
     state = torch.randn(2, 5, 16)
     small = 1e-3 * torch.randn(2, 5, 16)  # needs a scale-up far beyond rho
     large = 5.0 * torch.randn(2, 5, 16)  # needs a scale-down: no cap
-    # updates whose signed sums are C = state, D^phase = small, D^split = large (and + − − + = 0):
+    # updates with signed sums C = state, D^phase = small, D^split = large (and + − − + = 0):
     # the inverse of the 4x4 Hadamard matrix of the signs is its transpose / 4
     targets = [state, small, large, torch.zeros(2, 5, 16)]
     H = [[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]]
@@ -398,7 +404,7 @@ def test_wav_rms_matching_caps_at_rho_and_passes_no_gradient_through_scale():
     sources = model.complete(0, us, [])
     rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
     torch.testing.assert_close(sources[0].value, state, atol=1e-6, rtol=1e-5)
-    phase = nanoroute.combine(H[1], [u.detach() for u in us])  # ≈ small, up to float32 cancellation
+    phase = nanoroute.combine(H[1], [u.detach() for u in us])  # ≈ small (float32 cancellation)
     torch.testing.assert_close(phase, small, atol=1e-5, rtol=0)
     torch.testing.assert_close(sources[1].value, 3.0 * phase)  # capped at rho
     torch.testing.assert_close(rms(sources[2].value), rms(state), rtol=1e-4, atol=1e-6)  # matched
@@ -432,14 +438,14 @@ def test_wav_detail_bias_to_minus_infinity_is_block_attnres():
 def test_rd_tied_equals_off_exactly(base):
     off = randomise_routing(make_model(**ATTNRES_MODES[base]))
     tied = randomise_routing(make_model(**ATTNRES_MODES[base], rd="tied"))
-    assert set(dict(off.named_parameters())) == set(dict(tied.named_parameters()))  # no extra parameter
+    assert set(dict(off.named_parameters())) == set(dict(tied.named_parameters()))  # no extras
     idx = tokens()
     assert torch.equal(off(idx)[0], tied(idx)[0])
 
 
 def test_rd_decoupled_equals_off_at_init_and_differs_once_v_query_moves():
-    off, dec = make_model(**ATTNRES_MODES["block_short_last"]), make_model(**ATTNRES_MODES["rd_decoupled"])
-    idx = tokens()
+    off = make_model(**ATTNRES_MODES["block_short_last"])
+    dec, idx = make_model(**ATTNRES_MODES["rd_decoupled"]), tokens()
     torch.testing.assert_close(dec(idx)[0], off(idx)[0], atol=1e-6, rtol=1e-6)
     with torch.no_grad():
         dec.query["layer1_attn_v"].normal_()
@@ -453,7 +459,7 @@ def test_rd_decoupled_equals_off_at_init_and_differs_once_v_query_moves():
 
 
 def test_rd_frozen_v_with_wav_keeps_the_value_route_at_its_init():
-    # choice (SPEC): frozen_v's value route keeps its zero query and its detail bias at wav_detail_bias,
+    # choice (SPEC): frozen_v's value route keeps its zero query and detail bias at wav_detail_bias,
     # without parameters: at init it is exactly rd=decoupled, whose value route starts there too
     cfg = dict(residual="attnres", wav=True, attnres_block=4, wav_detail_bias=-1.5)
     frozen, decoupled = make_model(**cfg, rd="frozen_v"), make_model(**cfg, rd="decoupled")
@@ -464,29 +470,29 @@ def test_rd_frozen_v_with_wav_keeps_the_value_route_at_its_init():
     _, _, routes = frozen(idx, return_routes=True)
     for r in routes:  # a value route's detail sources weigh e^-1.5 of a state source
         if r["name"].endswith(".v") and len(r["sources"]) > 1:
-            torch.testing.assert_close(r["weights"][2] / r["weights"][1], torch.full_like(r["weights"][1], math.exp(-1.5)))
+            torch.testing.assert_close(r["weights"][2] / r["weights"][1],
+                                       torch.full_like(r["weights"][1], math.exp(-1.5)))
 
 
 def test_rd_frozen_v_route_stays_uniform():
     model = make_model(**ATTNRES_MODES["rd_frozen_v"])
     assert not any(k.endswith("_v") for k in model.query)  # the value route has no parameter
-    opt = model.configure_optimizers(0.1, 1e-2)
-    idx = tokens()
+    opt, idx = model.configure_optimizers(0.1, 1e-2), tokens()
     for _ in range(3):
         model(idx, idx)[1].backward()
         opt.step()
         opt.zero_grad()
     _, _, routes = model(idx, return_routes=True)
     for r in routes:
+        uniform = torch.full_like(r["weights"], 1 / len(r["sources"]))
         if r["name"].endswith(".v"):
-            torch.testing.assert_close(r["weights"], torch.full_like(r["weights"], 1 / len(r["sources"])))
+            torch.testing.assert_close(r["weights"], uniform)
         elif r["name"] != "layer0.attn":
-            assert not torch.allclose(r["weights"], torch.full_like(r["weights"], 1 / len(r["sources"])))
+            assert not torch.allclose(r["weights"], uniform)
 
 
 def test_rd_average_feeds_the_mean_route_to_q_k_and_v():
-    model = randomise_routing(make_model(**ATTNRES_MODES["rd_average"]))
-    seen = []
+    model, seen = randomise_routing(make_model(**ATTNRES_MODES["rd_average"])), []
     hook = model.layers[1].attn.register_forward_pre_hook(lambda mod, args: seen.append(args))
     logits, _, routes = model(tokens(), return_routes=True)
     hook.remove()
@@ -500,8 +506,7 @@ def test_rd_average_feeds_the_mean_route_to_q_k_and_v():
 
 
 def test_js_divergence():
-    p = torch.softmax(torch.randn(5, 2, 7), 0)
-    q = torch.softmax(torch.randn(5, 2, 7), 0)
+    p, q = torch.softmax(torch.randn(5, 2, 7), 0), torch.softmax(torch.randn(5, 2, 7), 0)
     assert js_divergence(p, p) == pytest.approx(0.0, abs=1e-12)
     m = 0.5 * (p + q)
     want = (0.5 * (p * (p / m).log()).sum(0) + 0.5 * (q * (q / m).log()).sum(0)).mean().item()
@@ -511,8 +516,7 @@ def test_js_divergence():
 
 
 def test_routing_stats_entropy_and_means():
-    model = make_model(**ATTNRES_MODES["wav"])
-    _, _, routes = model(tokens(), return_routes=True)
+    _, _, routes = make_model(**ATTNRES_MODES["wav"])(tokens(), return_routes=True)
     stats = routing_stats(routes)
     assert list(stats["reads"]) == [r["name"] for r in routes]
     for r in routes:
@@ -520,17 +524,19 @@ def test_routing_stats_entropy_and_means():
         assert s["sources"] == r["sources"] and sum(s["mean_weight"]) == pytest.approx(1.0)
         w = r["weights"]
         assert s["entropy"] == pytest.approx(-(w * w.log()).sum(0).mean().item(), rel=1e-5)
-        S = len(r["sources"])  # normalised by the log of the pool size: 1 for the uniform weights at init
+        S = len(r["sources"])  # normalised by log(pool size): 1 for uniform weights at init
         assert s["entropy_norm"] == (None if S == 1 else pytest.approx(s["entropy"] / math.log(S)))
     assert stats["js"] == {} and stats["js_mean"] is None
-    rd = routing_stats(randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))(tokens(), return_routes=True)[2])
-    norms = [r["entropy_norm"] for r in rd["reads"].values() if r["role"] != "attn.v" and r["entropy_norm"]]
-    assert rd["entropy_norm_mean"] == pytest.approx(sum(norms) / len(norms))  # value routes left out
-    assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]  # pool order
-    # by block number, not as text: C2 before C10 (a 48-layer model has up to 8 blocks; an extension more)
-    names = ["emb", "C10", "C2", "C10.split", "C1", "P"]
-    readout = nanoroute.Read(3, "readout")
-    fake = [dict(read=readout, name="readout", sources=names, weights=torch.full((6, 1, 1, 1), 1 / 6))]
+    rd_model = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
+    rd = routing_stats(rd_model(tokens(), return_routes=True)[2])
+    norms = [r["entropy_norm"] for r in rd["reads"].values()
+             if r["role"] != "attn.v" and r["entropy_norm"]]
+    assert rd["entropy_norm_mean"] == pytest.approx(sum(norms) / len(norms))  # no value routes
+    assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]
+    # pool order, by block number not text: C2 before C10 (48 layers: ≤ 8 blocks, extensions more)
+    names, readout = ["emb", "C10", "C2", "C10.split", "C1", "P"], nanoroute.Read(3, "readout")
+    fake = [dict(read=readout, name="readout", sources=names,
+                 weights=torch.full((6, 1, 1, 1), 1 / 6))]
     assert routing_stats(fake)["sources"] == ["emb", "C1", "C2", "C10", "C10.split", "P"]
 
 
@@ -548,8 +554,7 @@ def test_causal(mode):
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_kv_cache_generate_equals_full_recompute(mode):
     model = randomise_routing(make_model(**ALL_MODES[mode], sequence_len=8), scale=0.3)
-    prompt = tokens(B=2, T=3)
-    rng, seen = torch.get_rng_state(), []
+    prompt, rng, seen = tokens(B=2, T=3), torch.get_rng_state(), []
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out))
     out = model.generate(prompt, 9, top_k=1)  # runs past sequence_len=8: the sliding window
     hook.remove()
@@ -564,8 +569,10 @@ def test_kv_cache_generate_equals_full_recompute(mode):
     # the cached pass gives the same logits as the full pass at every position, not only the argmax
     cache = nanoroute.KVCache(model.config, 2, "cpu", torch.float32)
     with torch.no_grad():
-        steps = [model._hidden(idx[:, :3], cache)] + [model._hidden(idx[:, t:t + 1], cache) for t in range(3, 8)]
-        torch.testing.assert_close(torch.cat(steps, 1), model._hidden(idx[:, :8]), atol=1e-5, rtol=1e-5)
+        steps = [model._hidden(idx[:, :3], cache)]
+        steps += [model._hidden(idx[:, t:t + 1], cache) for t in range(3, 8)]
+        torch.testing.assert_close(torch.cat(steps, 1), model._hidden(idx[:, :8]),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def sample_probs(logits, temperature, k):  # softmax(logits / T) over the top k tokens
@@ -623,21 +630,19 @@ def test_paired_init_shares_every_common_parameter():
                 assert torch.equal(p, reference[name]), (mode, name)
         shared = set(reference) & set(dict(model.named_parameters()))
         assert len(shared) == len(reference), mode  # every Transformer weight is shared
-    other_seed = make_model(seed=8)
-    assert not torch.equal(other_seed.lm_head.weight, reference["wte.weight"])
+    assert not torch.equal(make_model(seed=8).lm_head.weight, reference["wte.weight"])
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_gradients_reach_every_routing_parameter(mode):
     model = make_model(**ALL_MODES[mode])
-    _, loss = model(tokens(), tokens(seed=4))
-    loss.backward()
+    model(tokens(), tokens(seed=4))[1].backward()
     routing = list(model.no_decay_parameters().items())
     assert routing or mode == "prenorm"
     for name, p in routing:  # (ReZero's sublayer weights get none at init: α = 0 by design)
         grad = p.grad
         if name == "basis_coefficients" and not model.config.wav_readout_details:
-            grad = grad[:-1]  # the last update is read only by the readout, which reads no detail source
+            grad = grad[:-1]  # the last update is read only by the readout, which reads no details
         assert grad is not None and (grad != 0).any(dim=-1).all(), name
     if mode.startswith(("block", "full", "wav", "rd")):
         learned = [r for r in model.reads if r.layer or r.role not in ("attn", "attn.v")]
@@ -650,11 +655,13 @@ def test_optimizer_decays_only_matrices():
     opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3)
     decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     for name, p in model.named_parameters():
-        is_matrix = name.endswith(".weight") and p.dim() == 2 and not name.startswith(("query", "detail_bias"))
+        is_matrix = (name.endswith(".weight") and p.dim() == 2
+                     and not name.startswith(("query", "detail_bias")))
         assert (id(p) in decayed) == is_matrix, name
     layerscale = make_model(residual="layerscale")
     opt = layerscale.configure_optimizers(0.1, 1e-3)
-    assert not any(p is layerscale.residual_gain for g in opt.param_groups if g["weight_decay"] for p in g["params"])
+    assert not any(p is layerscale.residual_gain
+                   for g in opt.param_groups if g["weight_decay"] for p in g["params"])
 
 
 # The kernel and fast == reference checks run on NANOROUTE_TEST_DEVICE (default cpu; cuda on a GPU:
@@ -671,7 +678,7 @@ def device():
     if TEST_DEVICE == "cuda":
         if not torch.cuda.is_available():
             pytest.fail("NANOROUTE_TEST_DEVICE=cuda, but torch sees no CUDA device")
-        tf32 = torch.backends.cuda.matmul.allow_tf32  # true float32 matmuls (train.py turns TF32 on)
+        tf32 = torch.backends.cuda.matmul.allow_tf32  # true float32 matmuls (train.py uses TF32)
         torch.backends.cuda.matmul.allow_tf32 = False
         yield torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -693,60 +700,63 @@ def model_tolerance(device, precision):
 
 
 def fast_and_reference(mode, device, precision, model_class=GPT):
-    """Logits and the gradient of every parameter that requires grad, fast path and reference path, of
-    one randomised model; and the names of its routing parameters (the rule configure_optimizers uses)."""
+    """Logits and the gradient of every parameter that requires grad, fast and reference paths, of
+    one randomised model; and the names of its routing parameters (configure_optimizers' rule)."""
     results = []
     for fast in (True, False):
         torch.manual_seed(0)
-        cfg = GPTConfig(**{**TINY, **ATTNRES_MODES[mode]} if isinstance(mode, str) else {**TINY, **mode},
+        cfg = GPTConfig(**{**TINY, **(ATTNRES_MODES[mode] if isinstance(mode, str) else mode)},
                         fast_routing=fast)
         model = randomise_routing(model_class(cfg)).to(device)
         with precision_context(device, precision):
             logits, loss = model(tokens().to(device), tokens(seed=4).to(device))
         loss.backward()
-        results.append((logits.float(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results.append((logits.float(), grads))
     return (*results, set(model.no_decay_parameters()))
 
 
 def assert_fast_equals_reference(mode, device, precision, model_class=GPT, frozen=()):
-    """The fast kernel gives the reference path's logits and gradients: every gradient in float32, the
-    routing parameters' under bf16 autocast (whose sublayers round to bf16). Fails when a parameter
-    that requires grad gets no gradient, or only zeros, on either path (frozen: those allowed to)."""
-    (fast_logits, fast_grads), (ref_logits, ref_grads), routing = fast_and_reference(mode, device, precision,
-                                                                                     model_class)
+    """The fast kernel gives the reference path's logits and gradients: every gradient in float32,
+    the routing parameters' under bf16 autocast (whose sublayers round to bf16). Fails when a
+    parameter requiring grad gets no gradient, or only zeros, on either path (frozen: exempt)."""
+    (fast_logits, fast_grads), (ref_logits, ref_grads), routing = fast_and_reference(
+        mode, device, precision, model_class)
     tol = model_tolerance(device, precision)
     torch.testing.assert_close(fast_logits, ref_logits, **tol)
     assert set(fast_grads) == set(ref_grads)
     for name in ref_grads:
         for path, grad in (("fast", fast_grads[name]), ("reference", ref_grads[name])):
             if name not in frozen:
-                assert grad is not None and grad.abs().sum() > 0, f"{name} gets no gradient on the {path} path"
+                assert grad is not None and grad.abs().sum() > 0, \
+                    f"{name} gets no gradient on the {path} path"
         if precision != "bf16_autocast" or name in routing:
             torch.testing.assert_close(fast_grads[name], ref_grads[name], **tol, msg=name)
     return routing
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout",
-                                  "wav_wide", "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav",
-                                  "wav_learned", "wav_learned_rd", "static", "static_wav_rd", "heads",
-                                  "heads_wav_rd"])
+@pytest.mark.parametrize("mode", [
+    "block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout", "wav_wide",
+    "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav", "wav_learned",
+    "wav_learned_rd", "static", "static_wav_rd", "heads", "heads_wav_rd"])
 def test_fast_path_equals_reference_path_forward_and_gradients(mode, device):
-    # wav_wide (m = 6) has reads over all four pieces of a partial block (see the kernel's BlockReads)
+    # wav_wide (m = 6) reads all four pieces of a partial block (see the kernel's BlockReads)
     assert_fast_equals_reference(mode, device, "float32")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["block", "full", "wav", "rd_wav", "wav_learned_rd", "heads_wav_rd"])
+@pytest.mark.parametrize("mode",
+                         ["block", "full", "wav", "rd_wav", "wav_learned_rd", "heads_wav_rd"])
 def test_fast_path_equals_reference_path_under_bf16_autocast(mode, device):
     routing = assert_fast_equals_reference(mode, device, "bf16_autocast")
-    assert {"query.readout", "basis_coefficients"} & routing  # the routing's own parameters are compared
+    assert {"query.readout", "basis_coefficients"} & routing  # routing parameters are compared
 
 
 @pytest.mark.gpu
 def test_the_harness_fails_on_a_missing_gradient(device):
-    # a change that leaves a parameter without gradient on both paths (coefficients built under no_grad)
-    # must not pass because None == None
+    # a change that leaves a parameter without gradient on both paths (coefficients built under
+    # no_grad) must not pass because None == None
     class NoGradCoefficients(GPT):
         def block_coefficients(self, first, n):
             with torch.no_grad():
@@ -766,11 +776,11 @@ def test_randomise_routing_moves_every_routing_parameter():
 
 
 # The kernel alone, against depth_read on random inputs: R reads over S completed sources and the P
-# sources of a block of updates, each a combination of the updates (fixed numbers, where the kernel sums
-# updates with equal columns into one term, or learned coefficients), every source after the first
-# RMS-matched to it with a detached scale; the block grows by one update per sublayer.
+# sources of a block of updates, each a combination of the updates (fixed numbers, where the kernel
+# sums updates with equal columns into one term, or learned coefficients), every source after the
+# first RMS-matched to it with a detached scale; the block grows by one update per sublayer.
 MATCH = functools.partial(nanoroute.matching_scale, rho=2.0)
-ROWS = [[1, 1, 1, 1, 1], [1, -1, 1, -1, 1], [0.5, 1, -2, 0.5, 1]]  # columns 0 and 4 are equal: one term
+ROWS = [[1, 1, 1, 1, 1], [1, -1, 1, -1, 1], [0.5, 1, -2, 0.5, 1]]  # columns 0 and 4 equal: one term
 
 
 def kernel_inputs(device, learned=False, seed=0, B=2, T=5, d=16, S=3):
@@ -779,11 +789,12 @@ def kernel_inputs(device, learned=False, seed=0, B=2, T=5, d=16, S=3):
     completed = [rand(B, T, d).requires_grad_() for _ in range(S)]
     updates = [rand(B, T, d).requires_grad_() for _ in ROWS[0]]
     coefficients = torch.tensor(ROWS, device=device, requires_grad=True) if learned else ROWS
-    return completed, updates, coefficients, rand(2, d).requires_grad_(), rand(2, S + len(ROWS)).requires_grad_()
+    return (completed, updates, coefficients, rand(2, d).requires_grad_(),
+            rand(2, S + len(ROWS)).requires_grad_())
 
 
 def explicit_sources(block, coefficients):
-    """A block's sources built explicitly: v_p = Σ_i c_pi·u_i, scaled by MATCH(ms(v_0), ms(v_p)) for p > 0."""
+    """Explicit block sources: v_p = Σ_i c_pi·u_i, times MATCH(ms(v_0), ms(v_p)) for p > 0."""
     values = [sum(c * u for c, u in zip(row, block)) for row in coefficients]
     with torch.no_grad():
         ms = [nanoroute.mean_square(v) for v in values]
@@ -791,23 +802,25 @@ def explicit_sources(block, coefficients):
 
 
 def kernel_and_reference(inputs, precision, device, n_partial):
-    """h and weights of both reads at every length of the block, and the gradients of a random loss of
-    them, by the kernel and by depth_read over the explicit sources."""
+    """h and weights of both reads at every length of the block, and the gradients of a random
+    loss of them, by the kernel and by depth_read over the explicit sources."""
     completed, updates, coefficients, queries, biases = inputs
-    coefficients, S = coefficients[:n_partial], len(completed)
-    leaves = [queries, biases, *completed, *updates] + [inputs[2]] * isinstance(inputs[2], torch.Tensor)
-    out = []
+    coefficients, S, out = coefficients[:n_partial], len(completed), []
+    leaves = [queries, biases, *completed, *updates]
+    leaves += [inputs[2]] * isinstance(inputs[2], torch.Tensor)
     for kernel in (True, False):
         g, results = torch.Generator().manual_seed(5), []
         with precision_context(device, precision):
             routes = {r: (queries[r], biases[r, :S + n_partial]) for r in (0, 1)}
-            reads = nanoroute.BlockReads(routes, list(enumerate(completed)), coefficients, MATCH, None, routes)
+            reads = nanoroute.BlockReads(routes, list(enumerate(completed)), coefficients, MATCH,
+                                         None, routes)
             for n in range(1, len(updates) + 1):
                 for r in (0, 1):
                     if kernel:
                         results.append(reads(r, updates[:n], keep_weights=True)[:2])
                     else:
-                        sources = completed + explicit_sources(updates[:n], coefficients) * (n_partial > 0)
+                        sources = completed + (explicit_sources(updates[:n], coefficients)
+                                               * (n_partial > 0))
                         results.append(nanoroute.depth_read(*routes[r], sources))
         loss = sum((h * torch.randn(h.shape, generator=g).to(device)).sum() for h, _ in results)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
@@ -820,8 +833,8 @@ def kernel_and_reference(inputs, precision, device, n_partial):
 @pytest.mark.parametrize("n_partial", [0, 1, 3])
 @pytest.mark.parametrize("learned", [False, True])
 def test_kernel_equals_reference_read_forward_and_gradients(device, precision, n_partial, learned):
-    inputs = kernel_inputs(device, learned)
-    (h, w, grads), (ref_h, ref_w, ref_grads) = kernel_and_reference(inputs, precision, device, n_partial)
+    (h, w, grads), (ref_h, ref_w, ref_grads) = kernel_and_reference(
+        kernel_inputs(device, learned), precision, device, n_partial)
     tol = dict(atol=1e-5, rtol=1e-4) if device.type == "cpu" else dict(atol=1e-4, rtol=1e-3)
     for a, b in zip(h + w, ref_h + ref_w, strict=True):
         assert a.dtype == torch.float32
@@ -837,13 +850,14 @@ def test_kernel_equals_reference_read_forward_and_gradients(device, precision, n
 
 @pytest.mark.gpu
 def test_kernel_reuses_a_key_norm_only_for_the_same_value(device):
-    # the kernel computes a completed source's key norm once per forward and passes it to the next block's
-    # reads; a source replaced by another value under the same name (an override of complete) gets its own
+    # the kernel computes a completed source's key norm once a forward, for the next block's reads;
+    # a source replaced by another value under its name (an override of complete) gets its own
     g = torch.Generator().manual_seed(0)
     x, y, x2 = (torch.randn(2, 5, 16, generator=g).to(device) for _ in range(3))
     query, bias = torch.randn(16, generator=g).to(device), torch.zeros(2, device=device)
-    first = nanoroute.BlockReads({0: (query, bias)}, [("x", x), ("y", y)], [[1]], MATCH, None, {0: []})
-    then = nanoroute.BlockReads({0: (query, bias)}, [("x", 3 * x2), ("y", y)], [[1]], MATCH, first, {0: []})
+    routes = {0: (query, bias)}
+    first = nanoroute.BlockReads(routes, [("x", x), ("y", y)], [[1]], MATCH, None, {0: []})
+    then = nanoroute.BlockReads(routes, [("x", 3 * x2), ("y", y)], [[1]], MATCH, first, {0: []})
     torch.testing.assert_close(then(0, [])[0], nanoroute.depth_read(query, bias, [3 * x2, y])[0])
 
 
@@ -851,13 +865,14 @@ def test_kernel_reuses_a_key_norm_only_for_the_same_value(device):
 def test_kernel_backward_inside_autocast_equals_outside(device):
     # a user may call backward() inside an autocast block: the kernel's backward stays float32
     completed, updates, coefficients, queries, biases = kernel_inputs(device, learned=True)
-    leaves = [queries, biases, *completed, *updates, coefficients]
-    grads = []
+    leaves, grads = [queries, biases, *completed, *updates, coefficients], []
     for inside in (False, True):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             routes = {r: (queries[r], biases[r]) for r in (0, 1)}
-            reads = nanoroute.BlockReads(routes, list(enumerate(completed)), coefficients, MATCH, None, routes)
-            loss = sum((reads(r, updates[:n])[0] * (r + 1)).square().sum() for r in (0, 1) for n in (2, 5))
+            reads = nanoroute.BlockReads(routes, list(enumerate(completed)), coefficients, MATCH,
+                                         None, routes)
+            loss = sum((reads(r, updates[:n])[0] * (r + 1)).square().sum()
+                       for r in (0, 1) for n in (2, 5))
             if inside:
                 grads.append(torch.autograd.grad(loss, leaves))
         if not inside:
@@ -867,13 +882,13 @@ def test_kernel_backward_inside_autocast_equals_outside(device):
 
 
 # Extending the routing (docs/routing.md walks through each): every change a researcher makes passes
-# fast == reference, forward and every gradient, float32 and bf16 autocast, or is refused when built.
+# fast == reference, forward and every gradient, float32 and bf16 autocast, or is refused at build.
 # The extensions tested are the docs' own code, run as written.
 @functools.cache
 def docs_code(path):
-    """The names defined by the Python blocks of a doc that start with an import, each run as written."""
-    namespace = {}
-    for block in re.findall(r"```python\n(.*?)```", (Path(__file__).parent / path).read_text(), re.S):
+    """Names defined by a doc's Python blocks that start with an import, each run as written."""
+    namespace, text = {}, (Path(__file__).parent / path).read_text()
+    for block in re.findall(r"```python\n(.*?)```", text, re.S):
         if block.startswith(("import ", "from ")):
             exec(compile(block, path, "exec"), namespace)
     return namespace
@@ -884,7 +899,7 @@ def docs_class(name):
 
 
 def assert_extension_fast_equals_reference(cfg, device, model_class):
-    """assert_fast_equals_reference in both precisions: what docs/routing.md says to run for a change."""
+    """assert_fast_equals_reference in both precisions: docs/routing.md's check for a change."""
     for precision in PRECISIONS:
         assert_fast_equals_reference(cfg, device, precision, model_class)
 
@@ -902,7 +917,7 @@ def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(devic
     cfg = dict(residual="attnres", wav=True, attnres_block=4)
     cross_basis = docs_code("README.md")["GPTWithCrossBasis"]  # the README's routing change
     model = cross_basis(GPTConfig(**TINY, **cfg))
-    assert all(b.shape == (3,) for b in model.detail_bias.values())  # a detail bias per read for it too
+    assert all(b.shape == (3,) for b in model.detail_bias.values())  # a bias for it in each read
     _, _, routes = model(tokens(), return_routes=True)
     assert routing_stats(routes)["sources"] == ["emb", "C0", "C0.phase", "C0.split", "C0.cross",
                                                 "P", "P.phase", "P.split", "P.cross"]
@@ -910,7 +925,8 @@ def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(devic
     state, *_, cross = model.block_sources("P", us, 0)
     assert cross.name == "P.cross" and cross.basis == "cross"
     want = us[0] - us[1] - us[2] + us[3]
-    scale = torch.clamp(state.value.pow(2).mean(-1).sqrt() / (want.pow(2).mean(-1).sqrt() + nanoroute.EPS), max=4.0)
+    rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
+    scale = torch.clamp(rms(state.value) / (rms(want) + nanoroute.EPS), max=4.0)
     torch.testing.assert_close(cross.value, scale[..., None] * want)
     assert_extension_fast_equals_reference(cfg, device, cross_basis)
 
@@ -920,8 +936,7 @@ def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(devic
 def test_extension_block_difference_source_fast_equals_reference(device):
     cfg = dict(residual="attnres", attnres_block=2)  # 3 layers: C0, C1, C2, then the readout
     model = randomise_routing(docs_class("GPTWithBlockDifference")(GPTConfig(**TINY, **cfg)))
-    pools = []
-    complete = model.complete
+    pools, complete = [], model.complete
     model.complete = lambda b, block, pool: pools.append(complete(b, block, pool)) or pools[-1]
     _, _, routes = model(tokens(), return_routes=True)
     model.complete = complete
@@ -938,10 +953,10 @@ def test_extension_block_difference_source_fast_equals_reference(device):
 @pytest.mark.gpu
 def test_extension_temperature_and_recency_in_route_fast_equals_reference(device):
     cfg = dict(residual="attnres", wav=True, rd="decoupled", attnres_block=4)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # as make_model: paired with its parent at init
     model = docs_class("GPTWithTemperatureAndRecency")(GPTConfig(**TINY, **cfg))
-    torch.testing.assert_close(model(tokens())[0], make_model(**cfg)(tokens())[0])  # paired with its parent at init
-    assert {"temperature.readout", "recency.layer1_attn_v"} <= set(model.no_decay_parameters())  # no weight decay
+    torch.testing.assert_close(model(tokens())[0], make_model(**cfg)(tokens())[0])
+    assert {"temperature.readout", "recency.layer1_attn_v"} <= set(model.no_decay_parameters())
     assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithTemperatureAndRecency"))
 
 
@@ -950,13 +965,13 @@ def test_extension_temperature_and_recency_in_route_fast_equals_reference(device
 def test_learned_bases_start_at_the_signs_and_learn(device):
     cfg = dict(residual="attnres", wav=True, attnres_block=4)
     fixed, learned = make_model(**cfg), make_model(**cfg, wav_learned_bases=True)
-    signs = torch.tensor([[1.0, 1.0], [-1.0, 1.0], [1.0, -1.0], [-1.0, -1.0]] * 2)[:6]  # phase, split; m = 4
-    assert torch.equal(learned.basis_coefficients, signs)
+    signs = torch.tensor([[1.0, 1.0], [-1.0, 1.0], [1.0, -1.0], [-1.0, -1.0]] * 2)[:6]
+    assert torch.equal(learned.basis_coefficients, signs)  # columns phase, split; m = 4
     idx = tokens()
     torch.testing.assert_close(learned(idx)[0], fixed(idx)[0])  # exactly WAV v1 at init
-    assert "basis_coefficients" in learned.no_decay_parameters()  # no weight decay, like every routing parameter
+    assert "basis_coefficients" in learned.no_decay_parameters()  # no weight decay, as all routing
     shared = {n: p for n, p in fixed.named_parameters()}
-    for name, p in learned.named_parameters():  # created from constants: the shared weights stay paired
+    for name, p in learned.named_parameters():  # built from constants: shared weights stay paired
         assert name == "basis_coefficients" or torch.equal(p, shared[name]), name
     opt = learned.configure_optimizers(0.1, 1e-2)
     for _ in range(2):
@@ -967,27 +982,30 @@ def test_learned_bases_start_at_the_signs_and_learn(device):
     assert not torch.allclose(learned(idx)[0], fixed(idx)[0])
 
 
-# A normalised block summary (RMS-Block): completed blocks in complete(); the partial block is refused by
-# the fast kernel (its contract), and works on the reference path
+# A normalised block summary (RMS-Block): completed blocks in complete(); the partial block is
+# refused by the fast kernel (its contract), and works on the reference path
 @pytest.mark.gpu
 def test_extension_normalised_summaries_fast_equals_reference_or_refused(device):
     cfg = dict(residual="attnres", attnres_block=2)
     model = randomise_routing(docs_class("GPTWithNormalisedBlocks")(GPTConfig(**TINY, **cfg)))
-    pools = []
-    complete = model.complete
-    model.complete = lambda b, block, pool: pools.append((complete(b, block, pool), sum(block))) or pools[-1][0]
+    pools, complete = [], model.complete
+    model.complete = lambda b, block, pool: (pools.append((complete(b, block, pool), sum(block)))
+                                             or pools[-1][0])
     model(tokens())
     for b, (pool, state) in enumerate(pools):  # C_b / rms(C_b), i.e. RMSNorm(C_b) with its ε
         rms = torch.sqrt(nanoroute.mean_square(state) + nanoroute.EPS)
         torch.testing.assert_close(pool[-1].value, state / rms[..., None])
     assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithNormalisedBlocks"))
-    with pytest.raises(ValueError, match="overrides block_sources, which the fast kernel cannot follow") as err:
+    match = "overrides block_sources, which the fast kernel cannot follow"
+    with pytest.raises(ValueError, match=match) as err:
         docs_class("GPTWithNormalisedPartialBlock")(GPTConfig(**TINY, **cfg))
-    assert "contract" in str(err.value) and "fast_routing=False" in str(err.value) and "\n" not in str(err.value)
-    slow = randomise_routing(docs_class("GPTWithNormalisedPartialBlock")(GPTConfig(**TINY, **cfg, fast_routing=False)))
-    _, loss, routes = slow(tokens(), tokens(seed=4), return_routes=True)
-    loss.backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in slow.no_decay_parameters().values())
+    message = str(err.value)
+    assert "contract" in message and "fast_routing=False" in message and "\n" not in message
+    slow = randomise_routing(docs_class("GPTWithNormalisedPartialBlock")(
+        GPTConfig(**TINY, **cfg, fast_routing=False)))
+    slow(tokens(), tokens(seed=4), return_routes=True)[1].backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0
+               for p in slow.no_decay_parameters().values())
 
 
 # Numerics: backward() called inside an autocast block gives the gradients it gives outside
@@ -1004,7 +1022,6 @@ def test_backward_inside_bf16_autocast_equals_outside(fast):
             u.retain_grad()
             sources.append(u)
             return u
-
         model._sublayer = keep_update
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(tokens(), tokens(seed=4))
@@ -1017,7 +1034,8 @@ def test_backward_inside_bf16_autocast_equals_outside(fast):
     (routing, updates), (routing_inside, updates_inside) = grads
     assert {"detail_bias.readout", "basis_coefficients"} <= set(routing)
     for name in routing:  # queries, detail biases, learned bases
-        torch.testing.assert_close(routing_inside[name], routing[name], atol=1e-7, rtol=1e-5, msg=name)
+        torch.testing.assert_close(routing_inside[name], routing[name],
+                                   atol=1e-7, rtol=1e-5, msg=name)
     for a, b in zip(updates_inside, updates, strict=True):  # the sources, through every update
         torch.testing.assert_close(a.float(), b.float(), atol=1e-7, rtol=1e-5)
 
@@ -1032,10 +1050,9 @@ def test_rd_value_projection_keeps_its_bias():
             if v_query is not None:
                 m.query["layer1_attn_v"].copy_(v_query)
         return m
-
     idx = tokens()
     off = model("off")(idx)[0]
-    torch.testing.assert_close(model("decoupled")(idx)[0], off, atol=1e-6, rtol=1e-6)  # zero V query
+    torch.testing.assert_close(model("decoupled")(idx)[0], off, atol=1e-6, rtol=1e-6)  # V query = 0
     torch.testing.assert_close(model("tied")(idx)[0], off, atol=1e-6, rtol=1e-6)
     # the value bias reaches the output on the RD path: changing it changes the logits
     dec = model("decoupled", v_query=torch.randn(16))
@@ -1051,21 +1068,23 @@ def test_wav_keeps_no_more_per_sublayer_for_backward_than_block_attnres():
     # detail sources (2 per block that later blocks read) and small per-token statistics, not two
     # running sums per sublayer (that first design kept 39 extra tensors here, not < 12)
     shape = dict(vocab_size=64, sequence_len=8, n_layer=8, n_head=2, n_embd=128)
-    x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))
-    kept = {}
+    x, y, kept = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8)), {}
     for name, extra in (("block", {}), ("wav", dict(wav=True))):
         torch.manual_seed(0)
         model = GPT(GPTConfig(**shape, residual="attnres", attnres_block=4, **extra))
         exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        kept[name] = bench.saved_bytes(model, x, y, contextlib.nullcontext(), exclude) / (8 * 128 * 4)
+        kept[name] = bench.saved_bytes(model, x, y, contextlib.nullcontext(), exclude) \
+            / (8 * 128 * 4)
     n_sub, n_blocks = 16, 4
     assert 2 * (n_blocks - 1) <= kept["wav"] - kept["block"] < 2 * n_blocks + 0.25 * n_sub
 
 
 def test_routing_stays_float32_under_bf16_autocast():
     model = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
-    pools, complete = [], model.complete  # choice: sources accumulate in float32, whatever the sublayers' dtype
-    model.complete = lambda b, block, pool: pools.append((block, complete(b, block, pool))) or pools[-1][1]
+    # choice: sources accumulate in float32, whatever the sublayers' dtype
+    pools, complete = [], model.complete
+    model.complete = lambda b, block, pool: (pools.append((block, complete(b, block, pool)))
+                                             or pools[-1][1])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, loss, routes = model(tokens(), tokens(seed=4), return_routes=True)
         loss.backward()
@@ -1089,10 +1108,10 @@ def test_routing_math_ignores_bf16_autocast():
 
     def run():
         mix, lse, *_ = nanoroute.completed_reads(queries, biases, values, rinv)
-        return (nanoroute.mean_square(values[0]), *nanoroute.depth_read(queries[0], biases[0], values),
-                mix, lse, *nanoroute.merge_partial(mix[:, :, 0], lse[..., 0], queries[1], biases[1, :2],
-                                            torch.stack(rinv[:2]), scale, sigma, values[:2]))
-
+        return (nanoroute.mean_square(values[0]),
+                *nanoroute.depth_read(queries[0], biases[0], values), mix, lse,
+                *nanoroute.merge_partial(mix[:, :, 0], lse[..., 0], queries[1], biases[1, :2],
+                                         torch.stack(rinv[:2]), scale, sigma, values[:2]))
     plain = run()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         auto = run()
@@ -1111,19 +1130,25 @@ INVALID = [
     (dict(sequence_len=0), "sequence_len=0"),
     (dict(dropout=1.5), "dropout=1.5"),
     (dict(dropout=1.0), "dropout=1.0: must be in [0, 1)"),
-    (dict(residual="postnorm"), "residual='postnorm': must be one of prenorm, rezero, layerscale, denseformer, attnres"),
+    (dict(residual="postnorm"),
+     "residual='postnorm': must be one of prenorm, rezero, layerscale, denseformer, attnres"),
     (dict(rd="both"), "rd='both': must be one of"),
     (dict(wav=True), "wav=True: applies only to residual=attnres"),
     (dict(rd="decoupled"), "rd='decoupled': applies only to residual=attnres"),
     (dict(attnres_block=2), "attnres_block=2: applies only to residual=attnres"),
-    (dict(residual="attnres", wav=True, attnres_block=3), "attnres_block=3: WAV needs an even routing block"),
-    (dict(residual="attnres", wav=True, attnres_block=2), "attnres_block=2: WAV needs an even routing block"),
-    (dict(residual="attnres", attnres_block=99), "attnres_block=99: must be 0 (auto) or 1..2*n_layer"),
+    (dict(residual="attnres", wav=True, attnres_block=3),
+     "attnres_block=3: WAV needs an even routing block"),
+    (dict(residual="attnres", wav=True, attnres_block=2),
+     "attnres_block=2: WAV needs an even routing block"),
+    (dict(residual="attnres", attnres_block=99),
+     "attnres_block=99: must be 0 (auto) or 1..2*n_layer"),
     (dict(residual="attnres", wav=True, wav_rho=0.0), "wav_rho=0.0: must be > 0"),
     (dict(residual="attnres", wav=True, wav_rho=-1.0), "wav_rho=-1.0: must be > 0"),
-    (dict(residual="attnres", wav=True, wav_bases="haar"), "wav_bases='haar': must be one of phase, split, both"),
+    (dict(residual="attnres", wav=True, wav_bases="haar"),
+     "wav_bases='haar': must be one of phase, split, both"),
     (dict(residual="attnres", wav_rho=2.0), "wav_rho=2.0: applies only with wav=True"),
-    (dict(residual="attnres", wav_learned_bases=True), "wav_learned_bases=True: applies only with wav=True"),
+    (dict(residual="attnres", wav_learned_bases=True),
+     "wav_learned_bases=True: applies only with wav=True"),
     (dict(wav_learned_bases=True), "wav_learned_bases=True: applies only to residual=attnres"),
     (dict(fast_routing=False), "fast_routing=False: applies only to residual=attnres"),
     (dict(residual="attnres", wav=True, n_layer=1), "n_layer=1: WAV needs at least 2 layers"),
@@ -1133,10 +1158,10 @@ INVALID = [
 def test_routing_fields_are_one_list_a_subclass_extends():
     @dataclasses.dataclass
     class ConfigWithTemperature(GPTConfig):
-        route_temperature: float = nanoroute.setting(1.0, "logit temperature of every read", needs="attnres")
-
+        route_temperature: float = nanoroute.setting(1.0, "logit temperature of every read",
+                                                     needs="attnres")
     fields = nanoroute.routing_fields(ConfigWithTemperature)
-    assert fields[0] == "residual" and "route_temperature" in fields  # a subclass's field joins the list
+    assert fields[0] == "residual" and "route_temperature" in fields  # a subclass's field is listed
     assert "route_temperature" not in nanoroute.routing_fields()
     with pytest.raises(ValueError, match="route_temperature=2.0: applies only to residual=attnres"):
         ConfigWithTemperature(route_temperature=2.0)  # validate() follows the one list too
@@ -1151,8 +1176,8 @@ def test_invalid_configs_raise_one_line_value_error(overrides, message):
 
 
 class CountTensorsFromLists(torch.overrides.TorchFunctionMode):
-    """Counts tensors built from Python data (torch.tensor, as_tensor, new_tensor): on a GPU each is a
-    blocking copy from the host, which drains the GPU's queue."""
+    """Counts tensors built from Python data (torch.tensor, as_tensor, new_tensor): on a GPU each
+    is a blocking copy from the host, which drains the GPU's queue."""
 
     def __init__(self):
         super().__init__()
@@ -1166,29 +1191,28 @@ class CountTensorsFromLists(torch.overrides.TorchFunctionMode):
 @pytest.mark.parametrize("learned", [False, True])
 def test_no_tensor_is_built_from_python_data_per_read(learned):
     model = make_model(**ATTNRES_MODES["wav_learned_rd" if learned else "rd_wav"], n_layer=4)
-    model(tokens(), tokens(seed=4))[1].backward()  # the first forward may build the kernel's constants, once
+    model(tokens(), tokens(seed=4))[1].backward()  # the first forward may build constants, once
     for grad in (True, False):  # training and evaluation
         with CountTensorsFromLists() as counter, torch.set_grad_enabled(grad):
             model(tokens(), tokens(seed=4))[1].sum()
         assert counter.count == 0, counter.count
-    with CountTensorsFromLists() as counter:  # the counter sees them: a read that builds one is caught
+    with CountTensorsFromLists() as counter:  # the counter sees them: a read building one is caught
         torch.tensor([1.0, 2.0])
     assert counter.count == 1
 
 
 def test_kernel_constants_are_built_once_per_device():
-    a = nanoroute._constant(((1.0, -1.0),), torch.device("cpu"))
+    a = nanoroute._constant(((1.0, -1.0),), torch.device("cpu"))  # CPU's copy; meta gets its own
     assert nanoroute._constant(((1.0, -1.0),), torch.device("cpu")) is a  # reused
-    assert nanoroute._constant(((1.0, -1.0),), torch.device("meta")).device.type == "meta"  # not the CPU's copy
+    assert nanoroute._constant(((1.0, -1.0),), torch.device("meta")).device.type == "meta"
 
 
 def test_embedding_dropout_is_on_in_training_only():
-    model = make_model(dropout=0.5)
-    seen = []
+    model, seen = make_model(dropout=0.5), []
     model.drop.register_forward_hook(lambda mod, args, out: seen.append((args[0], out)))
     model(tokens())
     (e, dropped), = seen
-    assert torch.equal(e, model.wte(tokens())) and (dropped == 0).float().mean() > 0.3  # the embedding e
+    assert torch.equal(e, model.wte(tokens())) and (dropped == 0).float().mean() > 0.3  # embedding
     model.eval()
     model(tokens())
     assert torch.equal(seen[-1][0], seen[-1][1])
@@ -1218,9 +1242,10 @@ def test_torch_compile_traces_every_routing_path_without_graph_breaks():
 
 def test_controls_start_equal_to_their_parents_bitwise():
     idx, targets = tokens(), tokens(seed=4)
-    pairs = [(dict(residual="attnres", route_static=True), dict(residual="attnres")),  # both uniform
-             (dict(residual="denseformer"), dict()),  # weights (0, ..., 0, 1): each layer's own output
-             (dict(residual="attnres", route_heads=4, fast_routing=False), dict(residual="attnres", fast_routing=False))]
+    pairs = [(dict(residual="attnres", route_static=True), dict(residual="attnres")),  # uniform
+             (dict(residual="denseformer"), dict()),  # weights (0, ..., 0, 1): each layer's output
+             (dict(residual="attnres", route_heads=4, fast_routing=False),
+              dict(residual="attnres", fast_routing=False))]
     for control, parent in pairs:
         a, b = make_model(**control), make_model(**parent)
         (la, loss_a), (lb, loss_b) = a(idx, targets), b(idx, targets)
@@ -1236,20 +1261,20 @@ def test_controls_start_equal_to_their_parents_bitwise():
     assert all(f"static_logits.{k}" in static.no_decay_parameters() for k in static.static_logits)
     dense = make_model(residual="denseformer")
     assert [w.tolist() for w in dense.dwa_weights] == [[0, 1], [0, 0, 1], [0, 0, 0, 1]]
-    assert all(f"dwa_weights.{j}" in dense.no_decay_parameters() for j in range(3))  # no weight decay
+    assert all(f"dwa_weights.{j}" in dense.no_decay_parameters() for j in range(3))  # no decay
 
 
 def test_static_logits_ignore_the_input_and_multi_head_reads_are_per_head():
     model = randomise_routing(make_model(**ATTNRES_MODES["static"]))
-    _, _, a = model(tokens(seed=1), return_routes=True)
-    _, _, b = model(tokens(seed=2), return_routes=True)
+    a, b = (model(tokens(seed=s), return_routes=True)[2] for s in (1, 2))
     for ra, rb in zip(a, b):  # every token of every input: the same weights
-        assert torch.allclose(ra["weights"], ra["weights"][:, :1, :1]) and torch.allclose(ra["weights"], rb["weights"])
+        assert torch.allclose(ra["weights"], ra["weights"][:, :1, :1]) \
+            and torch.allclose(ra["weights"], rb["weights"])
     heads = randomise_routing(make_model(**ATTNRES_MODES["heads"]))
-    stats = routing_stats(heads(tokens(), return_routes=True)[2])
-    readout = stats["reads"]["readout"]
-    assert len(readout["head_weight"]) == 4 and readout["head_weight"][0] != readout["head_weight"][1]
-    torch.testing.assert_close(torch.tensor(readout["head_weight"]).mean(0), torch.tensor(readout["mean_weight"]))
+    readout = routing_stats(heads(tokens(), return_routes=True)[2])["reads"]["readout"]
+    head_weight, mean_weight = readout["head_weight"], readout["mean_weight"]
+    assert len(head_weight) == 4 and head_weight[0] != head_weight[1]
+    torch.testing.assert_close(torch.tensor(head_weight).mean(0), torch.tensor(mean_weight))
 
 
 class MaskedModel(GPT):
@@ -1291,9 +1316,9 @@ def test_masked_sources_get_no_weight_and_the_rest_renormalise():
 def test_a_read_computed_but_not_used_is_an_error():
     class GPTWithAnExtraRead(GPT):  # a read added to reads_before that no sublayer takes
         def reads_before(self, l):
-            extra = [nanoroute.Read(l // 2, "mlp.gate")] if l % 2 and l < 2 * self.config.n_layer else []
+            extra = [nanoroute.Read(l // 2, "mlp.gate")] \
+                if l % 2 and l < 2 * self.config.n_layer else []
             return super().reads_before(l) + extra
-
     model = GPTWithAnExtraRead(GPTConfig(**TINY, residual="attnres"))
     assert "layer0_mlp_gate" in model.query  # it gets its parameters like every read
     with pytest.raises(ValueError, match="reads computed but not used by the sublayer: mlp.gate"):

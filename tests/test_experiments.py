@@ -363,7 +363,8 @@ def test_the_random_control_is_count_matched_per_read_and_never_empties_one(bloc
     wav = {nanoroute.Read(2, "attn"): ["emb", "C0", "C0.phase", "C0.split", "C1"]}
     assert experiments.chosen_mask(wav, 4, ["C0"])[0] == {  # C0 with its details; C0.split alone
         nanoroute.Read(2, "attn"): {"C0", "C0.phase", "C0.split"}}
-    assert experiments.chosen_mask(wav, 4, ["C0.split"])[0] == {nanoroute.Read(2, "attn"): {"C0.split"}}
+    assert experiments.chosen_mask(wav, 4, ["C0.split"])[0] == {
+        nanoroute.Read(2, "attn"): {"C0.split"}}
     mask, kept = experiments.chosen_mask(pools, 2, ["emb", "C0"])
     assert kept == ["layer0.attn", "layer1.attn"]  # they read emb (and C0) alone
     draws = [experiments.random_mask(mask, pools, seed) for seed in range(30)]

@@ -87,7 +87,8 @@ def test_routes_view(runs, demo, tmp_path, capsys):
     val = prepare_data.open_split(demo, "val")[:32]  # the default prompt: the start of val
     text = prepare_data.decoder(prepare_data.load_meta(demo), demo)(val)
     first = sample_text(capsys, routed, "--routes").splitlines()[0]
-    assert first.endswith(f"over a 32-token prompt: {'...' + text[-57:] if len(text) > 60 else text!r}")
+    shown = "..." + text[-57:] if len(text) > 60 else text
+    assert first.endswith(f"over a 32-token prompt: {shown!r}")
     ckpt = torch.load(routed / "best.pt", weights_only=True)  # the V route the QK route: JS 0
     for name in ("query.layer1_attn", "detail_bias.layer1_attn"):
         ckpt["model"][name.replace("attn", "attn_v")] = ckpt["model"][name]

@@ -1,4 +1,4 @@
-"""train.py and checkpoint.py end to end on tiny models (conftest.TINY: a step takes milliseconds)."""
+"""train.py and checkpoint.py end to end on tiny models (conftest.TINY: a step takes ms)."""
 
 import dataclasses
 import itertools
@@ -63,12 +63,12 @@ def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(demo, 
     assert code == 0 and sorted(p.name for p in out.iterdir()) == sorted(checkpoint.RUN_FILES)
     lines = metrics(out)
     assert [(x["type"], x["step"]) for x in lines] == [
-        ("eval", 0), ("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4), ("eval", 4)]
+        ("eval", 0), ("train", 1), ("train", 2), ("eval", 2),
+        ("train", 3), ("train", 4), ("eval", 4)]
     assert [x["tokens"] for x in lines if x["type"] == "train"] == [256, 512, 768, 1024]
     assert lines[1]["tok_per_s"] is None and lines[2]["tok_per_s"] > 0  # step 1 warms up
     assert [x["milestone"] for x in lines if x["type"] == "eval"] == [None, "512", "1K"]
-    summary = json.loads((out / "summary.json").read_text())
-    last = lines[-1]
+    summary, last = json.loads((out / "summary.json").read_text()), lines[-1]
     assert summary["final"]["val_loss"] == last["val_loss"] and summary["step"] == 4
     assert summary["final"]["val_bpc"] == pytest.approx(last["val_loss"] / math.log(2))
     assert summary["milestones"]["1K"]["val_loss"] == last["val_loss"]
@@ -77,8 +77,8 @@ def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(demo, 
     assert "routing (mean weight per source" in printed and "readout" in printed
     assert f"python sample.py --out_dir {out} --routes" in printed
     assert f"python experiments.py report {out} {out}_prenorm" in printed
-    best, last_pt = weights(out, "best.pt"), weights(out)
-    assert best["progress"]["best_val_loss"] == summary["best_val_loss"] == last_pt["progress"]["best_val_loss"]
+    best, last_pt = weights(out, "best.pt")["progress"], weights(out)["progress"]
+    assert best["best_val_loss"] == summary["best_val_loss"] == last_pt["best_val_loss"]
 
 
 def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
@@ -90,9 +90,9 @@ def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
         clock = itertools.count(0, 1000)
         patch.setattr(time, "time", lambda: float(next(clock)))
         assert run(train.main, tiny(demo, tmp_path / "part", *flags, "--stop_after", "2"))[0] == 0
-    stopped = capsys.readouterr().out
-    assert "stopped (--stop_after) after step 2; continue with: python train.py --out_dir" in stopped
-    assert "--resume --device cpu\n" in stopped  # how this invocation ran: not in last.pt
+    said = capsys.readouterr().out
+    assert "stopped (--stop_after) after step 2; continue with: python train.py --out_dir" in said
+    assert "--resume --device cpu\n" in said  # how this invocation ran: not in last.pt
     before = weights(tmp_path / "part")["progress"]["seconds"]
     code, printed, _ = run(train.main, ["--out_dir", tmp_path / "part", "--resume", "--device",
                                         "cpu"], capsys)
@@ -103,7 +103,8 @@ def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "part")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert without_times(metrics(tmp_path / "whole")) == without_times(metrics(tmp_path / "part"))
-    whole, part = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "part"))
+    whole, part = (json.loads((tmp_path / d / "summary.json").read_text())
+                   for d in ("whole", "part"))
     assert whole["final"] == part["final"] and whole["best_val_loss"] == part["best_val_loss"]
 
 
@@ -125,7 +126,8 @@ def test_same_seed_runs_start_paired_across_variants_and_batches_ignore_processe
     starts = {}
     for name, flags in (("block", []), ("prenorm", ["--residual", "prenorm"]),
                         ("dense", ["--residual", "denseformer"]), ("wav", ROUTED)):
-        assert run(train.main, tiny(demo, tmp_path / name, *flags, "--max_iters", "1", "--lr", "0"))[0] == 0
+        assert run(train.main, tiny(demo, tmp_path / name, *flags, "--max_iters", "1",
+                                    "--lr", "0"))[0] == 0
         starts[name] = weights(tmp_path / name)["model"]  # lr 0: the initial weights
     shared = [k for k in starts["prenorm"] if all(k in s for s in starts.values())]
     assert "lm_head.weight" in shared and "layers.1.mlp.c_fc.weight" in shared
@@ -133,7 +135,8 @@ def test_same_seed_runs_start_paired_across_variants_and_batches_ignore_processe
         assert all(torch.equal(s[k], starts["prenorm"][k]) for k in shared)
     rows = train.batch_offsets(7, 3, 1, 10_000, 32, 8)
     assert np.array_equal(rows, train.batch_offsets(7, 3, 1, 10_000, 32, 8))
-    assert np.array_equal(np.concatenate([rows[0::2], rows[1::2]]), np.concatenate([rows[r::2] for r in (0, 1)]))
+    assert np.array_equal(np.concatenate([rows[0::2], rows[1::2]]),
+                          np.concatenate([rows[r::2] for r in (0, 1)]))
     assert not np.array_equal(rows, train.batch_offsets(7, 4, 1, 10_000, 32, 8))
     assert not np.array_equal(rows, train.batch_offsets(7, 3, 0, 10_000, 32, 8))  # a micro-step
     assert train.eval_offsets(10_000, 32, 8, 300, 1).shape == (2, 8)  # up to whole batches
@@ -142,9 +145,10 @@ def test_same_seed_runs_start_paired_across_variants_and_batches_ignore_processe
 def test_schedule_token_budget_and_micro_batches(demo, tmp_path):
     a, _ = train.resolve_settings({"max_iters": 10, "warmup_iters": 2, "lr": 1.0})
     lrs = [train.get_lr(step, a) for step in range(10)]
-    assert lrs[:2] == [0.5, 1.0] and lrs[-1] == pytest.approx(0.1) and sorted(lrs[1:], reverse=True) == lrs[1:]
+    assert lrs[:2] == [0.5, 1.0] and lrs[-1] == pytest.approx(0.1) \
+        and sorted(lrs[1:], reverse=True) == lrs[1:]
     budget, _ = train.resolve_settings({"preset": "rd_s", "max_iters": 5})
-    assert budget.max_tokens is None and budget.max_iters == 5  # explicit steps beat the preset's tokens
+    assert budget.max_tokens is None and budget.max_iters == 5  # explicit steps beat preset tokens
     assert run(train.main, tiny(demo, tmp_path / "t", "--max_tokens", "1K", "--batch_size", "4",
                                 "--eval_tokens", "128"))[0] == 0
     assert metrics(tmp_path / "t")[-1]["step"] == 8  # ceil(1000 / (4 x 32))
@@ -153,7 +157,8 @@ def test_schedule_token_budget_and_micro_batches(demo, tmp_path):
         assert run(train.main, tiny(demo, tmp_path / name, "--max_iters", "2", *extra))[0] == 0
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "micro")
     assert all(torch.allclose(a["model"][k], b["model"][k], atol=1e-6) for k in a["model"])
-    losses = [[x["loss"] for x in metrics(tmp_path / d) if x["type"] == "train"] for d in ("whole", "micro")]
+    losses = [[x["loss"] for x in metrics(tmp_path / d) if x["type"] == "train"]
+              for d in ("whole", "micro")]
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
 
 
@@ -173,21 +178,24 @@ def test_logged_losses_are_the_losses_of_their_crops(routed):
                  for x, y in train.get_batch(test, o, T, cpu)]
         (x, y), = train.get_batch(data, batches[0][:8], T, cpu)  # the routes: 8 val crops
         routes = nanoroute.routing_stats(model(x, y, return_routes=True)[2])
-    assert torch.stack(losses).mean().item() == pytest.approx(metrics(routed)[-1]["val_loss"], rel=1e-6)
+    assert torch.stack(losses).mean().item() == pytest.approx(metrics(routed)[-1]["val_loss"],
+                                                              rel=1e-6)
     summary = json.loads((routed / "summary.json").read_text())
-    assert torch.stack(tests).mean().item() == pytest.approx(summary["final"]["test_loss"], rel=1e-6)
+    assert torch.stack(tests).mean().item() == pytest.approx(summary["final"]["test_loss"],
+                                                             rel=1e-6)
     assert summary["routes"]["entropy_norm_mean"] == pytest.approx(routes["entropy_norm_mean"])
 
 
 def test_the_printed_baseline_runs_and_is_the_same_run_without_routing(demo, tmp_path, capsys):
     out = tmp_path / "my run"  # a space: the commands are shell-quoted
-    code, printed, _ = run(train.main, tiny(demo, out, *ROUTED, "--route_heads", "2", "--max_iters", "2",
-                                            "--seed", "5"), capsys)
+    code, printed, _ = run(train.main, tiny(demo, out, *ROUTED, "--route_heads", "2",
+                                            "--max_iters", "2", "--seed", "5"), capsys)
     line = next(x for x in printed.splitlines() if "--residual prenorm" in x)
-    argv = shlex.split(line.split("  # ")[0])
-    assert argv[:2] == ["python", "train.py"] and "--wav" not in argv and "--route_heads" not in argv
-    assert run(train.main, argv[2:])[0] == 0
-    routed, baseline = (json.loads((Path(d) / "summary.json").read_text()) for d in (out, f"{out}_prenorm"))
+    cmd = shlex.split(line.split("  # ")[0])
+    assert cmd[:2] == ["python", "train.py"] and "--wav" not in cmd and "--route_heads" not in cmd
+    assert run(train.main, cmd[2:])[0] == 0
+    routed, baseline = (json.loads((Path(d) / "summary.json").read_text())
+                        for d in (out, f"{out}_prenorm"))
     assert baseline["config"]["residual"] == "prenorm"
     for key in nanoroute.routing_fields():  # only the routing differs
         routed["config"].pop(key), baseline["config"].pop(key)
@@ -202,12 +210,12 @@ def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
     @dataclasses.dataclass
     class Settings(train.TrainSettings):
         label_smoothing: float = train.option(0.0, "smoothing of the targets", low=0, high=1)
-
     monkeypatch.setattr(train, "TrainSettings", Settings)
-    assert "smoothing of the targets (default: 0.0)" in " ".join(train.build_parser().format_help().split())
+    help_text = " ".join(train.build_parser().format_help().split())
+    assert "smoothing of the targets (default: 0.0)" in help_text
     out = tmp_path / "r"
-    code, printed, _ = run(train.main, tiny(demo, out, "--max_iters", "2", "--label_smoothing", "0.2",
-                                            "--stop_after", "1"), capsys)
+    code, printed, _ = run(train.main, tiny(demo, out, "--max_iters", "2", "--label_smoothing",
+                                            "0.2", "--stop_after", "1"), capsys)
     assert code == 0 and weights(out)["settings"]["label_smoothing"] == 0.2
     code, printed, _ = run(train.main, ["--out_dir", out, "--resume"], capsys)
     assert code == 0 and "--label_smoothing 0.2" in printed
@@ -217,9 +225,11 @@ def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
 
 def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(demo, tmp_path, capsys):
     out = tmp_path / "r"
-    code, _, err = run(train.main, tiny(demo, out, "--lr", "1e6", "--grad_clip", "0", "--max_iters", "40",
-                                        "--eval_interval", "1", "--warmup_iters", "0"), capsys)
-    assert code == 2 and err.startswith("error: non-finite") and "last.pt is the last good step" in err
+    code, _, err = run(train.main, tiny(demo, out, "--lr", "1e6", "--grad_clip", "0",
+                                        "--max_iters", "40", "--eval_interval", "1",
+                                        "--warmup_iters", "0"), capsys)
+    assert code == 2 and err.startswith("error: non-finite") \
+        and "last.pt is the last good step" in err
     assert all(p.isfinite().all() for p in weights(out)["model"].values())
 
 
@@ -295,10 +305,10 @@ def test_resume_refuses_another_model_or_dataset(demo, routed, tmp_path, capsys)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_finishes_the_step_saves_and_resumes(demo, tmp_path, sig):
     out = tmp_path / "r"
-    cmd = [sys.executable, ROOT / "train.py", *tiny(demo, out, "--max_iters", 10 ** 6, "--eval_interval",
-                                                    10 ** 6, "--log_interval", 1)]
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env())
+    cmd = [sys.executable, ROOT / "train.py", *tiny(
+        demo, out, "--max_iters", 10 ** 6, "--eval_interval", 10 ** 6, "--log_interval", 1)]
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env())
     try:
         while "step 3 " not in proc.stdout.readline():
             assert proc.poll() is None, proc.stderr.read()
@@ -309,7 +319,8 @@ def test_a_stop_signal_finishes_the_step_saves_and_resumes(demo, tmp_path, sig):
     assert proc.returncode == 128 + sig, err
     stopped = next(x for x in printed.splitlines() if x.startswith("stopped by"))
     step = weights(out)["progress"]["step"]
-    assert f"stopped by {sig.name} after step {step}; continue with: python train.py --out_dir" in stopped
+    assert f"stopped by {sig.name} after step {step}; continue with: python train.py --out_dir" \
+        in stopped
     assert metrics(out)[-1]["step"] == step and step >= 3
     assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", step + 1])[0] == 0
 
@@ -324,13 +335,17 @@ def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path
     flags = [*TINY, *ROUTED, "--dropout", 0.1, "--max_iters", 4, "--eval_interval", 2]
 
     def torchrun(out, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               ROOT / "train.py", "--", *flags, "--data", demo, "--out_dir", out, *extra]
-        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env(), timeout=240)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={free_port()}", ROOT / "train.py", "--", *flags, "--data", demo,
+               "--out_dir", out, *extra]
+        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env(),
+                              timeout=240)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         return done.stdout
-    assert "torchrun --nproc_per_node=2 train.py -- --residual prenorm" in torchrun(tmp_path / "whole")
-    assert "continue with: torchrun --nproc_per_node=2 train.py --" in torchrun(tmp_path / "part", "--stop_after", 2)
+    printed = torchrun(tmp_path / "whole")
+    assert "torchrun --nproc_per_node=2 train.py -- --residual prenorm" in printed
+    printed = torchrun(tmp_path / "part", "--stop_after", 2)
+    assert "continue with: torchrun --nproc_per_node=2 train.py --" in printed
     torchrun(tmp_path / "part", "--resume")
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "part")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -338,19 +353,21 @@ def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path
     # one process: the same initial weights and evaluation crops (each process scores its rows)
     assert run(train.main, tiny(demo, tmp_path / "one", *ROUTED, "--dropout", 0.1, "--max_iters", 4,
                                 "--stop_after", 1))[0] == 0
-    assert metrics(tmp_path / "one")[0]["val_loss"] == pytest.approx(metrics(tmp_path / "whole")[0]["val_loss"],
-                                                                     rel=1e-6)
+    assert metrics(tmp_path / "one")[0]["val_loss"] == pytest.approx(
+        metrics(tmp_path / "whole")[0]["val_loss"], rel=1e-6)
     # resumed on two processes: each draws its own dropout stream again
-    assert "written by 1 process(es), not 2: dropout is reseeded" in torchrun(tmp_path / "one", "--resume")
+    printed = torchrun(tmp_path / "one", "--resume")
+    assert "written by 1 process(es), not 2: dropout is reseeded" in printed
     rng = weights(tmp_path / "one")["rng"]
     assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])
 
 
 def test_under_torchrun_a_signal_to_one_process_stops_them_all(demo, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           ROOT / "train.py", "--", *tiny(demo, tmp_path, "--max_iters", 400, "--eval_interval", 1000)]
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={free_port()}", ROOT / "train.py", "--",
+           *tiny(demo, tmp_path, "--max_iters", 400, "--eval_interval", 1000)]
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env())
     try:
         while "step 3 " not in proc.stdout.readline():
             assert proc.poll() is None, proc.stderr.read()
@@ -364,11 +381,13 @@ def test_under_torchrun_a_signal_to_one_process_stops_them_all(demo, tmp_path):
 
 
 def test_bf16_autocast_and_compile(demo, tmp_path, monkeypatch):
-    compiled, real = [], torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: compiled.append(model) or real(model, backend="eager"))
-    assert run(train.main, tiny(demo, tmp_path / "c", "--max_iters", 1, "--compile", "--dtype", "bfloat16"))[0] == 0
-    assert len(compiled) == 1 and list(weights(tmp_path / "c")["model"]) == list(compiled[0].state_dict())
-    assert all(v.dtype == torch.float32 for v in weights(tmp_path / "c")["model"].values())
+    compiled, real, out = [], torch.compile, tmp_path / "c"
+    monkeypatch.setattr(torch, "compile",
+                        lambda model, **kw: compiled.append(model) or real(model, backend="eager"))
+    assert run(train.main, tiny(demo, out, "--max_iters", 1, "--compile", "--dtype",
+                                "bfloat16"))[0] == 0
+    assert len(compiled) == 1 and list(weights(out)["model"]) == list(compiled[0].state_dict())
+    assert all(v.dtype == torch.float32 for v in weights(out)["model"].values())
 
 
 @pytest.mark.optional
@@ -376,20 +395,22 @@ def test_wandb_gets_the_numbers_of_metrics_jsonl(demo, tmp_path, monkeypatch, ca
     wandb = pytest.importorskip("wandb", reason="needs wandb (optional: pip install wandb)")
     monkeypatch.setenv("WANDB_MODE", "offline")  # never upload from a test
     monkeypatch.setenv("WANDB_SILENT", "true")
-    logged, real_log = [], wandb.Run.log
-    monkeypatch.setattr(wandb.Run, "log", lambda self, data, step=None: logged.append((step, dict(data)))
-                        or real_log(self, data, step=step))
-    out = tmp_path / "r"
-    assert run(train.main, tiny(demo, out, "--max_iters", 2, "--wandb_project", "test", "--wandb_run", "t"))[0] == 0
+    logged, real_log, out = [], wandb.Run.log, tmp_path / "r"
+    monkeypatch.setattr(wandb.Run, "log", lambda self, data, step=None: (
+        logged.append((step, dict(data))) or real_log(self, data, step=step)))
+    assert run(train.main, tiny(demo, out, "--max_iters", 2, "--wandb_project", "test",
+                                "--wandb_run", "t"))[0] == 0
     lines = metrics(out)
     assert [step for step, _ in logged] == [x["step"] for x in lines]
-    assert logged[1][1]["train/loss"] == lines[1]["loss"] and logged[-1][1]["eval/val_loss"] == lines[-1]["val_loss"]
+    assert logged[1][1]["train/loss"] == lines[1]["loss"] \
+        and logged[-1][1]["eval/val_loss"] == lines[-1]["val_loss"]
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
 
 
 def test_peak_flops_of_known_gpus_only(monkeypatch):
-    for name, bf16 in (("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12),
-                       ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA RTX A1000", None)):
+    for name, bf16 in (("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                       ("NVIDIA H200", 989e12), ("NVIDIA H100 PCIe", None),
+                       ("NVIDIA H100 NVL", None), ("NVIDIA RTX A1000", None)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert train.peak_flops(torch.device("cuda"), torch.bfloat16) == bf16, name
     assert train.peak_flops(torch.device("cpu"), torch.float32) is None
@@ -402,7 +423,8 @@ def bad_inputs(demo, routed, tmp):
         "unknown flag": ([*d, *t, "--learning_rate", "1"], "did you mean --lr?"),
         "abbreviated flag": ([*d, *t, "--max_iter", "3"], "unrecognized arguments: --max_iter"),
         "bad bool": ([*d, *t, "--wav", "maybe"], "--wav: invalid true_or_false value"),
-        "vocab_size is the data's": ([*d, *t, "--vocab_size", "9"], "unrecognized arguments: --vocab_size"),
+        "vocab_size is the data's": ([*d, *t, "--vocab_size", "9"],
+                                     "unrecognized arguments: --vocab_size"),
         "negative lr": ([*d, *t, "--lr", "-1"], "--lr -1.0: must be at least 0"),
         "nan lr": ([*d, *t, "--lr", "nan"], "--lr nan: must be at least 0"),
         "beta at 1": ([*d, *t, "--beta2", "1"], "--beta2 1.0: must be in [0, 1)"),
@@ -416,7 +438,8 @@ def bad_inputs(demo, routed, tmp):
         "no cuda": ([*d, *t[:2], "--device", "cuda"], "not available here"),
         "unknown preset": ([*d, *t, "--preset", "rd_x"], "invalid choice: 'rd_x'"),
         "invalid model": ([*d, *t, "--n_embd", "30"], "n_head=4: must divide n_embd=30"),
-        "routing without attnres": ([*d, *t, "--residual", "prenorm", "--wav", "True"], "applies only to"),
+        "routing without attnres": ([*d, *t, "--residual", "prenorm", "--wav", "True"],
+                                    "applies only to"),
         "too long crops": ([*d, *t, "--sequence_len", "200000"], "does not fit"),
         "missing data": (["--data", tmp / "data" / "demo_typo", *t], "does not exist"),
         "empty out_dir": ([*d, "--out_dir", " "], "give a folder name"),
@@ -432,13 +455,14 @@ def test_bad_input_is_one_error_line_and_exit_2(demo, routed, tmp_path, capsys):
 
 
 def test_as_a_command_bad_input_is_one_line_and_a_bare_data_name_is_under_data(tmp_path):
-    done = subprocess.run([sys.executable, ROOT / "train.py", "--max_itres", "3"], capture_output=True,
-                          text=True, env=env(), cwd=tmp_path)
+    done = subprocess.run([sys.executable, ROOT / "train.py", "--max_itres", "3"],
+                          capture_output=True, text=True, env=env(), cwd=tmp_path)
     assert done.returncode == 2 and done.stderr == "error: unrecognized arguments: --max_itres 3 " \
         "(did you mean --max_iters?); see --help\n"
     done = subprocess.run([sys.executable, ROOT / "train.py", "--data", "text8", "--device", "cpu"],
                           capture_output=True, text=True, env=env(), cwd=tmp_path)
-    assert done.returncode == 2 and "data/text8" in done.stderr and "python prepare_data.py text8" in done.stderr
+    assert done.returncode == 2 and "data/text8" in done.stderr \
+        and "python prepare_data.py text8" in done.stderr
     assert not (tmp_path / "text8").exists() and not (tmp_path / "out" / "last.pt").exists()
 
 
@@ -465,8 +489,7 @@ def test_best_is_the_lowest_val_loss_and_survives_a_crash_between_the_two_files(
     vals = {x["step"]: x["val_loss"] for x in metrics(out) if x["type"] == "eval"}
     best = weights(out, "best.pt")["progress"]
     assert vals[4] > min(vals.values()) == best["best_val_loss"] == vals[best["step"]]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["best_val_loss"] == min(vals.values())
+    assert json.loads((out / "summary.json").read_text())["best_val_loss"] == min(vals.values())
     # a crash between the two writes of an improving step: best.pt ahead, last.pt behind
     real, writes = checkpoint.write_atomic, []
 
@@ -476,7 +499,8 @@ def test_best_is_the_lowest_val_loss_and_survives_a_crash_between_the_two_files(
             raise OSError(28, "No space left on device")
         real(path, data)
     monkeypatch.setattr(checkpoint, "write_atomic", crash_at_step_2s_second_checkpoint)
-    assert run(train.main, tiny(demo, tmp_path / "c", "--max_iters", 3, "--eval_interval", 1))[0] == 2
+    assert run(train.main, tiny(demo, tmp_path / "c", "--max_iters", 3,
+                                "--eval_interval", 1))[0] == 2
     progress = [weights(tmp_path / "c", f)["progress"] for f in ("best.pt", "last.pt")]
     assert progress[0]["step"] == 2 and progress[1]["step"] == 1  # best.pt never behind
     monkeypatch.setattr(checkpoint, "write_atomic", real)
