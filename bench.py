@@ -1,16 +1,9 @@
 """
 bench.py: speed and memory of every variant at one shape, measured in one run.
 
-The training step (forward, backward, AdamW step) of every variant is timed round-robin, A B C A B
-C ..., after warm-up, in one process, so that machine noise falls on all alike; every model starts
-from the same seed and trains on the same fixed batch. Reported: median ms/step, tokens/s, ratios
-of medians to prenorm and to block, and per-round ratios (round i over round i of the baseline,
-which ran next to it: median [quartiles]), which a drifting machine does not move. A model's first
-step is timed apart (with --compile it compiles there). Memory, from one more step: on CUDA the
-allocator's peak above what was allocated before, plus the parameters and AdamW state; on the CPU
-an exact count of parameters + gradients + AdamW state + the tensors the forward saves for backward.
---against PATH times another nanoroute.py's variants in the same rounds. Generation: the KV cache
-against a full recompute, checked to give the same tokens. docs/speed.md says more.
+Every variant's training step is timed round-robin, A B C A B C ..., in one process, from one seed
+on one fixed batch, so that machine noise falls on all alike; per-round ratios (round i over the
+baseline's round i, which ran next to it) do not move with a drifting machine. See docs/speed.md.
 
     python bench.py --shape s12 --iters 15 --gen_tokens 0
     python bench.py --shape gpu12 --device cuda --compile         # bf16 autocast, MFU
@@ -28,8 +21,8 @@ import statistics
 import sys
 import time
 import weakref
+from collections import namedtuple
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -47,12 +40,10 @@ SHAPES = {  # batch_size is B; sequence_len is the context and the T of the trai
                   batch_size=16),
 }
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "sequence_len", "vocab_size")
-# What bench.py times besides nanoroute.VARIANTS: Full AttnRes (one sublayer per routing block),
-# Block AttnRes on the readable reference read (what the fast kernel saves), learned WAV bases.
-EXTRAS = {"full": dict(nanoroute.VARIANTS["block"], attnres_block=1),
-          "naive": dict(nanoroute.VARIANTS["block"], fast_routing=False),
-          "wav_learned": dict(nanoroute.VARIANTS["wav"], wav_learned_bases=True)}
-VARIANTS = {**nanoroute.VARIANTS, **EXTRAS}
+# Also timed: Full AttnRes, the reference read (what the fast kernel saves), learned WAV bases
+VARIANTS = {**nanoroute.VARIANTS, "full": dict(nanoroute.VARIANTS["block"], attnres_block=1),
+            "naive": dict(nanoroute.VARIANTS["block"], fast_routing=False),
+            "wav_learned": dict(nanoroute.VARIANTS["wav"], wav_learned_bases=True)}
 DEFAULT_VARIANTS = "prenorm,block,full,wav,rd"
 
 def build_parser():
@@ -83,13 +74,9 @@ def build_parser():
     p.add_argument("--json", metavar="PATH", help="every number, rewritten as they come")
     return p
 
-class Model(NamedTuple):
-    """One timed model: the module, what its steps call (compiled or itself), its AdamW, and with
-    --compile its own backend's counts {"graphs": compiled, "calls": run}."""
-    model: torch.nn.Module
-    step_model: object
-    opt: torch.optim.Optimizer
-    counts: dict = None
+# A timed model: the module, what its steps call (compiled or itself), its AdamW, and with
+# --compile its own backend's counts {"graphs": compiled, "calls": run}
+Model = namedtuple("Model", "model step_model opt counts", defaults=[None])
 
 class Bench:
     """The flags, checked, and what every measurement reads; out: the numbers so far (--json)."""
@@ -104,12 +91,12 @@ class Bench:
         if self.cuda:
             torch.cuda.set_device(self.device)  # cuda:1 too: synchronize and memory follow it
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        self.sync = torch.cuda.synchronize if self.cuda else lambda: None
         if args.threads:
             torch.set_num_threads(args.threads)
         self.dtype = train.pick_dtype("auto", self.device)  # as train.py's --dtype auto
         bf16 = self.dtype == torch.bfloat16
-        self.amp = torch.autocast(self.device.type, self.dtype) if bf16 else \
-            contextlib.nullcontext()
+        self.amp = torch.autocast(self.device.type, self.dtype, enabled=bf16)
         self.B, self.T = self.shape["batch_size"], self.shape["sequence_len"]
         versions = ("", "@against") if self.against else ("",)
         self.names = [name + v for name in self.variants for v in versions]  # timing order
@@ -139,10 +126,6 @@ class Bench:
         if self.args.json:
             write_json(self.args.json, self.out)
 
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
     def timed(self, fn):
         self.sync()
         t0 = time.perf_counter()
@@ -159,8 +142,7 @@ class Bench:
         m.opt.zero_grad(set_to_none=True)
 
 def check_flags(args, variants):
-    """The shape (--shape or --preset, with the flags' values), every count in its range, and
-    every variant buildable at that shape; else a UsageError naming the flag."""
+    """The shape of --shape or --preset with the flags' values; a UsageError for a bad flag."""
     lows = dict.fromkeys((*MODEL_FIELDS, "batch_size", "iters", "gen_repeats", "threads"), 1)
     for name, low in dict(lows, warmup=0, gen_tokens=0).items():
         if getattr(args, name) is not None and getattr(args, name) < low:
@@ -169,7 +151,12 @@ def check_flags(args, variants):
     if args.compile and args.compile_backend not in backends:
         raise UsageError(f"--compile_backend {args.compile_backend}: not a torch.compile "
                          f"backend; choose one of {', '.join(backends)}")
-    base = preset_shape(args.preset) if args.preset else SHAPES[args.shape]
+    base = SHAPES[args.shape]
+    if args.preset:  # its model; B, the sequences one GPU runs per forward; its data's vocabulary
+        preset = train.PRESETS[args.preset]
+        vocab = prepare_data.GPT2_VOCAB if preset["data"] == "fineweb_edu" else 256
+        base = dict({k: preset[k] for k in MODEL_FIELDS[:-1]}, vocab_size=vocab,
+                    batch_size=preset.get("micro_batch") or preset["batch_size"])
     shape = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}
     for name in dict.fromkeys(variants):
         try:
@@ -185,14 +172,6 @@ def names(text, flag):
         raise UsageError(f"{flag} {text!r}: unknown variant(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(VARIANTS)}")
     return found
-
-def preset_shape(name):
-    """A train.py preset as a shape: its model; B, the sequences one GPU runs per forward (its
-    --micro_batch, or its whole batch); its data's vocabulary (GPT-2's, or at most 256 chars)."""
-    preset = train.PRESETS[name]
-    vocab = prepare_data.GPT2_VOCAB if preset["data"] == "fineweb_edu" else 256
-    return dict({k: preset[k] for k in MODEL_FIELDS[:-1]}, vocab_size=vocab,
-                batch_size=preset.get("micro_batch") or preset["batch_size"])
 
 def load_against(path):
     """The nanoroute module in `path` (a .py file, or a folder holding nanoroute.py)."""
@@ -217,8 +196,7 @@ def cpu_name():
         return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     return platform.processor() or platform.machine()
 
-# -----------------------------------------------------------------------------
-# The measurements: build, first step, the rounds, each model's record, ratios, generation
+# --- The measurements: the rounds, each model's record, the ratios, generation, profile. ---
 
 @prepare_data.cli
 def main(argv=None):
@@ -228,7 +206,22 @@ def main(argv=None):
     limit = max(torch._dynamo.config.recompile_limit, 2 * len(b.names))
     with torch._dynamo.config.patch(recompile_limit=limit):
         models = {name: build(b, name) for name in b.names}
-        times = time_rounds(b, models)
+        times = {name: [] for name in models}  # seconds of each timed step
+        # each model's first step (with --compile, it compiles), then round-robin, A B C A B C ...
+        for r in range(1 + b.args.warmup + b.iters):
+            for name, m in models.items():
+                dt, _ = b.timed(lambda: b.step(m))
+                if r > b.args.warmup:
+                    times[name].append(dt)
+                elif r == 0:
+                    graphs = m.counts and m.counts["graphs"]
+                    b.out["first_steps"][name] = dict(first_step_s=dt, graphs=graphs)
+                    print(f"{name}: first step {dt:.2f} s"
+                          + (f", {graphs} graph(s) compiled" if m.counts else ""), flush=True)
+                    b.save()
+            if r > b.args.warmup:
+                b.out["rounds_ms"] = {name: [1e3 * t for t in ts] for name, ts in times.items()}
+                b.save()
         for name, m in models.items():
             b.out["variants"][name] = record(b, name, m, times[name])
             b.save()
@@ -257,14 +250,9 @@ def build(b, name):
     opt = model.configure_optimizers(0.1, 1e-3, device_type=b.device.type)
     if not b.args.compile:
         return Model(model, model, opt)
-    step_model, counts = compile_counted(model, b.args.compile_backend)
-    return Model(model, step_model, opt, counts)
-
-def compile_counted(model, backend_name):
-    """torch.compile(model) with a backend of its own (backend_name's, wrapped): the model never
-    shares another's graphs, and the counts say how many it compiled and how often its steps ran
-    them (0 calls: dynamo fell back to eager)."""
-    counts, inner = dict(graphs=0, calls=0), torch._dynamo.lookup_backend(backend_name)
+    # a backend of its own (--compile_backend's, wrapped): the model never shares another's graphs,
+    # and counts those it compiled and the calls that ran them (0 calls: an eager fallback)
+    counts, inner = dict(graphs=0, calls=0), torch._dynamo.lookup_backend(b.args.compile_backend)
 
     def backend(graph, example_inputs):
         counts["graphs"] += 1
@@ -274,27 +262,7 @@ def compile_counted(model, backend_name):
             counts["calls"] += 1
             return compiled(*args)
         return run
-    return torch.compile(model, backend=backend), counts
-
-def time_rounds(b, models):
-    """{name: seconds per timed step}: each model's first step (with --compile, it compiles),
-    then round-robin, A B C A B C ..., --warmup rounds untimed, then --iters timed ones."""
-    times = {name: [] for name in models}
-    for r in range(1 + b.args.warmup + b.iters):
-        for name, m in models.items():
-            dt, _ = b.timed(lambda: b.step(m))
-            if r > b.args.warmup:
-                times[name].append(dt)
-            elif r == 0:
-                graphs = m.counts and m.counts["graphs"]
-                b.out["first_steps"][name] = dict(first_step_s=dt, graphs=graphs)
-                print(f"{name}: first step {dt:.2f} s"
-                      + (f", {graphs} graph(s) compiled" if m.counts else ""), flush=True)
-                b.save()
-        if r > b.args.warmup:
-            b.out["rounds_ms"] = {name: [1e3 * t for t in ts] for name, ts in times.items()}
-            b.save()
-    return times
+    return Model(model, torch.compile(model, backend=backend), opt, counts)
 
 def record(b, name, m, times):
     """One model's numbers: its steps, whether they ran compiled, memory by part, MFU."""
@@ -310,14 +278,13 @@ def record(b, name, m, times):
     return r
 
 def memory_parts(b, m):
-    """Bytes of one training step by part (see the docstring at the top); they add up."""
+    """Bytes of one training step by part (print_training's "memory:" line); they add up."""
     params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
               for p in m.model.parameters()}  # unique storages: the tied embedding counts once
     adamw = sum(t.untyped_storage().nbytes() for state in m.opt.state.values()
                 for t in state.values() if torch.is_tensor(t))
     parts = dict(params=sum(params.values()), adamw=adamw)
-    if b.cuda:
-        b.sync()
+    if b.cuda:  # the allocator's statistics are kept on the host: no synchronize needed
         torch.cuda.reset_peak_memory_stats(b.device)
         before = torch.cuda.memory_allocated(b.device)
         b.timed(lambda: b.step(m))
@@ -329,15 +296,13 @@ def memory_parts(b, m):
     return dict(parts, grads=grads, saved=saved)
 
 def saved_bytes(model, x, y, amp, exclude):
-    """Bytes of the unique storages saved for backward by one forward pass and still held by the
-    graph at its end (weak references: a freed storage whose address is reused is not counted
-    twice), but the storages whose data_ptr is in `exclude`."""
+    """Bytes of the unique storages one forward saves for backward, still held at its end (weak
+    references: a freed storage's reused address counts once), but those in `exclude`."""
     saved = []
 
     def pack(t):
         saved.append(weakref.ref(t))
         return t
-
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
         _, loss = model(x, y)
     alive = [t.untyped_storage() for t in (r() for r in saved) if t is not None]
@@ -345,8 +310,7 @@ def saved_bytes(model, x, y, amp, exclude):
     return sum({s.data_ptr(): s.nbytes() for s in alive if s.data_ptr() not in exclude}.values())
 
 def paired_ratio(times, base):
-    """Round i over round i of the baseline (they ran side by side: a drifting machine cancels
-    out): the median of these ratios and their quartiles."""
+    """Round i over the baseline's round i (side by side: drift cancels): median [quartiles]."""
     ratios = [t / b for t, b in zip(times, base)]
     if len(ratios) == 1:
         return ratios * 3
@@ -365,9 +329,8 @@ def add_ratios(b, times):
         ref = res.get("prenorm" + version)
         r["memory_ratio_prenorm"] = ref and r["memory_bytes"] / ref["memory_bytes"]
         if b.against and not version:
-            that = name + "@against"
-            r["paired_ratio_against"] = paired_ratio(times[name], times[that])
-            r["memory_ratio_against"] = r["memory_bytes"] / res[that]["memory_bytes"]
+            r["paired_ratio_against"] = paired_ratio(times[name], times[name + "@against"])
+            r["memory_ratio_against"] = r["memory_bytes"] / res[name + "@against"]["memory_bytes"]
     b.save()
 
 def md_table(header, rows):
@@ -421,8 +384,7 @@ def generate_recompute(model, idx, max_new_tokens):
     return idx
 
 def time_generation(b, models):
-    """--gen_tokens after a 1-token prompt, greedy: KV cache against full recompute, the median
-    of --gen_repeats (interleaved), and whether both gave the same tokens."""
+    """--gen_tokens greedy after a 1-token prompt, KV cache against full recompute, interleaved."""
     if b.n_new > b.T:
         print(f"\nnote: --gen_tokens {b.n_new} > sequence_len {b.T}: past the context both "
               "re-encode the last sequence_len tokens at every step")
@@ -438,28 +400,26 @@ def time_generation(b, models):
             for (v, w), ts in times.items():
                 dt, tokens[v, w] = b.timed(lambda: ways[w](gen[v], b.n_new))
                 ts.append(dt)
-    out = {}
+    out, rows = {}, []
     for v in gen:
         kv, full = (statistics.median(times[v, w]) for w in ways)
+        same = torch.equal(tokens[v, "kv"], tokens[v, "recompute"])
         out[v] = dict(kv_ms=1e3 * kv, recompute_ms=1e3 * full, speedup=full / kv,
-                      kv_tokens_per_s=b.n_new / kv,
-                      same_tokens=torch.equal(tokens[v, "kv"], tokens[v, "recompute"]))
+                      kv_tokens_per_s=b.n_new / kv, same_tokens=same)
+        rows.append([v, f"{1e3 * kv:.1f}", f"{1e3 * full:.1f}", f"{full / kv:.2f}x",
+                     f"{b.n_new / kv:.0f}", "yes" if same else "NO"])
     print(f"\n### Generation: {b.n_new} new tokens, B=1, greedy, median of {b.args.gen_repeats}")
     print(md_table(["variant", "KV cache ms", "recompute ms", "speed-up", "KV tokens/s",
-                    "same tokens"],
-                   [[v, f"{g['kv_ms']:.1f}", f"{g['recompute_ms']:.1f}", f"{g['speedup']:.2f}x",
-                     f"{g['kv_tokens_per_s']:.0f}", "yes" if g["same_tokens"] else "NO"]
-                    for v, g in out.items()]))
+                    "same tokens"], rows))
     return dict(new_tokens=b.n_new, repeats=b.args.gen_repeats, variants=out)
 
 def profile(b, m):
     """--profile VARIANT: the top ops of 3 training steps, after an unprofiled one."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    activities += [torch.profiler.ProfilerActivity.CUDA] if b.cuda else []
+    kinds = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * b.cuda
     sort_by = "self_device_time_total" if b.cuda else "self_cpu_time_total"
     m.model.train()
     b.step(m)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=kinds) as prof:
         for _ in range(3):
             b.step(m)
         b.sync()

@@ -6,8 +6,7 @@ Write text with a checkpoint trained by train.py, or look at how it routes throu
     python sample.py --out_dir out_rd --start FILE:prompt.txt --temperature 0.8 --top_k 20
     python sample.py --out_dir out_rd --routes           # every read's weights over a val crop
 
-Text goes through the dataset the run was trained on (its own data folder, found from any working
-folder, or --data): char-level and GPT-2-token runs alike. Generation uses the KV cache.
+Text goes through the dataset the run was trained on (found from any working folder, or --data).
 """
 
 import math
@@ -53,12 +52,11 @@ def main(argv=None):
             raise UsageError(f"--{name} {getattr(a, name)}: must be at least 1")
     if not 0 <= a.seed < 2 ** 63:
         raise UsageError(f"--seed {a.seed}: must be in [0, 2**63)")
+    device = pick_device(a.device)
     path, train_it = Path(a.out_dir) / f"{a.ckpt}.pt", command("train.py", ["--out_dir", a.out_dir])
     ckpt = checkpoint.load(path, f"no checkpoint at {path}: train one with {train_it}")
-    model = checkpoint.model_from(ckpt, path)
+    model = checkpoint.model_from(ckpt, path).to(device).eval()
     data_dir, meta = checkpoint.open_data(ckpt, a.out_dir, a.data)
-    device = pick_device(a.device)
-    model.to(device).eval()
     ids = prompt_ids(a, meta, data_dir, model.config.sequence_len)
     idx, decode = torch.tensor([ids], device=device), prepare_data.decoder(meta, data_dir)
     if a.routes:
@@ -82,15 +80,8 @@ def main(argv=None):
     print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
 
 def prompt_ids(a, meta, data_dir, sequence_len):
-    """The prompt's token ids: --start (or the file it names), else the default; at most the last
-    sequence_len of them."""
-    if a.start is None and a.routes:
-        ids = prepare_data.open_split(data_dir, "val", meta)[:sequence_len].tolist()
-    elif a.start is None and meta["level"] == "gpt2":
-        ids = [prepare_data.GPT2_EOT]
-    elif a.start is None:  # a newline, or a space in a vocabulary without one (text8)
-        ids = [next((meta["chars"].index(c) for c in "\n " if c in meta["chars"]), 0)]
-    else:
+    """--start (or the file it names) as token ids, else the default; its last sequence_len."""
+    if a.start is not None:
         text = a.start
         if text.startswith("FILE:"):
             try:
@@ -98,6 +89,12 @@ def prompt_ids(a, meta, data_dir, sequence_len):
             except (OSError, UnicodeDecodeError) as e:
                 raise UsageError(f"--start {a.start}: cannot read it as UTF-8 text ({e})") from None
         ids = prepare_data.encoder(meta, data_dir)(text)
+    elif a.routes:
+        ids = prepare_data.open_split(data_dir, "val", meta)[:sequence_len].tolist()
+    elif meta["level"] == "gpt2":
+        ids = [prepare_data.GPT2_EOT]
+    else:  # a newline, or a space in a vocabulary without one (text8)
+        ids = [next((meta["chars"].index(c) for c in "\n " if c in meta["chars"]), 0)]
     if not ids:
         raise UsageError(f"--start {a.start!r} is empty: give at least one character")
     if len(ids) > sequence_len:
@@ -110,24 +107,20 @@ def shade(weight):
 
 @torch.no_grad()
 def show_routes(model, idx, path, prompt):
-    """A heatmap of every read's mean weight per source over the prompt (with route heads, then
-    one per head), and RD's JS divergence between the QK and the V route per attention layer."""
+    """Every read's heatmap over the prompt (then each route head's), and RD's JS divergences."""
     if model.config.residual != "attnres":
         raise UsageError(f"{path} is a residual={model.config.residual} model: it has no depth "
                          "routing to show (--routes needs a --residual attnres run)")
     stats = routing_stats(model(idx, return_routes=True)[2])
-    reads, sources = stats["reads"], stats["sources"]
     snippet = prompt if len(prompt) <= 60 else "..." + prompt[-57:]
     print(f"depth routing of {path} over a {idx.size(1)}-token prompt: {snippet!r}\n"
           f"mean weight per source in %: shade {SHADES[1]} <=25 {SHADES[2]} <=50 {SHADES[3]} <=75 "
           f"{SHADES[4]} >75, blank: not seen by that read; H: entropy of the read (nats)")
-    heatmap(sources, {name: (r["sources"], r["mean_weight"], r["entropy"])
-                      for name, r in reads.items()})
+    heatmap(stats["sources"], stats["reads"])
     heads = model.config.route_heads
     for k in range(heads if heads > 1 else 0):  # MHAR: head k reads with slice k of the width
         print(f"\nroute head {k} of {heads}:")
-        heatmap(sources, {name: (r["sources"], r["head_weight"][k], None)
-                          for name, r in reads.items()})
+        heatmap(stats["sources"], stats["reads"], head=k)
     if stats["js"]:
         print("\nRD: JS divergence between the QK and the V route, per attention layer (nats, at "
               "most ln 2 = 0.693)")
@@ -135,18 +128,15 @@ def show_routes(model, idx, path, prompt):
             print(f"  {layer:<8} {js:.4f}  " + SHADES[4] * round(40 * js / math.log(2)))
         print(f"  {'mean':<8} {stats['js_mean']:.4f}")
 
-def heatmap(sources, rows):
-    """rows: {read: (the sources it sees, their weights, its entropy or None)}, one line each."""
+def heatmap(sources, reads, head=None):  # head None: the mean over route heads, and entropies
     short = [s.replace(".phase", ".ph").replace(".split", ".sp") for s in sources]
-    width, name_width = 1 + max(4, *map(len, short)), 2 + max(map(len, rows))  # a cell: "█100"
-    print(" " * name_width + "".join(f"{s:>{width}}" for s in short)
-          + ("      H" if any(entropy is not None for *_, entropy in rows.values()) else ""))
-    for name, (seen, weights, entropy) in rows.items():
-        weight = dict(zip(seen, weights))
-        cells = [f"{shade(weight[s])}{round(100 * weight[s]):>3}".rjust(width) if s in weight
-                 else " " * width for s in sources]
-        print(f"{name:<{name_width}}" + "".join(cells)
-              + ("" if entropy is None else f"  {entropy + 0.0:5.2f}"))
+    width, name_width = 1 + max(4, *map(len, short)), 2 + max(map(len, reads))  # a cell: "█100"
+    print(" " * name_width + "".join(f"{s:>{width}}" for s in short) + "      H" * (head is None))
+    for name, r in reads.items():
+        weights = r["mean_weight"] if head is None else r["head_weight"][head]
+        cells = {s: f"{shade(w)}{round(100 * w):>3}" for s, w in zip(r["sources"], weights)}
+        row = "".join(cells.get(s, "").rjust(width) for s in sources)  # blank: not seen
+        print(f"{name:<{name_width}}{row}" + f"  {r['entropy'] + 0.0:5.2f}" * (head is None))
 
 if __name__ == "__main__":
     main()
