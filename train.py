@@ -78,15 +78,13 @@ def option(default, help, low=None, high=math.inf, parse=None, choices=None, run
 @dataclasses.dataclass
 class TrainSettings:
     """Every training flag. The defaults learn on two CPU cores in minutes (~1.6M demo tokens)."""
-    data: str = option("demo", "prepared dataset folder, or NAME for data/NAME (python "
-                       "prepare_data.py NAME); a folder named demo is prepared on the spot")
+    data: str = option("demo", "a prepared dataset folder, or NAME: data/NAME (demo: made here)")
     out_dir: str = option("out", "output folder of the run", runtime=True)
-    preset: str | None = option(None, "a paper's set-up; explicit flags override it",
-                                choices=PRESETS, runtime=True)
+    preset: str | None = option(None, "a paper's set-up; flags override it", choices=PRESETS,
+                                runtime=True)
     batch_size: int = option(16, "sequences per micro-step, all processes together", low=1)
     grad_accum: int = option(1, "micro-steps per optimizer step", low=1)
-    micro_batch: int = option(0, "the most sequences a process runs per forward: the same batches "
-                              "and gradient in smaller forwards (0: its whole share)", low=0)
+    micro_batch: int = option(0, "most sequences a process runs per forward (0: all)", low=0)
     lr: float = option(2e-3, "peak learning rate", low=0)
     min_lr: float | None = option(None, "end of the cosine decay (default: lr/10)", low=0)
     warmup_iters: int = option(20, "steps of linear warmup", low=0)
@@ -95,8 +93,7 @@ class TrainSettings:
     beta2: float = option(0.95, "AdamW beta2", low=0, high=1)
     grad_clip: float = option(1.0, "clip the gradient norm to this (0: off)", low=0)
     max_iters: int = option(400, "optimizer steps (the schedule's length)", low=1)
-    max_tokens: int | None = option(None, "a token budget instead: 2B, 500M, 64K", low=1,
-                                    parse=count)
+    max_tokens: int | None = option(None, "a token budget instead: 2B, 500M", low=1, parse=count)
     eval_interval: int = option(100, "evaluate and save every this many steps", low=1)
     eval_tokens: int = option(32768, "tokens per split (train, val) in each evaluation, in whole "
                               "batches", low=1, high=1e9, parse=count)
@@ -104,14 +101,13 @@ class TrainSettings:
                                     "e.g. 0.25B,0.5B,1B,2B")
     log_interval: int = option(20, "print and log the train loss every this many steps", low=1)
     seed: int = option(1337, "data order and initial weights", low=0, high=2 ** 63)
-    device: str = option("auto", "auto (cuda, else mps, else cpu), cpu, cuda, cuda:N, mps",
-                         runtime=True)
+    device: str = option("auto", "auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps", runtime=True)
     dtype: str = option("auto", "auto: bf16 autocast on a GPU with native bf16, else float32",
                         choices=("auto", "float32", "bfloat16"), runtime=True)
     compile: bool = option(False, "torch.compile the model", runtime=True)
     resume: bool = option(False, "continue the run in --out_dir from its last.pt", runtime=True)
-    stop_after: int | None = option(None, "stop after this step, saving last.pt (then --resume)",
-                                    low=1, runtime=True)
+    stop_after: int | None = option(None, "stop after this step (then --resume)", low=1,
+                                    runtime=True)
     wandb_project: str | None = option(None, "also log the metrics to this Weights & Biases "
                                        "project (pip install wandb)", runtime=True)
     wandb_run: str | None = option(None, "the wandb run's name", runtime=True)
