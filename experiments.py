@@ -54,9 +54,8 @@ SWEEPS = {
     "wav_paper": dict(datasets=["tinystories", "text8"], depths=[12, 24, 48], seeds=[0], flags="",
                       variants="prenorm rezero layerscale block wav",
                       presets={12: "wav12", 24: "wav24", 48: "wav48"}),
-    "rd_paper": dict(datasets=["fineweb_edu"], depths=[16, 24], seeds=[0, 1, 2, 3, 4],
-                     variants="block rd rd_tied rd_average rd_frozen_v",
-                     presets={16: "rd_s", 24: "rd_m"},
+    "rd_paper": dict(datasets=["fineweb_edu"], depths=[16, 24], presets={16: "rd_s", 24: "rd_m"},
+                     seeds=[0, 1, 2, 3, 4], variants="block rd rd_tied rd_average rd_frozen_v",
                      flags="--max_tokens 2B --milestones 0.25B,0.5B,1B,2B"),
 }
 # sweep custom: three seeds, the fewest that give a spread of the paired differences
@@ -68,8 +67,10 @@ NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib): no figure
 def plan(a, extra=()):
     """The runs of sweep a.name (dicts), seed-major: a sweep stopped early leaves whole pairs."""
     variants = listed(a.variants, "--variants", lambda v: [v] * (v in VARIANTS), ",".join(VARIANTS))
-    seeds, depths = listed(a.seeds, "--seeds", span(0)), listed(a.depths, "--depths", span(1))
+    seeds = listed(a.seeds, "--seeds", lambda part: span(part, 0))
+    depths = listed(a.depths, "--depths", lambda part: span(part, 1))
     rates = listed(a.lrs, "--lrs", lambda x: [float(x)] * (float(x) > 0), "rates like 1e-3,2e-3")
+    grid = SWEEPS.get(a.name)
     if a.name == "custom" and (a.data is None or not variants):
         raise UsageError("sweep custom needs --data FOLDER (a prepared dataset) and --variants, "
                          "e.g. --data data/demo --variants prenorm,block,wav,rd")
@@ -80,9 +81,7 @@ def plan(a, extra=()):
         grid = dict(CUSTOM, datasets=[dataset], folder=str(folder))
     elif a.data is not None:
         raise UsageError(f"--data {a.data}: only sweep custom takes a data folder; sweep {a.name} "
-                         f"reads {', '.join(SWEEPS[a.name]['datasets'])} from --data_root")
-    else:
-        grid = SWEEPS[a.name]
+                         f"reads {', '.join(grid['datasets'])} from --data_root")
     presets, variants = grid.get("presets", {}), variants or grid["variants"].split()
     check_train_flags(extra, presets, rates)
     runs = []
@@ -90,22 +89,21 @@ def plan(a, extra=()):
         if presets and depth not in presets:
             raise UsageError(f"--depths {depth}: sweep {a.name} has presets for depths "
                              f"{', '.join(map(str, presets))} only (the preset sets the width)")
-        m, folder = sweep_block(variants, depth, a.attnres_block), grid.get("folder")
-        folder = folder or f"{a.data_root}/{dataset}"
+        m = sweep_block(variants, depth, a.attnres_block)
+        folder = grid.get("folder") or f"{a.data_root}/{dataset}"
         for seed, v, lr in itertools.product(seeds or grid["seeds"], variants, rates or [None]):
-            routed = VARIANTS[v]["residual"] == "attnres"
+            block = m if VARIANTS[v]["residual"] == "attnres" else None
             run = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
             run = f"{dataset}/{run}" if len(grid["datasets"]) > 1 else run
             args = ["--preset", presets[depth]] if presets else []
             args += ["--data", folder, "--n_layer", str(depth), "--seed", str(seed)]
             # every field a variant may set: a preset's wav=True never leaks into block
             args += [s for k, value in variant(v).items() for s in (f"--{k}", str(value))]
-            args += ["--attnres_block", str(m)] if routed else []
+            args += [] if block is None else ["--attnres_block", str(block)]
             args += [*shlex.split(grid["flags"]), *extra] + (["--lr", f"{lr:g}"] if lr else [])
             runs.append(dict(name=run, dir=Path(a.out or f"runs/{a.name}") / run, variant=v,
                              dataset=dataset, depth=depth, seed=seed, lr=lr, sweep=a.name,
-                             attnres_block=m if routed else None, args=args,
-                             env=grid.get("env", {}), data=folder))
+                             attnres_block=block, args=args, env=grid.get("env", {}), data=folder))
     return runs
 
 def listed(text, flag, parse, example="integers like 0,1,2 or 0-4"):
@@ -119,12 +117,10 @@ def listed(text, flag, parse, example="integers like 0,1,2 or 0-4"):
             return values
     raise UsageError(f"{flag} {text}: expected distinct {example}")
 
-def span(low):  # a part of --seeds or --depths: '3' or a rising range '0-4', integers >= low
-    def parse(part):
-        first, _, last = part.partition("-")
-        values = range(int(first), int(last or first) + 1)
-        return values if values and values[0] >= low else []
-    return parse
+def span(part, low):  # a part of --seeds or --depths: '3' or a rising range '0-4', integers >= low
+    first, _, last = part.partition("-")
+    values = range(int(first), int(last or first) + 1)
+    return values if values and values[0] >= low else []
 
 def check_train_flags(extra, presets, lrs):
     """The flags after -- (for every run), before any run: the grid's own refused, all parsed."""
@@ -137,13 +133,12 @@ def check_train_flags(extra, presets, lrs):
     refused |= dict.fromkeys(["-h", "--help"], "the flags after -- are train.py's: train.py -h")
     for flag in [f for f in refused if f in {*flag_dict(extra), *extra}]:
         raise UsageError(f"{flag} after --: {refused[flag]}")
-    said = io.StringIO()
+    err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             train.build_parser().parse_args(list(extra))
     except SystemExit:  # the parser's one `error:` line becomes ours
-        why = said.getvalue().strip().splitlines()[-1].removeprefix("error: ")
-        why = why.removesuffix("; see --help")
+        why = re.sub(r"^error: |; see --help$", "", err.getvalue().strip().splitlines()[-1])
         raise UsageError(f"after --: {why} (the flags after -- go to every run)") from None
 
 def flag_dict(args):
@@ -159,13 +154,12 @@ def flag_dict(args):
 def sweep_block(variants, depth, given=None):
     """The routing block of every AttnRes variant at a depth, so that no difference between them is
     also one of block size: the largest automatic one (WAV needs 4 where Block AttnRes takes 2)."""
-    routed = [v for v in variants if VARIANTS[v]["residual"] == "attnres"]
     try:  # a depth or block a variant cannot take is one line now, not a failed run later
         blocks = [GPTConfig(n_layer=depth, **variant(v), attnres_block=given or 0).routing_block
-                  for v in routed]
+                  for v in variants if VARIANTS[v]["residual"] == "attnres"]
     except ValueError as e:
         raise UsageError(f"--depths {depth}: {e}") from None
-    return max(blocks) if routed else None
+    return max(blocks, default=None)
 
 def job_slots(jobs, per_run=1, extra=()):
     """Each of `jobs` runs' environment: on CUDA its own GPUs, on CPU its share of the cores."""
@@ -206,8 +200,7 @@ def pending(runs, launcher):
     return todo
 
 def launch(todo, slots):
-    """Each (run, command), len(slots) at once: {failed run: its last error line}. Ctrl-C reaches
-    the runs too (one process group): each saves last.pt; this waits, then re-raises."""
+    """Each (run, command), len(slots) at once: {failed run: its last error line}."""
     running, failed, free, queued = {}, {}, list(slots), list(enumerate(todo, 1))
     try:
         while queued or running:
@@ -221,7 +214,7 @@ def launch(todo, slots):
                 free.append(slot)
                 error = ended(run, process.returncode, label, time.time() - t0)
                 failed.update({run["name"]: error} if error else {})
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # it reached the runs too (one process group): each saves last.pt
         for process in running:
             process.wait()
         raise
@@ -283,8 +276,7 @@ def sweep(args, extra):
 # --- Report: run folders, groups of like runs, paired statistics, Markdown. ---
 
 # What never splits a group: how a run was run (train.py's runtime settings), what the grid varies
-# (seed, lr, depth), what the dataset fixes, and the variant's own fields and routing block, which
-# make the rows.
+# (seed, lr, depth), what the dataset fixes, and what makes the rows (the variant's fields, block).
 RUNTIME = {f.name for f in dataclasses.fields(train.TrainSettings) if f.metadata["runtime"]}
 NOT_SETUP = RUNTIME | {"seed", "lr", "n_layer", "vocab_size", "attnres_block", *variant("block")}
 
@@ -293,35 +285,32 @@ def find_runs(folders):
     runs, notes = [], []
     for folder in map(Path, folders):
         for d in sorted({p.parent for f in ("run.json", "summary.json") for p in folder.rglob(f)}):
-            rel = d.relative_to(folder)  # a run folder given, or several folders: the path as given
-            name = (folder / rel if d == folder or len(folders) > 1 else rel).as_posix()
+            given = d == folder or len(folders) > 1  # a run folder, or several folders: as given
             try:
-                runs.append(read_run(d, name))
+                runs.append(read_run(d, (d if given else d.relative_to(folder)).as_posix()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 notes.append(f"{d}: its files cannot be read ({type(e).__name__}: {e})")
     return runs, notes
 
 def read_run(d, name):
-    """A run folder; its summary.json says what the run is, its run.json names its variant."""
+    """A run folder; its summary.json says what it is, its run.json (a sweep's) its variant."""
     info, summary = [json.loads((d / f).read_text(encoding="utf-8")) if (d / f).exists() else None
                      for f in ("run.json", "summary.json")]
     lines = (d / "metrics.jsonl").read_text().splitlines() if (d / "metrics.jsonl").exists() else []
     run = dict(name=name, dir=d, summary=summary, variant=(info or {}).get("variant"),
-               evals=[e for e in map(json.loads, lines) if e["type"] == "eval"])
+               curve={e["tokens"]: e["val_loss"] for e in map(json.loads, lines)  # after step 0
+                      if e["type"] == "eval" and e["tokens"] > 0})
     if summary is not None:
         config, settings = summary["config"], summary["train"]
         setup = {**config, **settings, "data": Path(settings["data"]).name}  # from any folder
         setup = tuple(sorted((k, repr(x)) for k, x in setup.items() if k not in NOT_SETUP))
         block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
-        run.update(variant=run["variant"] or variant_of(config), dataset=summary["dataset"],
+        fits = [v for v in VARIANTS if variant(v).items() <= config.items()] + [config["residual"]]
+        run.update(variant=run["variant"] or fits[0], dataset=summary["dataset"],
                    depth=config["n_layer"], seed=settings["seed"], lr=settings["lr"], block=block,
                    final=float(summary["final"]["val_loss"]), level=summary["level"], setup=setup,
                    milestones=summary.get("milestones") or {}, routes=summary.get("routes") or {})
     return run
-
-def variant_of(config):  # a run folder without run.json: the VARIANTS row of its config
-    fits = [name for name in VARIANTS if variant(name).items() <= config.items()]
-    return fits[0] if fits else config["residual"]
 
 def mean_std(values):  # (mean, sample std, ddof=1): std None for one value, both for none
     values = [v for v in values if v is not None]
@@ -384,10 +373,9 @@ def titles(groups):
     for g in groups:
         twins = [dict(h["setup"]) for h in groups
                  if (h["dataset"], h["depth"]) == (g["dataset"], g["depth"])]
-        apart = [f"{k} {dict(g['setup']).get(k, 'unset')}" for k in sorted(set().union(*twins))
-                 if len({t.get(k) for t in twins}) > 1]
-        apart = f" ({', '.join(apart)})" if apart else ""
-        heads.append(f"{g['dataset']}, {g['depth']} layers{apart}")
+        diff = [f"{k} {dict(g['setup']).get(k, 'unset')}" for k in sorted(set().union(*twins))
+                if len({t.get(k) for t in twins}) > 1]
+        heads.append(f"{g['dataset']}, {g['depth']} layers" + f" ({', '.join(diff)})" * bool(diff))
     return heads
 
 def _ms(ms, digits=4, sign=""):  # "mean ± std"; "mean ± –" for one seed; "–" for none
@@ -400,17 +388,16 @@ def _delta(d):  # "Δ mean ± std | wins/n"
     ties = f" ({d['ties']} tied)" if d["ties"] else ""
     return f"{_ms((d['mean'], d['std']), sign='+')} | {d['wins']}/{d['n']}{ties}"
 
-INTRO = ("A group: runs alike but for seed, lr and variant. Val loss: the last eval's, nats/token, "
-         "mean ± sample std over seeds. Δ: paired difference to **{}** (same seed); wins: seeds "
-         "where lower. lr: of the lowest mean. Route entropy: normalised; JS: RD's QK vs V, nats.")
-
 def markdown(folders, runs, groups, baseline, notes):
     finished = [r for r in runs if r["summary"]]
     lines = [f"# Report: {' '.join(folders)}", "", f"{len(runs)} runs: {len(finished)} finished, "
-             f"{len(runs) - len(finished)} unfinished. " + INTRO.format(baseline), ""]
+             f"{len(runs) - len(finished)} unfinished. A group: runs alike but for seed, lr and "
+             "variant. Val loss: the last eval's, nats/token, mean ± sample std over seeds. Δ: "
+             f"paired difference to **{baseline}** (same seed); wins: seeds where lower. lr: of "
+             "the lowest mean. Route entropy: normalised; JS: RD's QK vs V, nats.", ""]
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
-        char = g["level"] == "char"
+        char, marks = g["level"] == "char", g["milestones"]
         lines += [f"## {title}", ""]
         if len({row["block"] for row in g["rows"]} - {None}) > 1:
             lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]
@@ -423,26 +410,21 @@ def markdown(folders, runs, groups, baseline, notes):
                          f"| {_ms(row['val'])} | {_ms(row['metric'], 4 if char else 2)} | "
                          f"{_delta(row['delta'])} | {_ms(row['entropy'], 3)} | "
                          f"{_ms(row['js'], 3)} | {_ms(row['wall'], 0)} |")
-        lines += tables_below(g) + [""]
+        if marks:
+            lines += ["", "Milestones (val loss where the token count crossed each one):", "",
+                      "| variant | " + " | ".join(f"val @{m} | Δ @{m} | wins" for m in marks)
+                      + " |", "|---" * (1 + 3 * len(marks)) + "|"]
+            lines += [f"| {row['variant']} | " + " | ".join(
+                f"{_ms(row['at'][m][0])} | {_delta(row['at'][m][1])}" for m in marks) + " |"
+                for row in g["rows"]]
+        others = [f"- {row['variant']}: " + "; ".join(
+            f"lr {lr:g}: {m:.4f} ({n} seeds)" for lr, (m, n) in sorted(row["others"].items()))
+            for row in g["rows"] if row["others"]]
+        head = ["", "Other learning rates (mean final val loss over their seeds):", ""]
+        lines += head * bool(others) + others + [""]
     unfinished = ", ".join(r["name"] for r in runs if not r["summary"])
     lines += [f"Unfinished (no summary.json yet): {unfinished}"] * bool(unfinished)
     return "\n".join(lines) + "\n"
-
-def tables_below(g):
-    """A group's milestones table and its variants' other learning rates."""
-    marks, lines = g["milestones"], []
-    if marks:
-        lines += ["", "Milestones (val loss where the token count crossed each one):", "",
-                  "| variant | " + " | ".join(f"val @{m} | Δ @{m} | wins" for m in marks) + " |",
-                  "|---" * (1 + 3 * len(marks)) + "|"]
-        lines += [f"| {row['variant']} | " + " | ".join(
-            f"{_ms(row['at'][m][0])} | {_delta(row['at'][m][1])}" for m in marks) + " |"
-            for row in g["rows"]]
-    others = [row for row in g["rows"] if row["others"]]
-    lines += ["", "Other learning rates (mean final val loss over their seeds):", ""] * bool(others)
-    return lines + [f"- {row['variant']}: " + "; ".join(
-        f"lr {lr:g}: {m:.4f} ({n} seeds)" for lr, (m, n) in sorted(row["others"].items()))
-        for row in others]
 
 def report(args, extra):
     runs, notes = find_runs(args.folders)
@@ -464,26 +446,25 @@ def report(args, extra):
     write_atomic(out, text.encode())
     print(text + f"\nwrote {out}")
     if args.plots or heatmaps:
-        plots(out.parent, groups, heatmaps, baseline)
+        figures = {"val_loss.png": (val_loss_figure, groups, baseline)} if groups else {}
+        for name, matrix in heatmaps.items():
+            safe = re.sub(r"[^\w.-]+", "_", name).strip("_.")  # a run's path as a file name
+            figures[f"routes_{safe}.png"] = (routes_figure, name, *matrix)
+        save_figures(out.parent, figures)
     return 0
 
 # --- Figures (matplotlib is optional). ---
 
-def plots(folder, groups, heatmaps, baseline):
-    """val_loss.png and routes_RUN.png (heatmaps {RUN: route_matrix}) into folder."""
+def save_figures(folder, figures):
+    """Each {FILE: (draw, *args)}: draw(Figure, *args) as the PNG folder/FILE."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         return print(NO_MATPLOTLIB)
-    if groups:
-        save_figure(val_loss_figure(Figure, groups, baseline), Path(folder) / "val_loss.png")
-    for name, matrix in heatmaps.items():
-        safe = re.sub(r"[^\w.-]+", "_", name).strip("_.")  # a run's path as a file name
-        save_figure(routes_figure(Figure, name, *matrix), Path(folder) / f"routes_{safe}.png")
-
-def save_figure(fig, path):
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    print(f"wrote {path}")
+    for name, (draw, *args) in figures.items():
+        fig = draw(Figure, *args)
+        write_atomic(folder / name, lambda f: fig.savefig(f, format="png", dpi=110))
+        print(f"wrote {folder / name}")
 
 def val_loss_figure(Figure, groups, baseline):
     """A column per group: val loss over tokens per row, its paired difference to the baseline."""
@@ -492,16 +473,16 @@ def val_loss_figure(Figure, groups, baseline):
     axes = fig.subplots(2, len(groups), squeeze=False, sharex="col",
                         gridspec_kw=dict(height_ratios=[3, 2]))
     for g, title, ax, dax in zip(groups, titles(groups), axes[0], axes[1]):
-        base = {r["seed"]: curve(r) for r in g["base"]["runs"]} if g["base"] else {}
+        base = {r["seed"]: r["curve"] for r in g["base"]["runs"]} if g["base"] else {}
         for row in g["rows"]:
             shade = colormaps["tab20"](([*VARIANTS, row["variant"]].index(row["variant"])) % 20)
-            curves = [curve(r) for r in row["runs"]]
+            curves = [r["curve"] for r in row["runs"]]
             band(ax, curves, shade, f"{row['variant']} (lr {row['lr']:g}, {len(curves)})")
-            band(dax, [{t: y - base[r["seed"]][t] for t, y in curve(r).items()
+            band(dax, [{t: y - base[r["seed"]][t] for t, y in r["curve"].items()
                         if t in base[r["seed"]]} for r in row["runs"]
                        if r["seed"] in base and row is not g["base"]], shade)
-        late = [y for row in g["rows"] for r in row["runs"] for t, y in curve(r).items()
-                if t >= 0.2 * max(curve(r), default=0)]  # the first fifth would dwarf the rest
+        late = [y for row in g["rows"] for r in row["runs"] for t, y in r["curve"].items()
+                if t >= 0.2 * max(r["curve"], default=0)]  # the first fifth would dwarf the rest
         ax.set_ylim(top=max(late, default=None))
         dax.axhline(0, color="black", linewidth=0.8)
         ax.set(title=title, ylabel="val loss (nats/token)")
@@ -509,14 +490,10 @@ def val_loss_figure(Figure, groups, baseline):
         ax.legend(fontsize=8, title="variant (lr, seeds); band: min–max", title_fontsize=8)
     return fig
 
-def curve(run):  # {tokens: val loss} of a run's evaluations after step 0
-    return {e["tokens"]: e["val_loss"] for e in run["evals"] if e["tokens"] > 0}
-
 def band(ax, curves, shade, label=None):
     """Mean line and min–max band over curves ({tokens: value}), at the tokens all reached."""
     import numpy as np
-    tokens = sorted(set.intersection(*map(set, curves))) if curves else []
-    if tokens:
+    if curves and (tokens := sorted(set.intersection(*map(set, curves)))):
         y = np.array([[c[t] for t in tokens] for c in curves])
         ax.plot(tokens, y.mean(0), color=shade, label=label, marker="o" * (len(tokens) < 3))
         ax.fill_between(tokens, y.min(0), y.max(0), color=shade, alpha=0.2, linewidth=0)
@@ -542,21 +519,21 @@ def routes_figure(Figure, name, reads, sources, matrix):
 # --- A trained run's routes, and interventions on them (SPEC: Controls, interventions). ---
 
 def load_model(run_dir, ckpt="best.pt", data=None, device="cpu"):
-    """A run's model (eval mode), its checkpoint, and the val split of its data (or --data)."""
+    """A run's model (eval mode), checkpoint, val split (of --data if given) and eval crops."""
     path = Path(run_dir) / ckpt
     saved = checkpoint.load(path, f"no {ckpt} in {run_dir}: give a run folder of train.py")
     model = checkpoint.model_from(saved, path).to(device).eval()
     if model.config.residual != "attnres":
         raise UsageError(f"{path}: a {model.config.residual} model has no depth routes")
     folder, meta = checkpoint.open_data(saved, run_dir, data)  # one line if moved or another
-    return model, saved, prepare_data.open_split(folder, "val", meta)
+    val, s = prepare_data.open_split(folder, "val", meta), saved["settings"]
+    T = model.config.sequence_len
+    return model, saved, val, train.eval_offsets(len(val), T, s["batch_size"], s["eval_tokens"], 1)
 
 def route_matrix(run_dir, data=None):
     """(reads, sources, each read's mean weight per source or None): best.pt, train.py's crops."""
-    model, saved, val = load_model(run_dir, data=data)
-    T, s = model.config.sequence_len, saved["settings"]
-    offsets = train.eval_offsets(len(val), T, s["batch_size"], s["eval_tokens"], 1)[0][:8]
-    (x, _), = train.get_batch(val, offsets, T, torch.device("cpu"))
+    model, _, val, offsets = load_model(run_dir, data=data)
+    (x, _), = train.get_batch(val, offsets[0][:8], model.config.sequence_len, torch.device("cpu"))
     with torch.no_grad():
         stats = routing_stats(model(x, return_routes=True)[2])
     reads = stats["reads"]
@@ -564,9 +541,8 @@ def route_matrix(run_dir, data=None):
                                              for s in stats["sources"]] for r in reads.values()]
 
 def chosen_mask(pools, m, names=(), older_than=None, only=None):
-    """{Read: sources to mask} by name (C0, P take their details) and by age: in a read of block
-    b = sublayer // m, C<j> and its details with b - j > older_than. Every read, or only `only`.
-    A read it would leave nothing to read keeps its sources and is listed: (mask, kept)."""
+    """(mask, kept): {Read: sources} hidden by name (C0, P take their details) or by age, in every
+    read or only `only`; a read it would leave nothing to read keeps its sources and is listed."""
     known = {n for pool in pools.values() for src in pool for n in (src, src.partition(".")[0])}
     if set(names) - known or only not in (None, *map(str, pools)):
         raise UsageError(f"--mask {','.join(names)} --read {only}: the sources are "
@@ -590,10 +566,9 @@ def random_mask(mask, pools, seed):  # the control: as many sources per read, ne
 
 def ablate(args, extra):
     """Δ val loss of the mask in each read alone and in all, beside count-matched random masks."""
-    device = train.pick_device(args.device)
-    model, saved, val = load_model(args.run_dir, f"{args.ckpt}.pt", args.data, device)
+    folder, device = Path(args.run_dir), train.pick_device(args.device)
+    model, saved, val, offsets = load_model(args.run_dir, f"{args.ckpt}.pt", args.data, device)
     s, T = saved["settings"], model.config.sequence_len
-    offsets = train.eval_offsets(len(val), T, s["batch_size"], s["eval_tokens"], 1)
     with torch.no_grad():  # each read's sources by name, from one forward (RD tied: one read)
         routes = model(train.get_batch(val, offsets[0][:1], T, device)[0][0], return_routes=True)[2]
     pools = {r["read"]: r["sources"] for r in routes if r["read"] in model.reads}
@@ -621,28 +596,23 @@ def ablate(args, extra):
         print(f"  not masked (it would hide every source of the read): {', '.join(kept)}")
     tag = "_".join([f"mask-{args.mask}"] * bool(args.mask) + [f"read-{args.read}"] * bool(args.read)
                    + [f"older{args.older_than}"] * (args.older_than is not None))
-    write_json(Path(args.run_dir) / f"ablate_{tag}.json", dict(
+    write_json(folder / f"ablate_{tag}.json", dict(
         vars(args), step=saved["progress"]["step"], fast_routing=model.config.fast_routing,
         base_val_loss=base, rows=rows, kept=kept))
-    print(f"wrote {Path(args.run_dir) / f'ablate_{tag}.json'}")
-    return ablate_figure(Path(args.run_dir), tag, rows)
+    print(f"wrote {folder / f'ablate_{tag}.json'}")
+    return save_figures(folder, {f"ablate_{tag}.png": (ablate_figure, rows, folder.name, tag)}) or 0
 
-def ablate_figure(folder, tag, rows):
-    """ablate_TAG.png: a bar per row, Δ of the mask, with the random masks' mean ± std."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return print(NO_MATPLOTLIB) or 0
+def ablate_figure(Figure, rows, run, tag):
+    """A bar per row, Δ of the mask, with the random masks' mean ± std."""
     fig = Figure(figsize=(7, 1.4 + 0.4 * len(rows)), layout="constrained")
     ax, y = fig.subplots(), range(len(rows))
     ax.barh(y, [r["delta"] for r in rows], label="the mask")
     ax.errorbar([r["random_mean_std"][0] for r in rows], y, fmt="o", color="C1",
                 xerr=[r["random_mean_std"][1] or 0 for r in rows], label="random, mean ± std")
     ax.set_yticks(y, [r["read"] for r in rows])
-    ax.set(xlabel="Δ val loss (masked − unmasked)", title=f"{folder.name}: ablate {tag}")
+    ax.set(xlabel="Δ val loss (masked − unmasked)", title=f"{run}: ablate {tag}")
     ax.legend(fontsize=8)
-    save_figure(fig, folder / f"ablate_{tag}.png")
-    return 0
+    return fig
 
 # --- Command line. ---
 

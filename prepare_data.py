@@ -74,8 +74,7 @@ def _download(out, progress, o, rel, url):
             wait = min(o["backoff"] * 2 ** attempt, MAX_WAIT)
             print(f"{dest.name}: {e}; retry {attempt + 1}/{o['retries']} in {wait:g} s", flush=True)
             time.sleep(wait)
-    why = _problem(part, dest.name)
-    if why:
+    if why := _problem(part, dest.name):
         part.unlink()
         raise UsageError(f"{dest.name} from {url} is not the real file ({why}); it was deleted: "
                          "re-run to download it again (from another --base_url if a mirror's)")
@@ -142,10 +141,10 @@ def _problem(path, name):
             return f"{path.stat().st_size} bytes, but its header says {n} tokens"
         top = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER).max()
         return f"token id {top} is not a GPT-2 token" if top >= GPT2_VOCAB else None
-    return None
 
 # --- The datasets: (options, fetch) -> (meta.json's fields, {split: arrays of token ids}). ---
-def _chunks(a): return (a[i:i + CHUNK] for i in range(0, len(a), CHUNK))  # noqa: E704
+def _chunks(a):
+    return (a[i:i + CHUNK] for i in range(0, len(a), CHUNK))
 
 def _char_encoder(chars, default=-1):
     """text -> the id of each character, by a code point table (EOT has no single code point)."""
@@ -166,29 +165,26 @@ _NAMES = ("Lily:she Tom:he Mia:she Ben:he Sara:she Max:he Anna:she Leo:he Zoe:sh
           "Jack:he Lucy:she Finn:he Ruby:she Noah:he Ella:she Jake:he Amy:she Tim:he Rosa:she "
           "Omar:he Ivy:she Dan:he Nina:she Hugo:he Kate:she Ravi:he Maya:she Eli:he Lena:she "
           "Otto:he").split()
-_WORDS = dict(
-    place="park forest beach garden village library river hill market farm school castle lake "
-          "meadow bakery harbor cave zoo field kitchen attic bridge mountain island".split(),
+_WORDS = {k: v.split("|") for k, v in dict(
+    place="park|forest|beach|garden|village|library|river|hill|market|farm|school|castle|lake|"
+          "meadow|bakery|harbor|cave|zoo|field|kitchen|attic|bridge|mountain|island",
     object="red ball|kite|little boat|blue hat|shiny key|big book|drum|lantern|map|teddy bear|"
            "cake|basket|feather|smooth stone|shell|whistle|box|umbrella|apple|flower|toy car|rope|"
-           "bell|ring|scarf|cup|paper star|letter".split("|"),
-    animal="cat dog bird fox rabbit owl frog duck bear mouse turtle horse lion fish bee squirrel"
-           .split(),
-    adj="happy tiny brave curious sleepy kind shy clever silly gentle proud quiet friendly busy "
-        "grumpy bright old funny lonely little".split(),
-    feeling="happy sad scared excited surprised tired proud worried angry calm".split(),
+           "bell|ring|scarf|cup|paper star|letter",
+    animal="cat|dog|bird|fox|rabbit|owl|frog|duck|bear|mouse|turtle|horse|lion|fish|bee|squirrel",
+    adj="happy|tiny|brave|curious|sleepy|kind|shy|clever|silly|gentle|proud|quiet|friendly|busy|"
+        "grumpy|bright|old|funny|lonely|little",
+    feeling="happy|sad|scared|excited|surprised|tired|proud|worried|angry|calm",
     time="One sunny morning|One rainy day|One cold winter night|On a windy afternoon|Early one day|"
-         "One warm summer evening|Long ago|Once upon a time".split("|"),
+         "One warm summer evening|Long ago|Once upon a time",
     act="play in the sun|read books|sing songs|run fast|draw pictures|build sand castles|"
         "climb trees|bake cookies|dance|look at the stars|swim in the lake|ride a bike|"
-        "pick flowers|fly a kite".split("|"),
-    rel="mom|dad|grandma|grandpa|little brother|big sister|dog|best friend".split("|"),
-    water="river pond lake mud well sea".split(), weather="rain|snow|get dark|blow hard".split("|"),
-    spot="bed|big rock|old tree|table|stairs|bench".split("|"),
-    trap="mud|hole|net|bush|fence|tall grass".split("|"),
-    lesson="share|be kind|tell the truth|help others|be patient|listen to mom|try again|say sorry"
-           .split("|"),
-)
+        "pick flowers|fly a kite",
+    rel="mom|dad|grandma|grandpa|little brother|big sister|dog|best friend",
+    water="river|pond|lake|mud|well|sea", weather="rain|snow|get dark|blow hard",
+    spot="bed|big rock|old tree|table|stairs|bench", trap="mud|hole|net|bush|fence|tall grass",
+    lesson="share|be kind|tell the truth|help others|be patient|listen to mom|try again|say sorry",
+).items()}
 _BEATS = [  # a story takes one or more sentences from each beat, in order
     ["{time}, there was a {adj} {kind} named {N}.", "Once upon a time, there was a {adj} {animal} "
      "named {N}.", "{N} was a {adj} {kind} who lived near the {place}.",
@@ -297,10 +293,9 @@ def _tinystories(o, fetch):
 def _fineweb_edu(o, fetch):
     for name in ("encoder.json", "vocab.bpe"):  # next to the splits, not in downloads/: kept
         fetch(name, GPT2_URL)
-    names = ["finewebedu_val_000000.bin"]
-    names += [f"finewebedu_train_{i:06d}.bin" for i in range(1, o["shards"] + 1)]
-    val, *train = [np.memmap(fetch("downloads/" + name, FINEWEB_URL), dtype="<u2", mode="r",
-                             offset=SHARD_HEADER) for name in names]
+    shards = ["val_000000", *(f"train_{i:06d}" for i in range(1, o["shards"] + 1))]
+    val, *train = [np.memmap(fetch(f"downloads/finewebedu_{s}.bin", FINEWEB_URL), dtype="<u2",
+                             mode="r", offset=SHARD_HEADER) for s in shards]
     # SPEC's split: the val shard, cut at its first EOT at or after the middle (llm.c starts each
     # document with EOT, so this is a document boundary), else at the middle
     hits = np.flatnonzero(val[len(val) // 2:] == GPT2_EOT)
@@ -353,8 +348,11 @@ def prepare(name, out_dir=None, **options):
         return _download(out, progress, o, rel, sources[-1])
     meta, splits = DATASETS[name].prepare(o, fetch)
     meta = {"dataset": name, **meta, "source": meta.get("source", sources), "splits": {}}
-    for split, chunks in splits.items():
-        meta["splits"][split] = _write_tokens(out / f"{split}.bin", chunks, meta["dtype"])
+    dtype = np.dtype(meta["dtype"])
+    for split, chunks in splits.items():  # each written whole; its size says how many tokens
+        path = out / f"{split}.bin"
+        write_atomic(path, lambda f: f.writelines(np.asarray(c, dtype).tobytes() for c in chunks))
+        meta["splits"][split] = path.stat().st_size // dtype.itemsize
     for rel in [] if o["keep_downloads"] else progress["made"]:  # this job's downloads only
         if Path(rel).parent == Path("downloads"):
             (out / rel).unlink(missing_ok=True)
@@ -364,13 +362,6 @@ def prepare(name, out_dir=None, **options):
     (out / "progress.json").unlink()
     print(f"wrote {out}: {meta['splits']} tokens, vocab {meta['vocab_size']}")
     return out
-
-def _write_tokens(path, chunks, dtype):
-    def write(f):
-        for c in chunks:
-            f.write(np.ascontiguousarray(c, dtype=dtype).tobytes())
-    write_atomic(path, write)
-    return path.stat().st_size // np.dtype(dtype).itemsize
 
 def _options(name, options):
     """(every option of the run, the options that decide the data), each checked."""
@@ -556,8 +547,7 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: a written file gets the mode any new file would (mkstemp's is 0600)
 
 def write_atomic(path, data):
-    """Write `data` (bytes, or a function writing to a binary file) to path whole or not at all: a
-    fresh mkstemp file next to it, fsynced, renamed over path; on failure path is left as it was."""
+    """Write `data` (bytes, or a function writing to a binary file) to path whole or not at all."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -576,7 +566,8 @@ def write_json(path, obj):
     write_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False).encode() + b"\n")
 
 # --- Command line: a flag for every option of RUN_OPTIONS and DATASETS. ---
-def _parser():
+@cli
+def main(argv=None):
     listing = "\n".join(f"  {name:<12} {d.help}" for name, d in DATASETS.items())
     p = ArgumentParser(description="Prepare a dataset folder for train.py.", epilog="datasets:\n"
                        + listing, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -588,11 +579,7 @@ def _parser():
             kind = str if opt.default is None else type(opt.default)
             how = dict(action="store_true") if kind is bool else dict(type=kind)
             p.add_argument(f"--{k}", default=None, help=owner + opt.help + rng, **how)
-    return p
-
-@cli
-def main(argv=None):
-    args = _parser().parse_args(argv)
+    args = p.parse_args(argv)
     options = {k: v for k, v in vars(args).items() if v is not None and k not in ("name", "out")}
     prepare(args.name, args.out, **options)
 
