@@ -133,8 +133,7 @@ class GPTConfig:
         return WAV_BASES[self.wav_bases] if self.wav else ()
 
 def routing_fields(config_class=GPTConfig):
-    """residual and every field of the depth routing (needs=): a paired baseline without routing
-    (--residual prenorm) drops them all."""
+    """residual and every field of the depth routing (needs=): a paired baseline drops them all."""
     return ("residual",) + tuple(f.name for f in fields(config_class) if f.metadata.get("needs"))
 
 # The variants this codebase compares, as GPTConfig values: train.py's presets, experiments.py's
@@ -416,7 +415,12 @@ class DepthRouting:
         n_sub, heads = 2 * self.config.n_layer, self.config.route_heads
         details = sublayers[0] < n_sub or self.config.wav_readout_details  # choice: the readout
         if not self.config.fast_routing or (cache is not None and not torch.is_grad_enabled()):
-            return ReferenceReads(self, pool, first, details)
+            def reference_reads(read, block, keep_weights=False):  # every source built explicitly
+                own = self.block_sources("P", block, first) if block else []
+                sources = pool + [s for s in own if details or s.basis is None]
+                query, bias = self.route(read, sources)
+                return *depth_read(query, bias, [s.value for s in sources], heads), sources
+            return reference_reads
         partial = [s for s in self.block_source_names("P") if details or s.basis is None]
         sources = {read: pool + (partial if l > first else [])
                    for l in sublayers for read in self.reads_before(l)}
@@ -469,21 +473,6 @@ class DepthRouting:
         reads = self.block_reads(pool, n_sub - len(block), [n_sub], cache, reads)
         return self.read(reads, self.reads_before(n_sub)[0], block, routes)
 
-class ReferenceReads(NamedTuple):
-    """The reads of one routing block, one by one: depth_read over the pool and the block's own
-    sources, built explicitly (block_sources; details only if `details`): h, weights, sources."""
-    model: DepthRouting
-    pool: list
-    first: int
-    details: bool
-
-    def __call__(self, read, block, keep_weights=False):
-        own = self.model.block_sources("P", block, self.first) if block else []
-        sources = self.pool + [s for s in own if self.details or s.basis is None]
-        query, bias = self.model.route(read, sources)
-        heads = self.model.config.route_heads
-        return *depth_read(query, bias, [s.value for s in sources], heads), sources
-
 # -----------------------------------------------------------------------------
 # The model
 
@@ -495,8 +484,7 @@ class GPT(DepthRouting, nn.Module):
         d, n_sub = config.n_embd, 2 * config.n_layer
         self.wte = nn.Embedding(config.vocab_size, d)
         self.drop = nn.Dropout(config.dropout)
-        # layer j holds sublayers 2j (attention) and 2j+1 (MLP); how they join the stream is the
-        # routing
+        # layer j: sublayers 2j (attention) and 2j+1 (MLP); how they join the stream: the routing
         self.layers = nn.ModuleList([nn.ModuleDict(dict(attn=CausalSelfAttention(config),
                                                         mlp=MLP(config)))
                                      for _ in range(config.n_layer)])
@@ -505,9 +493,8 @@ class GPT(DepthRouting, nn.Module):
         cos, sin = rotary_tables(config.sequence_len, d // config.n_head)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Routing parameters are created from constants, never from the random stream, so that
-        # two configs with the same seed start with identical shared weights (SPEC: Paired
-        # experiments).
+        # routing parameters come from constants, not the random stream: two configs with the same
+        # seed start with identical shared weights (SPEC: Paired experiments)
         self.residual_gain = None
         if config.residual == "rezero":  # SPEC: x += α_l·f(x), α_l = 0
             self.residual_gain = nn.Parameter(torch.zeros(n_sub, 1))
