@@ -74,8 +74,7 @@ def build_parser():
     p.add_argument("--json", metavar="PATH", help="every number, rewritten as they come")
     return p
 
-# A timed model: the module, what its steps call (compiled or itself), its AdamW, and with
-# --compile its own backend's counts {"graphs": compiled, "calls": run}
+# A timed model: the module, what its steps call (compiled or itself), its AdamW, --compile's counts
 Model = namedtuple("Model", "model step_model opt counts", defaults=[None])
 
 class Bench:
@@ -142,7 +141,6 @@ class Bench:
         m.opt.zero_grad(set_to_none=True)
 
 def check_flags(args, variants):
-    """The shape of --shape or --preset with the flags' values; a UsageError for a bad flag."""
     lows = dict.fromkeys((*MODEL_FIELDS, "batch_size", "iters", "gen_repeats", "threads"), 1)
     for name, low in dict(lows, warmup=0, gen_tokens=0).items():
         if getattr(args, name) is not None and getattr(args, name) < low:
@@ -174,7 +172,6 @@ def names(text, flag):
     return found
 
 def load_against(path):
-    """The nanoroute module in `path` (a .py file, or a folder holding nanoroute.py)."""
     file = Path(path) / "nanoroute.py" if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise UsageError(f"--against {path}: no such file; give another version's nanoroute.py "
@@ -250,8 +247,7 @@ def build(b, name):
     opt = model.configure_optimizers(0.1, 1e-3, device_type=b.device.type)
     if not b.args.compile:
         return Model(model, model, opt)
-    # a backend of its own (--compile_backend's, wrapped): the model never shares another's graphs,
-    # and counts those it compiled and the calls that ran them (0 calls: an eager fallback)
+    # a backend of its own (--compile_backend's, wrapped): shares no graphs; 0 calls: eager fallback
     counts, inner = dict(graphs=0, calls=0), torch._dynamo.lookup_backend(b.args.compile_backend)
 
     def backend(graph, example_inputs):
@@ -265,7 +261,6 @@ def build(b, name):
     return Model(model, torch.compile(model, backend=backend), opt, counts)
 
 def record(b, name, m, times):
-    """One model's numbers: its steps, whether they ran compiled, memory by part, MFU."""
     median, first = statistics.median(times), b.out["first_steps"][name]["first_step_s"]
     r = dict(ms_median=1e3 * median, ms_min=1e3 * min(times), ms_all=[1e3 * t for t in times],
              tokens_per_s=b.B * b.T / median, params=m.model.get_num_params(), first_step_s=first)
@@ -290,18 +285,16 @@ def memory_parts(b, m):
         b.timed(lambda: b.step(m))
         return dict(parts, step_peak=torch.cuda.max_memory_allocated(b.device) - before)
     grads = sum(p.numel() * p.element_size() for p in m.model.parameters() if p.requires_grad)
-    buffers = {t.untyped_storage().data_ptr() for t in m.model.buffers()}
+    exclude = set(params) | {t.untyped_storage().data_ptr() for t in m.model.buffers()}
     # the eager model: saved-tensor hooks do not see inside compiled graphs
-    saved = saved_bytes(m.model, b.x, b.y, b.amp, set(params) | buffers)
-    return dict(parts, grads=grads, saved=saved)
+    return dict(parts, grads=grads, saved=saved_bytes(m.model, b.x, b.y, b.amp, exclude))
 
 def saved_bytes(model, x, y, amp, exclude):
-    """Bytes of the unique storages one forward saves for backward, still held at its end (weak
-    references: a freed storage's reused address counts once), but those in `exclude`."""
+    """Bytes a forward saves for backward (unique storages, held at its end), but `exclude`'s."""
     saved = []
 
     def pack(t):
-        saved.append(weakref.ref(t))
+        saved.append(weakref.ref(t))  # weak: a freed storage's reused address counts once
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
         _, loss = model(x, y)
@@ -318,7 +311,6 @@ def paired_ratio(times, base):
     return [statistics.median(ratios), q1, q3]
 
 def add_ratios(b, times):
-    """To prenorm and to block within each version of the code; with --against, this / that."""
     res = b.out["variants"]
     for name, r in res.items():
         version = "@against" if name.endswith("@against") else ""
@@ -354,8 +346,7 @@ def print_training(b):
                      fmt(r["ratio_block"]), quartiles(r["paired_ratio_prenorm"]),
                      quartiles(r["paired_ratio_block"]), f"{r['memory_bytes'] / 2**20:.1f}",
                      fmt(r["memory_ratio_prenorm"])])
-        rows[-1] += [f"{100 * r['mfu']:.1f}%"] if b.peak else []
-        rows[-1].append(f"{r['first_step_s']:.2f}")
+        rows[-1] += ([f"{100 * r['mfu']:.1f}%"] if b.peak else []) + [f"{r['first_step_s']:.2f}"]
         if b.args.compile:
             rows[-1].append(f"yes: {r['graphs']} graph(s), {r['compile_s']:.1f} s"
                             if r["compiled"] else "NO: eager fallback")
@@ -384,7 +375,6 @@ def generate_recompute(model, idx, max_new_tokens):
     return idx
 
 def time_generation(b, models):
-    """--gen_tokens greedy after a 1-token prompt, KV cache against full recompute, interleaved."""
     if b.n_new > b.T:
         print(f"\nnote: --gen_tokens {b.n_new} > sequence_len {b.T}: past the context both "
               "re-encode the last sequence_len tokens at every step")
@@ -414,7 +404,6 @@ def time_generation(b, models):
     return dict(new_tokens=b.n_new, repeats=b.args.gen_repeats, variants=out)
 
 def profile(b, m):
-    """--profile VARIANT: the top ops of 3 training steps, after an unprofiled one."""
     kinds = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * b.cuda
     sort_by = "self_device_time_total" if b.cuda else "self_cpu_time_total"
     m.model.train()

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import checkpoint
@@ -35,8 +36,7 @@ from prepare_data import UsageError, write_atomic, write_json
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
 
-# The tiny and controls sweeps' model and schedule: 4 layers x 64, 300 steps of 1,024 characters;
-# the milestones are steps 75, 150 and 300, where evaluations fall anyway.
+# The tiny and controls sweeps: 4 layers x 64, 300 steps of 1,024 characters, milestones at evals
 SMALL = ("--n_embd 64 --n_head 4 --sequence_len 64 --batch_size 16 --max_iters 300 "
          "--warmup_iters 20 --eval_interval 25 --eval_tokens 8K --milestones 76.8K,153.6K,307.2K "
          "--log_interval 25")
@@ -44,8 +44,7 @@ SMALL = ("--n_embd 64 --n_head 4 --sequence_len 64 --batch_size 16 --max_iters 3
 # threads wait on each other (steps up to 10x slower). An OMP_NUM_THREADS you set is kept.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
-# Named sweeps: datasets x depths x seeds x variants and the flags every run shares; the papers'
-# sweeps name the train.py preset of each depth (it sets the width and the schedule).
+# Named sweeps; the papers' name each depth's train.py preset (it sets the width and the schedule).
 DEMO = dict(datasets=["demo"], depths=[4], seeds=[0, 1, 2], flags=SMALL, env=ONE_THREAD)
 SWEEPS = {
     "tiny": dict(DEMO, variants="prenorm rezero layerscale block wav rd rd_tied rd_average "
@@ -162,7 +161,6 @@ def sweep_block(variants, depth, given=None):
     return max(blocks, default=None)
 
 def job_slots(jobs, per_run=1, extra=()):
-    """Each of `jobs` runs' environment: on CUDA its own GPUs, on CPU its share of the cores."""
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: must be at least 1")
     if jobs == 1:
@@ -346,9 +344,8 @@ def summarize(runs, baseline):
             row["at"] = {k: (mean_std(map(val, row["runs"])),
                              paired(row["runs"], base["runs"], val) if pair else None)
                          for k, val in at.items()}
-        out.append(dict(dataset=dataset, depth=depth, setup=setup, rows=rows, base=base,
-                        level=rows[0]["runs"][0]["level"],
-                        milestones=sorted(reached, key=reached.get)))
+        out.append(dict(dataset=dataset, depth=depth, level=rows[0]["runs"][0]["level"], rows=rows,
+                        setup=setup, base=base, milestones=sorted(reached, key=reached.get)))
     return out
 
 def make_row(name, block, by_lr):
@@ -412,11 +409,10 @@ def markdown(folders, runs, groups, baseline, notes):
                          f"{_ms(row['js'], 3)} | {_ms(row['wall'], 0)} |")
         if marks:
             lines += ["", "Milestones (val loss where the token count crossed each one):", "",
-                      "| variant | " + " | ".join(f"val @{m} | Δ @{m} | wins" for m in marks)
-                      + " |", "|---" * (1 + 3 * len(marks)) + "|"]
-            lines += [f"| {row['variant']} | " + " | ".join(
-                f"{_ms(row['at'][m][0])} | {_delta(row['at'][m][1])}" for m in marks) + " |"
-                for row in g["rows"]]
+                      "| variant |" + "".join(f" val @{m} | Δ @{m} | wins |" for m in marks),
+                      "|---" * (1 + 3 * len(marks)) + "|"]
+            lines += [f"| {row['variant']} |" + "".join(f" {_ms(row['at'][m][0])} | "
+                      f"{_delta(row['at'][m][1])} |" for m in marks) for row in g["rows"]]
         others = [f"- {row['variant']}: " + "; ".join(
             f"lr {lr:g}: {m:.4f} ({n} seeds)" for lr, (m, n) in sorted(row["others"].items()))
             for row in g["rows"] if row["others"]]
@@ -467,7 +463,6 @@ def save_figures(folder, figures):
         print(f"wrote {folder / name}")
 
 def val_loss_figure(Figure, groups, baseline):
-    """A column per group: val loss over tokens per row, its paired difference to the baseline."""
     from matplotlib import colormaps
     fig = Figure(figsize=(6.5 * len(groups), 7.5), layout="constrained")
     axes = fig.subplots(2, len(groups), squeeze=False, sharex="col",
@@ -483,24 +478,20 @@ def val_loss_figure(Figure, groups, baseline):
                        if r["seed"] in base and row is not g["base"]], shade)
         late = [y for row in g["rows"] for r in row["runs"] for t, y in r["curve"].items()
                 if t >= 0.2 * max(r["curve"], default=0)]  # the first fifth would dwarf the rest
-        ax.set_ylim(top=max(late, default=None))
         dax.axhline(0, color="black", linewidth=0.8)
-        ax.set(title=title, ylabel="val loss (nats/token)")
+        ax.set(title=title, ylabel="val loss (nats/token)", ylim=(None, max(late, default=None)))
         dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline} (same seed)")
         ax.legend(fontsize=8, title="variant (lr, seeds); band: min–max", title_fontsize=8)
     return fig
 
 def band(ax, curves, shade, label=None):
     """Mean line and min–max band over curves ({tokens: value}), at the tokens all reached."""
-    import numpy as np
     if curves and (tokens := sorted(set.intersection(*map(set, curves)))):
         y = np.array([[c[t] for t in tokens] for c in curves])
         ax.plot(tokens, y.mean(0), color=shade, label=label, marker="o" * (len(tokens) < 3))
         ax.fill_between(tokens, y.min(0), y.max(0), color=shade, alpha=0.2, linewidth=0)
 
 def routes_figure(Figure, name, reads, sources, matrix):
-    """route_matrix as a heatmap: rows reads, columns sources in pool order, blank where unseen."""
-    import numpy as np
     w = np.array([[np.nan if x is None else x for x in row] for row in matrix], dtype=float)
     fig = Figure(figsize=(2.6 + 0.8 * len(sources), 1.6 + 0.34 * len(reads)), layout="constrained")
     ax = fig.subplots()
@@ -596,14 +587,12 @@ def ablate(args, extra):
         print(f"  not masked (it would hide every source of the read): {', '.join(kept)}")
     tag = "_".join([f"mask-{args.mask}"] * bool(args.mask) + [f"read-{args.read}"] * bool(args.read)
                    + [f"older{args.older_than}"] * (args.older_than is not None))
-    write_json(folder / f"ablate_{tag}.json", dict(
-        vars(args), step=saved["progress"]["step"], fast_routing=model.config.fast_routing,
-        base_val_loss=base, rows=rows, kept=kept))
+    write_json(folder / f"ablate_{tag}.json", dict(vars(args), step=saved["progress"]["step"],
+               fast_routing=model.config.fast_routing, base_val_loss=base, rows=rows, kept=kept))
     print(f"wrote {folder / f'ablate_{tag}.json'}")
     return save_figures(folder, {f"ablate_{tag}.png": (ablate_figure, rows, folder.name, tag)}) or 0
 
 def ablate_figure(Figure, rows, run, tag):
-    """A bar per row, Δ of the mask, with the random masks' mean ± std."""
     fig = Figure(figsize=(7, 1.4 + 0.4 * len(rows)), layout="constrained")
     ax, y = fig.subplots(), range(len(rows))
     ax.barh(y, [r["delta"] for r in rows], label="the mask")

@@ -36,10 +36,6 @@ SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER = 20240520, 1, 256 * 4  # llm.c: 256 in
 CHUNK = 1 << 23  # characters / tokens / bytes handled at a time: bounded memory on huge files
 MAX_WAIT = 600  # seconds: the longest wait between two tries of a download
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-TEXT8_URL = "http://mattmahoney.net/dc"
-TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main"
-FINEWEB_URL = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main"
-GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main"
 OFFICIAL = {  # name: (bytes, sha256) of an official file, None if unknown; whoever serves it
     "text8.zip": (31344016, None),
     "encoder.json": (None, "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
@@ -54,12 +50,11 @@ RUN_OPTIONS = {  # how to run, not what to make: not in meta.json (a dataset's o
 
 # --- Downloads: into OUT/downloads/NAME.part, resumed with Range, checked by name, renamed. ---
 def _download(out, progress, o, rel, url):
-    """out/rel from url; recorded in progress.json before its first byte (rule 2)."""
     dest = out / rel
     part = dest.with_name(dest.name + ".part")
     if dest.exists():  # checked before its rename
         return dest
-    if rel not in progress["made"]:
+    if rel not in progress["made"]:  # recorded before its first byte (rule 2)
         progress["made"].append(rel)
         write_json(out / "progress.json", progress)
     dest.parent.mkdir(exist_ok=True)
@@ -244,7 +239,7 @@ def _demo(o, fetch):
 # text8: the first 10^8 bytes of cleaned Wikipedia, a-z and space.
 def _text8(o, fetch):
     chars = list(" abcdefghijklmnopqrstuvwxyz")
-    with zipfile.ZipFile(fetch("downloads/text8.zip", TEXT8_URL)) as z:
+    with zipfile.ZipFile(fetch("downloads/text8.zip", "http://mattmahoney.net/dc")) as z:
         ids = _char_encoder(chars)(z.read("text8").decode("ascii")).astype(np.uint8)
     return _char_meta(chars), _by_position(ids)
 
@@ -267,13 +262,13 @@ def _read_chunks(path):  # whole lines, ~CHUNK bytes at a time: no piece cuts EO
 
 def _tinystories(o, fetch):
     prefix = "TinyStories-" if o["v1"] else "TinyStoriesV2-GPT4-"
-    paths = {s: fetch(f"downloads/{prefix}{name}.txt", TINYSTORIES_URL)
+    url = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main"
+    paths = {s: fetch(f"downloads/{prefix}{name}.txt", url)
              for s, name in (("train", "train"), ("val", "valid"))}
     counts = np.zeros(0x110000, dtype=np.int64)
     for text in _read_chunks(paths["train"]):
         counts += np.bincount(np.frombuffer(text.replace(EOT, "").encode("utf-32-le"), np.uint32),
                               minlength=0x110000)
-    # ids: train's characters of at least --min_per_million per million, then EOT, then '\ufffd'
     least = max(1, o["min_per_million"] * counts.sum() / 1e6)  # small files keep ordinary ones
     counts[ord(REPLACEMENT)] = 0  # its own id, however common
     chars = [chr(c) for c in np.flatnonzero(counts >= least)] + [EOT, REPLACEMENT]
@@ -285,27 +280,25 @@ def _tinystories(o, fetch):
 
     def encoded(path):  # EOT between the stories of each chunk
         for text in _read_chunks(path):
-            stories = [encode(story) for story in text.split(EOT)]
-            yield np.concatenate([stories[0], *[x for s in stories[1:] for x in (eot, s)]])
+            yield np.concatenate([x for story in text.split(EOT) for x in (eot, encode(story))][1:])
     return _char_meta(chars, replaced=rare), {split: encoded(p) for split, p in paths.items()}
 
 # fineweb_edu: llm.c shards of GPT-2 tokens.
 def _fineweb_edu(o, fetch):
     for name in ("encoder.json", "vocab.bpe"):  # next to the splits, not in downloads/: kept
-        fetch(name, GPT2_URL)
+        fetch(name, "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main")
+    url = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main"
     shards = ["val_000000", *(f"train_{i:06d}" for i in range(1, o["shards"] + 1))]
-    val, *train = [np.memmap(fetch(f"downloads/finewebedu_{s}.bin", FINEWEB_URL), dtype="<u2",
-                             mode="r", offset=SHARD_HEADER) for s in shards]
-    # SPEC's split: the val shard, cut at its first EOT at or after the middle (llm.c starts each
-    # document with EOT, so this is a document boundary), else at the middle
+    val, *train = [np.memmap(fetch(f"downloads/finewebedu_{s}.bin", url), dtype="<u2", mode="r",
+                             offset=SHARD_HEADER) for s in shards]
+    # SPEC's split: val cut at its first EOT from the middle on (a document start), else mid-way
     hits = np.flatnonzero(val[len(val) // 2:] == GPT2_EOT)
     cut = len(val) // 2 + (int(hits[0]) if hits.size else 0)
     splits = dict(train=(c for s in train for c in _chunks(s)), val=_chunks(val[:cut]),
                   test=_chunks(val[cut:]))
     return dict(level="gpt2", dtype="uint16", vocab_size=GPT2_VOCAB), splits
 
-# Each dataset: its function, its help, and its options ({name: Option}), which decide the data.
-Dataset = namedtuple("Dataset", "prepare help options")
+Dataset = namedtuple("Dataset", "prepare help options")  # options ({name: Option}) decide the data
 DATASETS = {
     "demo": Dataset(_demo, "generated stories, 2M characters, offline in ~1 s", {
         "seed": Option(1337, "generator seed", 0, 2 ** 63 - 1),
@@ -422,9 +415,8 @@ def load_meta(folder):
         fix = _command(folder, progress.get("dataset", folder.name), progress.get("options"))
         raise UsageError(f"data folder {folder} {what}{found}; to prepare it there, run: {fix}")
     meta = _read_json(path) or {}
-    need = dict(dataset=str, level=str, dtype=str, vocab_size=int, splits=dict)
-    if meta.get("level") == "char":
-        need["chars"] = list
+    need = dict(dataset=str, level=str, dtype=str, vocab_size=int, splits=dict,
+                **({"chars": list} if meta.get("level") == "char" else {}))
     wrong = [f'no "{k}" {t.__name__}' for k, t in need.items() if type(meta.get(k)) is not t]
     wrong += [] if meta.get("dtype") in ("uint8", "uint16") else ['no "dtype" uint8 or uint16']
     if wrong:
@@ -483,10 +475,9 @@ def encoder(meta, folder):
                                 special_tokens={EOT: GPT2_EOT})
         return lambda text: enc.encode(text, allowed_special={EOT})
     index = {c: i for i, c in enumerate(meta["chars"])}
-    reserved = re.compile("(" + re.escape(EOT) + ")")  # EOT typed in a prompt is its one symbol
 
-    def encode(text):
-        pieces = [p for p in reserved.split(text) if p]
+    def encode(text):  # EOT typed in a prompt is its one symbol
+        pieces = [p for p in re.split(f"({re.escape(EOT)})", text) if p]
         missing = sorted({c for p in pieces if p not in index for c in p if c not in index})
         if missing:  # tinystories' rare ones are in meta.json's "replaced"
             raise UsageError(f"characters not in the {meta['dataset']} vocabulary: "
@@ -540,8 +531,7 @@ class ArgumentParser(argparse.ArgumentParser):
         known = {f: f for f in flags} | {k: v for k, v in FLAG_SYNONYMS.items() if v in flags}
         close = difflib.get_close_matches(wrong[1], known, n=1, cutoff=0.7) if wrong else []
         hint = f" (did you mean --{known[close[0]]}?)" if close else ""
-        print(f"error: {message}{hint}; see --help", file=sys.stderr)
-        sys.exit(2)
+        self.exit(2, f"error: {message}{hint}; see --help\n")
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: a written file gets the mode any new file would (mkstemp's is 0600)

@@ -24,7 +24,8 @@ from train import command, pick_device
 
 SHADES = " ░▒▓█"  # a weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; blank: not seen
 
-def build_parser():
+@prepare_data.cli
+def main(argv=None):
     p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n")[0])
     p.add_argument("--out_dir", default="out", help="train.py's run folder (default: out)")
     p.add_argument("--ckpt", default="best", choices=("best", "last"),
@@ -40,11 +41,7 @@ def build_parser():
     p.add_argument("--seed", type=int, default=1337, help="the same seed writes the same text")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--routes", action="store_true", help="how it routes over the prompt, not text")
-    return p
-
-@prepare_data.cli
-def main(argv=None):
-    a = build_parser().parse_args(argv)
+    a = p.parse_args(argv)
     if not 0 < a.temperature < math.inf:  # NaN fails too
         raise UsageError(f"--temperature {a.temperature}: must be > 0 and finite")
     for name in ("num_samples", "max_new_tokens", "top_k"):
@@ -60,8 +57,7 @@ def main(argv=None):
     ids = prompt_ids(a, meta, data_dir, model.config.sequence_len)
     idx, decode = torch.tensor([ids], device=device), prepare_data.decoder(meta, data_dir)
     if a.routes:
-        show_routes(model, idx, path, decode(ids))
-        return
+        return show_routes(model, idx, path, decode(ids))
     torch.manual_seed(a.seed)
     t0 = time.time()
     try:
@@ -80,7 +76,6 @@ def main(argv=None):
     print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
 
 def prompt_ids(a, meta, data_dir, sequence_len):
-    """--start (or the file it names) as token ids, else the default; its last sequence_len."""
     if a.start is not None:
         text = a.start
         if text.startswith("FILE:"):
