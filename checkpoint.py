@@ -1,11 +1,10 @@
 """
 What keeps a train.py run safe, and nothing of training (as nanochat's checkpoint_manager.py is to
-its training script). A new run never writes over a run (check_out_dir), and train.py deletes
-nothing; every file is written whole (prepare_data.write_atomic); a checkpoint is read with
-weights_only=True after its zip CRCs are checked (torch.load does not: flipped bytes would load
-silently), and one that does not fit is one line naming what differs; SIGINT and SIGTERM stop the
-loop at the end of a step, which saves; a resumed run is bitwise the same as an uninterrupted one
-(the batches depend on the step alone; a checkpoint holds each process's RNG states).
+its training script): a new run never writes over a run (check_out_dir) and train.py deletes
+nothing; files are written whole (prepare_data.write_atomic); a checkpoint is read with
+weights_only=True after its zip CRCs are checked (flipped bytes would otherwise load silently);
+SIGINT and SIGTERM stop the loop at the end of a step, which saves; a resumed run is bitwise the
+same as an uninterrupted one (batches depend on the step alone; each process's RNG states are kept).
 """
 
 import dataclasses
@@ -167,8 +166,10 @@ def stop_signal(run):
     return int(signum)
 
 def leave(code):
-    """A torchrun worker ends here: a gloo thread can abort the interpreter's teardown after a
-    finished run ("terminate called without an active exception"; seen in CI and in tests here)."""
+    """Exit with code. A torchrun worker leaves at once: a gloo thread can abort the interpreter's
+    teardown after a finished run ("terminate called without an active exception"; seen here)."""
+    if "RANK" not in os.environ:
+        sys.exit(code)
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()

@@ -42,9 +42,8 @@ from prepare_data import UsageError, write_json
 # that WAV and RD modify, so that the first run shows what this project is about.
 MODEL_DEFAULTS = dict(sequence_len=256, n_layer=4, n_head=4, n_embd=128, residual="attnres")
 
-# The papers' set-ups (SPEC.md); explicit flags override them. WAV v1's width and schedule are not
-# public: ours (head size 64). RD-AttnRes: 0.5M tokens a step on any number of GPUs, in forwards
-# of 16 x 1024 tokens (bench.py --preset NAME measures their memory on a GPU).
+# The papers' set-ups (SPEC.md); flags override them. WAV v1's width and schedule are ours (not
+# public). RD-AttnRes: 0.5M tokens a step on any GPU count, in forwards of 16 x 1024 tokens.
 _WAV = dict(variant("wav"), data="tinystories", n_embd=256, n_head=4, sequence_len=256,
             batch_size=64, lr=1e-3, warmup_iters=500, max_iters=20000, eval_interval=1000,
             eval_tokens=1 << 20)
@@ -179,8 +178,7 @@ def check_settings(a, world):
 # Data: random crops at offsets that depend only on (seed, step, micro-step)
 
 def open_data(a, ckpt, run_dir, master, given):
-    """The dataset's folder and meta.json: --resume reads the run's own (checkpoint.open_data)
-    unless --data is given; a new run's demo is prepared on the spot."""
+    """The dataset's folder and meta.json (--resume: the run's own, unless --data is given)."""
     if ckpt is not None:
         folder, meta = checkpoint.open_data(ckpt, run_dir, a.data if given else None)
         a.data = str(folder)
@@ -381,8 +379,7 @@ def train(run):
     finish(run)
 
 def train_step(run, lr):
-    """One AdamW step on the clipped gradient of the mean loss over --grad_accum micro-steps (and
-    the processes, by DDP) on the crops of (seed, step). Returns the mean loss."""
+    """One AdamW step on the mean loss of --grad_accum micro-steps (all processes); returns it."""
     a, T, data = run.settings, run.config.sequence_len, run.splits[0]
     for group in run.optimizer.param_groups:
         group["lr"] = lr
@@ -549,8 +546,7 @@ def command(script, flags, world=1):
     return shlex.join([*launcher, *map(str, flags)])
 
 def stop_early(run):
-    """After --stop_after or a stop signal: save last.pt, say how to continue, exit 130 / 143 after
-    SIGINT / SIGTERM (as a shell reports them). Returns whether the run stopped."""
+    """After --stop_after or a signal: save last.pt, say how to continue; a signal exits 128 + N."""
     signum, a, step = checkpoint.stop_signal(run), run.settings, run.progress.step
     if not signum and not (a.stop_after is not None and a.stop_after <= step < a.max_iters):
         return False
@@ -566,10 +562,8 @@ def stop_early(run):
     run.log(f"{why} after step {step}; continue with: {command('train.py', flags, run.world)}")
     if run.wandb:
         run.wandb.finish()
-    if signum and run.world > 1:
-        checkpoint.leave(128 + signum)
     if signum:
-        sys.exit(128 + signum)
+        checkpoint.leave(128 + signum)
     return True
 
 def record(run, line, text):
@@ -597,8 +591,7 @@ def start_wandb(run):
     return wandb.init(project=a.wandb_project, name=a.wandb_run, dir=run.out_dir,
                       config=dict(dataclasses.asdict(a), **dataclasses.asdict(run.config)))
 
-# Dense peak FLOP/s (bf16, TF32) from NVIDIA's data sheets, for MFU; other GPUs (H100 PCIe and NVL
-# among them: lower peaks) get no MFU.
+# Dense peak FLOP/s (bf16, TF32) from NVIDIA's data sheets, for MFU; other GPUs get no MFU
 PEAK_FLOPS = {r"\bA100\b": (312e12, 156e12), r"\bH[12]00\b(?!.*(PCIe|NVL))": (989e12, 494e12)}
 
 def peak_flops(device, dtype):
