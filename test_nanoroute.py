@@ -1278,12 +1278,14 @@ def test_static_logits_ignore_the_input_and_multi_head_reads_are_per_head():
 
 
 class MaskedModel(GPT):
-    """Sources masked by name in every read (C0, and every detail of P), and by age in one read."""
+    """Sources masked by name in every read (C0, and every detail of P), and by age in one read;
+    layer0.mlp keeps only its partial block (its one completed source, emb, is masked)."""
 
     def __init__(self, config):
         super().__init__(config)
         self.masked = {read: {"C0", "P.phase"} for read in self.reads if read.layer > 1}
         self.masked[nanoroute.Read(1, "mlp")] = {"emb"}
+        self.masked[nanoroute.Read(0, "mlp")] = {"emb"}
 
 
 @pytest.mark.gpu
