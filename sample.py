@@ -131,7 +131,7 @@ def heatmap(sources, reads, head=None):  # head None: the mean over route heads,
         weights = r["mean_weight"] if head is None else r["head_weight"][head]
         cells = {s: f"{shade(w)}{round(100 * w):>3}" for s, w in zip(r["sources"], weights)}
         row = "".join(cells.get(s, "").rjust(width) for s in sources)  # blank: not seen
-        print(f"{name:<{name_width}}{row}" + f"  {r['entropy'] + 0.0:5.2f}" * (head is None))
+        print(f"{name:<{name_width}}{row}" + f"  {r['entropy']:5.2f}" * (head is None))
 
 if __name__ == "__main__":
     main()
