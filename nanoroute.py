@@ -47,6 +47,15 @@ class RD(NamedTuple):
 RD_MODES = {"off": RD(), "decoupled": RD("learned"), "tied": RD("tied"),
             "average": RD("learned", average=True), "frozen_v": RD("frozen")}
 
+def missing_need(needs, residual, wav):
+    """Why a setting marked needs= ("attnres" or "wav") has no effect under residual and wav, with
+    the flag to add, or None where it applies. GPTConfig and train.py's settings both ask it."""
+    if needs and residual != "attnres":
+        return "applies only to residual=attnres: add --residual attnres"
+    if needs == "wav" and not wav:
+        return "applies only with wav=True: add --wav True"
+    return None
+
 def setting(default, help, needs=None):
     """A config field with its help text (train.py's --help). needs="attnres" or "wav" marks a
     field of the depth routing: an error unless residual=attnres (and wav=True)."""
@@ -102,11 +111,9 @@ class GPTConfig:
                 bad(f, f"must be one of {', '.join(allowed)}")
         # a routing knob where it has no effect is an error, not silently ignored (needs=)
         for f in fields(self):
-            needs, changed = f.metadata.get("needs"), getattr(self, f.name) != f.default
-            if changed and needs and self.residual != "attnres":
-                bad(f.name, "applies only to residual=attnres: add --residual attnres")
-            if changed and needs == "wav" and not self.wav:
-                bad(f.name, "applies only with wav=True: add --wav True")
+            missing = missing_need(f.metadata.get("needs"), self.residual, self.wav)
+            if missing and getattr(self, f.name) != f.default:
+                bad(f.name, missing)
         most = 2 * self.n_layer
         if not isinstance(self.attnres_block, int) or not 0 <= self.attnres_block <= most:
             bad("attnres_block", f"must be 0 (auto) or 1..2*n_layer={most} sublayers")
