@@ -38,14 +38,30 @@ WAV_BASES = {"phase": ("phase",), "split": ("split",), "both": ("phase", "split"
 EPS = 1e-6  # RMSNorm epsilon, for sublayer inputs and routing keys alike
 
 class RD(NamedTuple):
-    """An RD-AttnRes mode (SPEC). value: the value route, None (one read feeds Q, K, V), "learned",
-    "frozen" (query zero) or "tied" (w^V ≡ w^QK); average: Q, K and V read ½(h^QK + h^V)."""
-    value: str = None
+    """An RD-AttnRes mode (SPEC): the depth read, by its role, that feeds attention's queries (q),
+    keys (k) and values (v). "attn" is the QK route; any other role "attn.<name>" is a read of its
+    own with its own pseudo-query. average: Q, K and V all take the mean of the mode's reads;
+    frozen: roles whose pseudo-query stays zero (uniform weights); tied: w^V ≡ w^QK, every role is
+    the q read itself (computed once, recorded under each role's name in the routes)."""
+    q: str = "attn"
+    k: str = "attn"
+    v: str = "attn"
     average: bool = False
+    frozen: tuple = ()
+    tied: bool = False
 
-# The one table of RD's modes: reads_before, sublayer_inputs and the diagnostics read it.
-RD_MODES = {"off": RD(), "decoupled": RD("learned"), "tied": RD("tied"),
-            "average": RD("learned", average=True), "frozen_v": RD("frozen")}
+    @property
+    def roles(self):  # the attention sublayer's reads, in forward order (q's first)
+        return tuple(dict.fromkeys((self.q, self.k, self.v)))
+
+    def feeds(self, role):  # what a role's read feeds: "QK", "V", ... (a route's label)
+        return "".join(name for name, r in zip("QKV", (self.q, self.k, self.v)) if r == role)
+
+# The one table of RD's modes: the reads, the sublayer's inputs and the diagnostics derive from it.
+# A mode reading a new role is one line here (docs/routing.md), e.g. RD(k="attn.k", v="attn.v").
+RD_MODES = {"off": RD(), "decoupled": RD(v="attn.v"), "tied": RD(v="attn.v", tied=True),
+            "average": RD(v="attn.v", average=True),
+            "frozen_v": RD(v="attn.v", frozen=("attn.v",))}
 
 def missing_need(needs, residual, wav):
     """Why a setting marked needs= ("attnres" or "wav") has no effect under residual and wav, with
@@ -126,6 +142,13 @@ class GPTConfig:
             bad("attnres_block", "WAV needs an even routing block of at least 4 sublayers, e.g. 4")
         if self.wav and self.n_layer < 2:
             bad("n_layer", "WAV needs at least 2 layers (one routing block of 4 sublayers)")
+        rd = RD_MODES[self.rd]
+        if any(role != "attn" and not role.startswith("attn.") for role in rd.roles):
+            bad("rd", f"RD_MODES[{self.rd!r}] reads {rd.roles}: attention's reads are \"attn\" "
+                "or \"attn.<name>\"")
+        if set(rd.frozen) - set(rd.roles) or (rd.average or rd.tied) and len(rd.roles) < 2:
+            bad("rd", f"RD_MODES[{self.rd!r}] = {rd}: frozen names roles it does not read, or "
+                "average/tied is given without a second read (it would be rd=off)")
 
     @property
     def routing_block(self):
@@ -209,16 +232,21 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope, x_v=None, cache=None, layer=0):
+    def forward(self, x, rope, x_k=None, x_v=None, cache=None, layer=0):
+        """x feeds the queries, and the keys and values where x_k, x_v are None (RD-AttnRes)."""
         B, T, C = x.size()
-        if x_v is None:
+        weight, bias = self.c_attn.weight, self.c_attn.bias
+        if x_k is None and x_v is None:
             q, k, v = self.c_attn(x).split(C, dim=2)
-        else:  # SPEC: RD-AttnRes, queries and keys read h^QK, values read h^V (same weights)
-            w_qk, w_v = self.c_attn.weight.split([2 * C, C])
-            bias = self.c_attn.bias
+        elif x_k is None:  # SPEC: RD-AttnRes, queries and keys read h^QK, values read h^V
             b_qk, b_v = bias.split([2 * C, C]) if bias is not None else (None, None)
+            w_qk, w_v = weight.split([2 * C, C])
             q, k = F.linear(x, w_qk, b_qk).split(C, dim=2)
             v = F.linear(x_v, w_v, b_v)
+        else:  # each of Q, K and V from a read of its own (the same weights as one input)
+            biases = bias.split(C) if bias is not None else (None, None, None)
+            inputs = (x, x_k, x if x_v is None else x_v)
+            q, k, v = (F.linear(t, w, b) for t, w, b in zip(inputs, weight.split(C), biases))
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # (B, nh, T, hs)
         if cache is not None:
@@ -317,7 +345,7 @@ class DepthRouting:
         # rd=frozen_v's value route: a zero pseudo-query (SPEC), or with route_static a logit per
         # source, zero (uniform: equal to Block AttnRes at init); a detail bias per basis
         learned = [r for r in self.reads if r not in self.reads_before(0)
-                   and not (r.role == "attn.v" and RD_MODES[config.rd].value == "frozen")]
+                   and r.role not in RD_MODES[config.rd].frozen]
         self.query = nn.ParameterDict({} if config.route_static else
                                       {r.key: nn.Parameter(torch.zeros(d)) for r in learned})
         self.static_logits = nn.ParameterDict({r.key: nn.Parameter(torch.zeros(self.pool_size(r)))
@@ -347,8 +375,9 @@ class DepthRouting:
             return [Read(self.config.n_layer, "readout")]
         if l % 2:
             return [Read(l // 2, "mlp")]
-        value_read = RD_MODES[self.config.rd].value in ("learned", "frozen")
-        return [Read(l // 2, "attn")] + ([Read(l // 2, "attn.v")] if value_read else [])
+        rd = RD_MODES[self.config.rd]
+        roles = rd.roles[:1] if rd.tied else rd.roles  # tied: the one read is every role's
+        return [Read(l // 2, role) for role in roles]
 
     def pool_size(self, read):
         """How many sources a read sees (route_static's logits): e, then per completed block and
@@ -439,27 +468,33 @@ class DepthRouting:
 
     def read(self, reads, read, block, routes):
         """The read `read` over its sources: h (B, T, d). With routes (return_routes) it records
-        the read's weights over its sources (RD tied: also as the value route, the same read)."""
+        the read's weights over its sources, and what it feeds (RD tied: under every role)."""
         h, weights, sources = reads(read, block, keep_weights=routes is not None)
-        if routes is not None:
-            names = [s.name for s in sources]
+        if routes is None:
+            return h
+        rd = RD_MODES[self.config.rd]
+        names = [s.name for s in sources]
+        tied = rd.tied and read.role == rd.q
+        for role in rd.roles if tied else (read.role,):
+            feeds = rd.feeds(role) if role.startswith("attn") else ""
             # not detached: a loss written on the routes trains the routing (docs/routing.md)
-            routes.append(dict(read=read, name=str(read), sources=names, weights=weights))
-            if RD_MODES[self.config.rd].value == "tied" and read.role == "attn":
-                value = read._replace(role="attn.v")
-                routes.append(dict(routes[-1], read=value, name=str(value)))
+            routes.append(dict(read=read._replace(role=role), name=str(read._replace(role=role)),
+                               sources=names, weights=weights, feeds=feeds))
         return h
 
-    def sublayer_inputs(self, h):
-        """SPEC: RD-AttnRes. What a sublayer runs on from its reads h ({role: (B, T, d)}): (x, x_v),
-        x_v None when one input feeds Q, K and V. A read computed but not used is an error."""
-        h = dict(h)
-        x, x_v = h.pop("mlp") if "mlp" in h else h.pop("attn"), h.pop("attn.v", None)
-        if x_v is not None and RD_MODES[self.config.rd].average:  # Q, K and V read ½(h^QK + h^V)
-            x, x_v = 0.5 * (x + x_v), None
-        if h:
-            raise ValueError(f"reads computed but not used by the sublayer: {', '.join(h)}")
-        return x, x_v
+    def sublayer_inputs(self, l, h):
+        """SPEC: RD-AttnRes. What sublayer l runs on from its reads h ({role: (B, T, d)}): (x, x_k,
+        x_v), where x_k, x_v are None when x feeds them too. A read computed but not used is an
+        error (a role added to reads_before, or to RD_MODES, needs its use here)."""
+        rd = RD_MODES[self.config.rd]
+        roles = ("mlp",) * 3 if l % 2 else (rd.q, rd.k, rd.v)
+        unused = [role for role in h if role not in roles]
+        if unused:
+            raise ValueError(f"reads computed but not used by the sublayer: {', '.join(unused)}")
+        if rd.average and l % 2 == 0:  # Q, K and V read the mean of the reads, ½(h^QK + h^V)
+            return sum(h.values()) / len(h), None, None
+        x, x_k, x_v = (h[role] if role in h else h[rd.q] for role in roles)  # tied: q's read
+        return x, None if x_k is x else x_k, None if x_v is x else x_v
 
     # ----- the forward loop ------------------------------------------------------
     def _attnres(self, e, rope, cache, routes):
@@ -472,7 +507,7 @@ class DepthRouting:
             if l % m == 0:  # a new block (the kernel reuses what the last block's reads computed)
                 reads = self.block_reads(pool, l, range(l, min(l + m, n_sub)), cache, reads)
             h = {read.role: self.read(reads, read, block, routes) for read in self.reads_before(l)}
-            u = self._sublayer(l, *self.sublayer_inputs(h), rope, cache)
+            u = self._sublayer(l, *self.sublayer_inputs(l, h), rope, cache)
             block.append(u.float())  # choice: sources accumulate in float32, like nanoGPT's stream
             if len(block) == m:  # complete (a short last block stays partial)
                 pool, block = self.complete(l // m, block, pool), []
@@ -555,12 +590,14 @@ class GPT(DepthRouting, nn.Module):
             cache.pos += T
         return norm(x)
 
-    def _sublayer(self, l, x, x_v, rope, cache):
-        """u_l = f_l(norm(x)); ReZero feeds f_l the raw stream (SPEC: no pre-norm inside)."""
+    def _sublayer(self, l, x, x_k, x_v, rope, cache):
+        """u_l = f_l(norm(x)); ReZero feeds f_l the raw stream (SPEC: no pre-norm inside). x_k, x_v:
+        RD-AttnRes's inputs of the keys and values, None where x feeds them."""
         layer = self.layers[l // 2]
         prep = (lambda t: t) if self.config.residual == "rezero" else norm
+        x_k, x_v = (None if t is None else prep(t) for t in (x_k, x_v))
         if l % 2 == 0:
-            return layer.attn(prep(x), rope, None if x_v is None else prep(x_v), cache, l // 2)
+            return layer.attn(prep(x), rope, x_k, x_v, cache, l // 2)
         return layer.mlp(prep(x))
 
     def _residual(self, x, rope, cache):
@@ -568,7 +605,7 @@ class GPT(DepthRouting, nn.Module):
         denseformer: after layer j, x = Σ_i α_ji·X_i over e and each layer's output X_i."""
         outputs = [x]  # DenseFormer: e, then each layer's output
         for l in range(2 * self.config.n_layer):
-            u = self._sublayer(l, x, None, rope, cache)
+            u = self._sublayer(l, x, None, None, rope, cache)
             x = x + u if self.residual_gain is None else x + self.residual_gain[l] * u
             if self.config.residual == "denseformer" and l % 2:
                 outputs.append(x)
@@ -652,24 +689,30 @@ def routing_stats(routes):
     source), "entropy" (nats, mean over tokens and heads), "entropy_norm" (entropy / ln(number of
     sources): 1 = uniform, so pools of different sizes compare; None for one source)}};
     "sources": every source, in pool order; "entropy_norm_mean": over the reads of more than one
-    source but RD's value routes (every variant has the same reads); "js": {"layer{j}": nats}
-    (RD: QK route vs V route; not layer 0, whose routes both read e alone), "js_mean"."""
+    source that every variant has (one a sublayer, RD: the one feeding the queries, and the
+    readout); "js": {"layer{j}": nats} (RD: the route feeding the queries vs the one feeding the
+    values; not layer 0, whose routes both read e alone), "js_mean", "js_pair": what the two
+    routes feed, e.g. "QK‖V" (RD_MODES says it), None without two routes."""
     reads = {}
     for r in routes:
         w, n = r["weights"], len(r["sources"])  # (S, B, T, H)
         entropy = max(0.0, -torch.xlogy(w, w).sum(0).mean().item())  # max: no -0.0
-        reads[r["name"]] = dict(role=r["read"].role, sources=r["sources"],
-                                mean_weight=w.mean((1, 2, 3)).tolist(),
+        reads[r["name"]] = dict(role=r["read"].role, feeds=r.get("feeds", ""),
+                                sources=r["sources"], mean_weight=w.mean((1, 2, 3)).tolist(),
                                 head_weight=w.mean((1, 2)).t().tolist(), entropy=entropy,
                                 entropy_norm=entropy / math.log(n) if n > 1 else None)
     # sorted by block (stable: a block keeps its own order, C0, C0.phase, C0.split)
     sources = sorted(dict.fromkeys(s for r in routes for s in r["sources"]), key=source_block)
-    by_read = {r["read"]: r["weights"] for r in routes}
-    js = {f"layer{read.layer}": js_divergence(by_read[read._replace(role="attn")], w)
-          for read, w in by_read.items() if read.role == "attn.v" and read.layer > 0}
-    norms = [s["entropy_norm"] for s in reads.values()
-             if s["entropy_norm"] is not None and s["role"] != "attn.v"]
-    return dict(reads=reads, sources=sources, js=js,
+    queries = {r["read"].layer: r for r in routes if "Q" in r.get("feeds", "")}
+    values = {r["read"].layer: r for r in routes if "V" in r.get("feeds", "")}
+    pairs = {j: (queries[j], values[j]) for j in queries if values[j] is not queries[j]}
+    js = {f"layer{j}": js_divergence(q["weights"], v["weights"])
+          for j, (q, v) in pairs.items() if j > 0}
+    pair = next((f"{q['feeds']}‖{v['feeds']}" for q, v in pairs.values()), None)
+    # a read that feeds keys or values alone is RD's extra route: the other variants lack it
+    norms = [s["entropy_norm"] for s in reads.values() if s["entropy_norm"] is not None
+             and ("Q" in s["feeds"] or not s["feeds"])]
+    return dict(reads=reads, sources=sources, js=js, js_pair=pair,
                 js_mean=sum(js.values()) / len(js) if js else None,
                 entropy_norm_mean=sum(norms) / len(norms) if norms else None)
 

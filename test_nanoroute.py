@@ -166,15 +166,19 @@ def reference_forward(model, idx):
             inputs.append(x)
             updates.append(layer.mlp(x))
             continue
-        h_qk = read(f"layer{l // 2}.attn", pool)
-        h_v = h_qk if cfg.rd in ("off", "tied") else read(f"layer{l // 2}.attn.v", pool)
-        if cfg.rd == "tied":  # w^V ≡ w^QK: the value route is the same read
-            reads[f"layer{l // 2}.attn.v"] = reads[f"layer{l // 2}.attn"]
-        if cfg.rd == "average":
-            h_qk = h_v = 0.5 * (h_qk + h_v)
-        x, x_v = nanoroute.norm(h_qk), nanoroute.norm(h_v)
+        rd, h = nanoroute.RD_MODES[cfg.rd], {}  # SPEC: RD-AttnRes, as its table says
+        for role in rd.roles:
+            if rd.tied and role != rd.q:  # w^V ≡ w^QK: the same read, under both names
+                h[role] = h[rd.q]
+                reads[f"layer{l // 2}.{role}"] = reads[f"layer{l // 2}.{rd.q}"]
+            else:
+                h[role] = read(f"layer{l // 2}.{role}", pool)
+        q, k, v = h[rd.q], h[rd.k], h[rd.v]
+        if rd.average:  # Q, K and V read the mean of the reads
+            q = k = v = sum(h.values()) / len(h)
+        x = nanoroute.norm(q)
         inputs.append(x)
-        updates.append(layer.attn(x, rope, x_v))
+        updates.append(layer.attn(x, rope, nanoroute.norm(k), nanoroute.norm(v)))
     pool = ref_pool(e, updates, 2 * cfg.n_layer, cfg, learned)
     if not cfg.wav_readout_details:
         pool = [s for s in pool if s[2] == 0]
