@@ -536,6 +536,11 @@ class ArgumentParser(argparse.ArgumentParser):
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: a written file gets the mode any new file would (mkstemp's is 0600)
 
+def folder_name(text):  # an argparse type=: '' or blanks would name the working folder
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a folder name")
+    return text
+
 def write_atomic(path, data):
     """Write `data` (bytes, or a function writing to a binary file) to path whole or not at all."""
     path = Path(path)
@@ -562,7 +567,7 @@ def main(argv=None):
     p = ArgumentParser(description="Prepare a dataset folder for train.py.", epilog="datasets:\n"
                        + listing, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", help="dataset: " + ", ".join(DATASETS))
-    p.add_argument("--out", help="output folder (default: data/NAME)")
+    p.add_argument("--out", type=folder_name, help="output folder (default: data/NAME)")
     for owner, opts in [("", RUN_OPTIONS)] + [(n + ": ", d.options) for n, d in DATASETS.items()]:
         for k, opt in opts.items():
             rng = f" (default {opt.default}, {opt.low} to {opt.high})" if opt.high else ""

@@ -410,6 +410,8 @@ def test_open_split_checks_the_size_and_every_token_id(tmp_path):
     (["textfile", "--input", "no/such.txt"], "No such file or directory"),
     (["demo", "--sed", "3"], "unrecognized arguments: --sed 3 (did you mean --seed?)"),
     (["demo", "--out", "{tmp}/file/demo"], "Not a directory"),
+    (["demo", "--out", ""], "argument --out: '': give a folder name"),
+    (["demo", "--out", " "], "argument --out: ' ': give a folder name"),
 ])
 def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, argv, words):
     monkeypatch.chdir(tmp_path)  # so that a check that let a bad value through writes nothing here
