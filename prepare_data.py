@@ -341,11 +341,13 @@ def prepare(name, out_dir=None, **options):
         return _download(out, progress, o, rel, sources[-1])
     meta, splits = DATASETS[name].prepare(o, fetch)
     meta = {"dataset": name, **meta, "source": meta.get("source", sources), "splits": {}}
+    meta["sha256"] = {}  # each split's: what tells a run's text from other text (checkpoint.py)
     dtype = np.dtype(meta["dtype"])
     for split, chunks in splits.items():  # each written whole; its size says how many tokens
-        path = out / f"{split}.bin"
-        write_atomic(path, lambda f: f.writelines(np.asarray(c, dtype).tobytes() for c in chunks))
+        path, digest = out / f"{split}.bin", hashlib.sha256()
+        write_atomic(path, lambda f: f.writelines(_hashed(chunks, dtype, digest)))
         meta["splits"][split] = path.stat().st_size // dtype.itemsize
+        meta["sha256"][split] = digest.hexdigest()
     for rel in [] if o["keep_downloads"] else progress["made"]:  # this job's downloads only
         if Path(rel).parent == Path("downloads"):
             (out / rel).unlink(missing_ok=True)
@@ -355,6 +357,12 @@ def prepare(name, out_dir=None, **options):
     (out / "progress.json").unlink()
     print(f"wrote {out}: {meta['splits']} tokens, vocab {meta['vocab_size']}")
     return out
+
+def _hashed(chunks, dtype, digest):  # each chunk's bytes, added to digest as they are written
+    for chunk in chunks:
+        data = np.asarray(chunk, dtype).tobytes()
+        digest.update(data)
+        yield data
 
 def _options(name, options):
     """(every option of the run, the options that decide the data), each checked."""

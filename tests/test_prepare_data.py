@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 import prepare_data as pd
+import train
+from conftest import TINY, run
 
 SCRIPT = str(Path(pd.__file__).resolve())
 
@@ -240,6 +242,20 @@ def test_textfile_splits_records_its_hash_and_is_made_anew_when_it_changes(tmp_p
     pd.prepare("textfile", input="story.txt")
     assert "wrote data/story" in capsys.readouterr().out
     assert pd.load_meta(out)["splits"] == {"train": 12, "val": 1, "test": 1}
+
+
+def test_a_run_resumes_only_on_its_own_text_by_the_splits_sha256(tmp_path, capsys):
+    story = tmp_path / "story.txt"
+    story.write_text("once upon a time\n" * 120, encoding="utf-8")
+    data, out = pd.prepare("textfile", tmp_path / "data", input=story), tmp_path / "run"
+    meta = pd.load_meta(data)
+    assert meta["sha256"]["val"] == hashlib.sha256((data / "val.bin").read_bytes()).hexdigest()
+    assert run(train.main, ["--data", data, "--out_dir", out, *TINY, "--max_iters", 1])[0] == 0
+    story.write_text("time upon a once\n" * 120, encoding="utf-8")  # the same characters
+    pd.prepare("textfile", data, input=story)
+    assert pd.load_meta(data)["chars"] == meta["chars"]
+    code, _, err = run(train.main, ["--out_dir", out, "--resume"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "is not the dataset the run in" in err
 
 
 # -----------------------------------------------------------------------------
