@@ -240,7 +240,8 @@ def _demo(o, fetch):
 def _text8(o, fetch):
     chars = list(" abcdefghijklmnopqrstuvwxyz")
     with zipfile.ZipFile(fetch("downloads/text8.zip", "http://mattmahoney.net/dc")) as z:
-        ids = _char_encoder(chars)(z.read("text8").decode("ascii")).astype(np.uint8)
+        # latin-1 reads any byte; one not in the vocabulary is id 255, which prepare refuses
+        ids = _char_encoder(chars)(z.read("text8").decode("latin-1")).astype(np.uint8)
     return _char_meta(chars), _by_position(ids)
 
 # textfile: a local UTF-8 file (docs/data.md, "Adding a dataset", walks through it).
@@ -353,6 +354,10 @@ def prepare(name, out_dir=None, **options):
             (out / rel).unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # not empty yet, or holding something else
                 (out / "downloads").rmdir()
+    # every id in the vocabulary, checked once the downloads are deleted: the same command then
+    # fetches again a file of the official size that holds other text (text8.zip: no SHA-256)
+    for split in meta["splits"]:
+        open_split(out, split, meta)
     write_json(out / "meta.json", {**meta, "format_version": FORMAT_VERSION, "options": recorded})
     (out / "progress.json").unlink()
     print(f"wrote {out}: {meta['splits']} tokens, vocab {meta['vocab_size']}")

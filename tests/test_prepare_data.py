@@ -332,6 +332,21 @@ def test_an_official_file_of_another_size_or_hash_is_refused_by_its_name(mirror,
     assert list(files_in(tmp_path / "fw")) == ["progress.json"]
 
 
+def test_a_text8_zip_of_other_text_is_refused_by_its_ids_and_downloaded_again(mirror, tmp_path,
+                                                                              capsys):
+    other = io.BytesIO()  # no official SHA-256 is known: the size alone lets it through
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("text8", "Other text, 2 digits and CAPITALS.")
+    mirror.serve({"text8.zip": other.getvalue()})
+    line = error_line(capsys, ["text8", "--out", tmp_path])
+    assert "holds token id 255, but vocab_size is 27" in line
+    assert sorted(files_in(tmp_path)) == ["progress.json", "test.bin", "train.bin", "val.bin"]
+    text, zipped = text8_zip()
+    mirror.serve({"text8.zip": zipped})
+    pd.prepare("text8", tmp_path)  # the same command downloads it again
+    assert pd.decoder(pd.load_meta(tmp_path), tmp_path)(pd.open_split(tmp_path, "test")) in text
+
+
 # -----------------------------------------------------------------------------
 # Folders: only this script's, resumed after a failure, read back with clear errors
 
