@@ -82,8 +82,12 @@ def model_from(ckpt, path, model=None):
     return model
 
 def dataset_identity(meta):
-    """What tells datasets apart, recorded in each checkpoint: the name and the vocabulary."""
-    return dict(dataset=meta["dataset"], vocab_size=meta["vocab_size"], chars=meta.get("chars"))
+    """What tells datasets apart, recorded in each checkpoint: the name, the vocabulary and the
+    splits' SHA-256 (the same characters in other text differ only there)."""
+    identity = dict(dataset=meta["dataset"], vocab_size=meta["vocab_size"], chars=meta.get("chars"))
+    if "sha256" in meta:  # a folder prepared before they were recorded: unknown, left out
+        identity["sha256"] = meta["sha256"]
+    return identity
 
 def open_data(ckpt, run_dir, data=None):
     """(folder, meta.json) of a run's data: `data` (--data), or its own, from any working folder

@@ -240,7 +240,8 @@ def _demo(o, fetch):
 def _text8(o, fetch):
     chars = list(" abcdefghijklmnopqrstuvwxyz")
     with zipfile.ZipFile(fetch("downloads/text8.zip", "http://mattmahoney.net/dc")) as z:
-        ids = _char_encoder(chars)(z.read("text8").decode("ascii")).astype(np.uint8)
+        # latin-1 reads any byte; one not in the vocabulary is id 255, which prepare refuses
+        ids = _char_encoder(chars)(z.read("text8").decode("latin-1")).astype(np.uint8)
     return _char_meta(chars), _by_position(ids)
 
 # textfile: a local UTF-8 file (docs/data.md, "Adding a dataset", walks through it).
@@ -341,20 +342,32 @@ def prepare(name, out_dir=None, **options):
         return _download(out, progress, o, rel, sources[-1])
     meta, splits = DATASETS[name].prepare(o, fetch)
     meta = {"dataset": name, **meta, "source": meta.get("source", sources), "splits": {}}
+    meta["sha256"] = {}  # each split's: what tells a run's text from other text (checkpoint.py)
     dtype = np.dtype(meta["dtype"])
     for split, chunks in splits.items():  # each written whole; its size says how many tokens
-        path = out / f"{split}.bin"
-        write_atomic(path, lambda f: f.writelines(np.asarray(c, dtype).tobytes() for c in chunks))
+        path, digest = out / f"{split}.bin", hashlib.sha256()
+        write_atomic(path, lambda f: f.writelines(_hashed(chunks, dtype, digest)))
         meta["splits"][split] = path.stat().st_size // dtype.itemsize
+        meta["sha256"][split] = digest.hexdigest()
     for rel in [] if o["keep_downloads"] else progress["made"]:  # this job's downloads only
         if Path(rel).parent == Path("downloads"):
             (out / rel).unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # not empty yet, or holding something else
                 (out / "downloads").rmdir()
+    # every id in the vocabulary, checked once the downloads are deleted: the same command then
+    # fetches again a file of the official size that holds other text (text8.zip: no SHA-256)
+    for split in meta["splits"]:
+        open_split(out, split, meta)
     write_json(out / "meta.json", {**meta, "format_version": FORMAT_VERSION, "options": recorded})
     (out / "progress.json").unlink()
     print(f"wrote {out}: {meta['splits']} tokens, vocab {meta['vocab_size']}")
     return out
+
+def _hashed(chunks, dtype, digest):  # each chunk's bytes, added to digest as they are written
+    for chunk in chunks:
+        data = np.asarray(chunk, dtype).tobytes()
+        digest.update(data)
+        yield data
 
 def _options(name, options):
     """(every option of the run, the options that decide the data), each checked."""
@@ -536,6 +549,11 @@ class ArgumentParser(argparse.ArgumentParser):
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: a written file gets the mode any new file would (mkstemp's is 0600)
 
+def folder_name(text):  # an argparse type=: '' or blanks would name the working folder
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a folder name")
+    return text
+
 def write_atomic(path, data):
     """Write `data` (bytes, or a function writing to a binary file) to path whole or not at all."""
     path = Path(path)
@@ -562,7 +580,7 @@ def main(argv=None):
     p = ArgumentParser(description="Prepare a dataset folder for train.py.", epilog="datasets:\n"
                        + listing, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", help="dataset: " + ", ".join(DATASETS))
-    p.add_argument("--out", help="output folder (default: data/NAME)")
+    p.add_argument("--out", type=folder_name, help="output folder (default: data/NAME)")
     for owner, opts in [("", RUN_OPTIONS)] + [(n + ": ", d.options) for n, d in DATASETS.items()]:
         for k, opt in opts.items():
             rng = f" (default {opt.default}, {opt.low} to {opt.high})" if opt.high else ""

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 import prepare_data as pd
+import train
+from conftest import TINY, run
 
 SCRIPT = str(Path(pd.__file__).resolve())
 
@@ -242,6 +244,20 @@ def test_textfile_splits_records_its_hash_and_is_made_anew_when_it_changes(tmp_p
     assert pd.load_meta(out)["splits"] == {"train": 12, "val": 1, "test": 1}
 
 
+def test_a_run_resumes_only_on_its_own_text_by_the_splits_sha256(tmp_path, capsys):
+    story = tmp_path / "story.txt"
+    story.write_text("once upon a time\n" * 120, encoding="utf-8")
+    data, out = pd.prepare("textfile", tmp_path / "data", input=story), tmp_path / "run"
+    meta = pd.load_meta(data)
+    assert meta["sha256"]["val"] == hashlib.sha256((data / "val.bin").read_bytes()).hexdigest()
+    assert run(train.main, ["--data", data, "--out_dir", out, *TINY, "--max_iters", 1])[0] == 0
+    story.write_text("time upon a once\n" * 120, encoding="utf-8")  # the same characters
+    pd.prepare("textfile", data, input=story)
+    assert pd.load_meta(data)["chars"] == meta["chars"]
+    code, _, err = run(train.main, ["--out_dir", out, "--resume"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "is not the dataset the run in" in err
+
+
 # -----------------------------------------------------------------------------
 # Downloads: resumed, retried, checked by name
 
@@ -314,6 +330,21 @@ def test_an_official_file_of_another_size_or_hash_is_refused_by_its_name(mirror,
     line = error_line(capsys, ["fineweb_edu", "--out", tmp_path / "fw"])
     assert "encoder.json" in line and "SHA-256 is not the official file's" in line
     assert list(files_in(tmp_path / "fw")) == ["progress.json"]
+
+
+def test_a_text8_zip_of_other_text_is_refused_by_its_ids_and_downloaded_again(mirror, tmp_path,
+                                                                              capsys):
+    other = io.BytesIO()  # no official SHA-256 is known: the size alone lets it through
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("text8", "Other text, 2 digits and CAPITALS.")
+    mirror.serve({"text8.zip": other.getvalue()})
+    line = error_line(capsys, ["text8", "--out", tmp_path])
+    assert "holds token id 255, but vocab_size is 27" in line
+    assert sorted(files_in(tmp_path)) == ["progress.json", "test.bin", "train.bin", "val.bin"]
+    text, zipped = text8_zip()
+    mirror.serve({"text8.zip": zipped})
+    pd.prepare("text8", tmp_path)  # the same command downloads it again
+    assert pd.decoder(pd.load_meta(tmp_path), tmp_path)(pd.open_split(tmp_path, "test")) in text
 
 
 # -----------------------------------------------------------------------------
@@ -410,6 +441,8 @@ def test_open_split_checks_the_size_and_every_token_id(tmp_path):
     (["textfile", "--input", "no/such.txt"], "No such file or directory"),
     (["demo", "--sed", "3"], "unrecognized arguments: --sed 3 (did you mean --seed?)"),
     (["demo", "--out", "{tmp}/file/demo"], "Not a directory"),
+    (["demo", "--out", ""], "argument --out: '': give a folder name"),
+    (["demo", "--out", " "], "argument --out: ' ': give a folder name"),
 ])
 def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, argv, words):
     monkeypatch.chdir(tmp_path)  # so that a check that let a bad value through writes nothing here
