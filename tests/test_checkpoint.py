@@ -44,8 +44,10 @@ def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, m
         else:  # stopped in its first save: --resume says how to start it over, which does
             code, _, err = run(train.main, ["--out_dir", state, "--resume"], capsys)
             assert code == 2 and "train without --resume first" in err, (i, err)
-            code, _, err = run(train.main, ["--data", demo, "--out_dir", state, *TINY, *FLAGS],
-                               capsys)
+            started = (state / "metrics.jsonl").exists()
+            code, out, err = run(train.main, ["--data", demo, "--out_dir", state, *TINY, *FLAGS],
+                                 capsys)
+            assert ("stopped in its first save" in out) == started, (i, out)
         assert code == 0, (i, err)
         assert [p.name for p in state.glob(".*")] == [NOT_MINE], i  # its own leftovers alone go
         assert without_times(metrics(state)) == without_times(metrics(whole)), i
