@@ -1,10 +1,11 @@
 """
 What keeps a train.py run safe, and nothing of training (as nanochat's checkpoint_manager.py is to
-its training script): a new run never writes over a run (check_out_dir) and train.py deletes
-nothing; files are written whole (prepare_data.write_atomic); a checkpoint is read with
-weights_only=True after its zip CRCs are checked (flipped bytes would otherwise load silently);
-SIGINT and SIGTERM stop the loop at the end of a step, which saves; a resumed run is bitwise the
-same as an uninterrupted one (batches depend on the step alone; each process's RNG states are kept).
+its training script): a new run never writes over a run (check_out_dir), but for what a kill in its
+first save left, and deletes only a kill's temporary files; files are written whole
+(prepare_data.write_atomic); a checkpoint is read with weights_only=True after its zip CRCs are
+checked (flipped bytes would otherwise load silently); SIGINT and SIGTERM stop the loop at the end
+of a step, which saves; a resumed run is bitwise the same as an uninterrupted one (batches depend
+on the step alone; each process's RNG states are kept).
 """
 
 import dataclasses
@@ -38,24 +39,54 @@ class Progress:
     seconds: float = 0.0  # spent before this invocation
 
 def check_out_dir(out_dir, resume):
-    """The checkpoint to resume (--resume), or None after checking that out_dir holds no run."""
+    """The checkpoint to resume (--resume), or None after checking that out_dir holds no run (or
+    only what a run stopped in its first save left). Either way, a kill's temporary files go."""
     if not str(out_dir).strip():
         raise UsageError("--out_dir '': give a folder name, e.g. --out_dir out")
     if resume:
-        return load(out_dir / "last.pt", f"nothing to resume in {out_dir} (no last.pt): train "
+        ckpt = load(out_dir / "last.pt", f"nothing to resume in {out_dir} (no last.pt): train "
                     "without --resume first")
+        remove_temporary_files(out_dir)
+        return ckpt
     found = [name for name in RUN_FILES if (out_dir / name).exists()]
-    if found:
+    if found and not stopped_in_first_save(out_dir):
         raise UsageError(f"{out_dir} already holds a run ({', '.join(found)}): add --resume to "
                          "continue it, or choose another --out_dir")
+    if found and os.environ.get("RANK", "0") == "0":
+        print(f"note: the run in {out_dir} stopped in its first save (step 0, no last.pt): "
+              "starting it over", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_temporary_files(out_dir)
     return None
+
+def stopped_in_first_save(out_dir):
+    """True if out_dir holds what a run killed in its first save leaves: no last.pt, and a
+    metrics.jsonl of step 0 alone (save writes it first, so a best.pt beside it is of step 0).
+    A plain run redoes all of it, so it starts over and writes over them."""
+    if any((out_dir / name).exists() for name in ("last.pt", "summary.json")):
+        return False
+    try:
+        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+        return bool(lines) and all(json.loads(line)["step"] == 0 for line in lines)
+    except (OSError, ValueError, TypeError, KeyError):  # absent, unreadable, not of train.py
+        return False
+
+def remove_temporary_files(out_dir):
+    """What a kill inside write_atomic leaves (.last.pt.<8 random characters>.tmp, as big as a
+    checkpoint), of the run files' names alone: their writer was killed, nothing else makes them."""
+    for name in RUN_FILES:
+        for tmp in out_dir.glob(f".{name}.????????.tmp"):
+            if tmp.is_file():
+                tmp.unlink(missing_ok=True)
 
 def load(path, missing):
     """A checkpoint as tensors and plain values, its CRCs checked; `missing`: if there is none."""
     path = Path(path)
     if not path.exists():
         raise UsageError(missing)
+    if not path.is_file():  # a folder, a FIFO, a link to /dev/zero: reading hangs or fills memory
+        raise UsageError(f"checkpoint {path} is not a file (a folder, a device or a pipe): "
+                         "put the checkpoint file itself there")
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
@@ -139,7 +170,7 @@ def restore(run, ckpt):
         raise UsageError(f"checkpoint {path}: its optimizer does not fit ({e})") from None
     run.progress = p = Progress(**ckpt["progress"])
     if (run.out_dir / "best.pt").exists():  # a step ahead of last.pt after a crash between them
-        best = torch.load(run.out_dir / "best.pt", map_location="cpu", weights_only=True, mmap=True)
+        best = load(run.out_dir / "best.pt", "")  # checked as last.pt: a damaged one is one line
         p.best_val_loss = min(p.best_val_loss, best["progress"]["best_val_loss"])
     if len(rng) == run.world:
         torch.set_rng_state(rng[run.rank]["cpu"])

@@ -358,7 +358,7 @@ def setup(argv, stop):
 def train(run):
     """The loop: steps, log lines, evaluations with checkpoints; it may stop early (stop_early)."""
     a, p = run.settings, run.progress
-    if p.step == 0:  # a checkpoint, even of step 0, comes after its evaluation
+    if not p.lines:  # a checkpoint, even of step 0, comes after its evaluation (--resume: done)
         evaluate_and_save(run, get_lr(0, a))
     first, seconds, steps = p.step + 1, 0.0, 0  # this invocation's first step warms up: untimed
     while p.step < a.max_iters:

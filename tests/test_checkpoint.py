@@ -1,0 +1,94 @@
+"""checkpoint.py: every folder a kill can leave is continued by --resume or started over by a plain
+run, with the uninterrupted run's result; what a run reads is checked first."""
+
+import os
+import shutil
+import tempfile
+import zipfile
+
+import torch
+
+import checkpoint
+import train
+from conftest import TINY, metrics, run
+
+FLAGS = ["--max_iters", 2, "--eval_interval", 1, "--device", "cpu"]  # saves at steps 0, 1, 2
+NOT_MINE = ".last.pt.notmine.tmp"  # a name write_atomic never makes (7 characters, not 8)
+
+
+def without_times(lines):  # what a resumed run must repeat exactly: all but the clock
+    drop = ("elapsed_s", "tok_per_s", "ms_per_step", "mfu")
+    return [{k: v for k, v in line.items() if k not in drop} for line in lines]
+
+
+def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, monkeypatch,
+                                                                capsys):
+    whole, real, states = tmp_path / "whole", checkpoint.write_atomic, []
+
+    def copy_then_write(path, data):  # the folder as a kill before or inside this write leaves it
+        state = shutil.copytree(whole, tmp_path / str(len(states)))
+        if len(states) % 2:  # mid-write: half the bytes in write_atomic's temporary file
+            fd, _ = tempfile.mkstemp(dir=state, prefix=f".{path.name}.", suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(bytes(data)[:len(data) // 2])
+        (state / NOT_MINE).write_text("a file of the user's")
+        states.append(state)
+        real(path, data)
+    monkeypatch.setattr(checkpoint, "write_atomic", copy_then_write)
+    assert run(train.main, ["--data", demo, "--out_dir", whole, *TINY, *FLAGS])[0] == 0
+    monkeypatch.setattr(checkpoint, "write_atomic", real)
+    assert len(states) >= 7  # metrics.jsonl, best.pt, last.pt at step 0, and on
+    for i, state in enumerate(states):
+        if (state / "last.pt").exists():
+            code, _, err = run(train.main, ["--out_dir", state, "--resume", *FLAGS[4:]], capsys)
+        else:  # stopped in its first save: --resume says how to start it over, which does
+            code, _, err = run(train.main, ["--out_dir", state, "--resume"], capsys)
+            assert code == 2 and "train without --resume first" in err, (i, err)
+            started = (state / "metrics.jsonl").exists()
+            code, out, err = run(train.main, ["--data", demo, "--out_dir", state, *TINY, *FLAGS],
+                                 capsys)
+            assert ("stopped in its first save" in out) == started, (i, out)
+        assert code == 0, (i, err)
+        assert [p.name for p in state.glob(".*")] == [NOT_MINE], i  # its own leftovers alone go
+        assert without_times(metrics(state)) == without_times(metrics(whole)), i
+        for name in ("best.pt", "last.pt"):
+            a, b = (torch.load(d / name, weights_only=True)["model"] for d in (whole, state))
+            assert all(torch.equal(a[k], b[k]) for k in a), (i, name)
+
+
+def test_a_run_past_its_first_save_is_never_started_over(demo, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert run(train.main, ["--data", demo, "--out_dir", out, *TINY, *FLAGS])[0] == 0
+    for name in ("last.pt", "summary.json"):  # a user kept best.pt and the metrics of the run
+        (out / name).unlink()
+    best = (out / "best.pt").read_bytes()
+    code, _, err = run(train.main, ["--data", demo, "--out_dir", out, *TINY, *FLAGS], capsys)
+    assert code == 2 and "already holds a run (best.pt, metrics.jsonl)" in err
+    assert (out / "best.pt").read_bytes() == best
+
+
+def flip_a_stored_byte(path):
+    """One byte inside a stored tensor flipped: the checkpoint still loads, only a CRC tells."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 16)
+    header = info.header_offset  # 30 bytes, then the name and the extra field, then the data
+    start = header + 30 + int.from_bytes(data[header + 26:header + 28], "little") + \
+        int.from_bytes(data[header + 28:header + 30], "little")
+    data[start + 8] ^= 0xFF
+    path.write_bytes(data)
+
+
+def test_resume_checks_best_pt_and_reads_only_a_file(demo, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert run(train.main, ["--data", demo, "--out_dir", out, *TINY, *FLAGS])[0] == 0
+    flip_a_stored_byte(out / "best.pt")
+    torch.load(out / "best.pt", weights_only=True)  # the damage a bare torch.load does not see
+    code, _, err = run(train.main, ["--out_dir", out, "--resume", "--max_iters", 3], capsys)
+    assert code == 2 and err.count("\n") == 1 and "best.pt is damaged (CRC" in err, err
+    (out / "last.pt").unlink()
+    for make in (lambda p: p.symlink_to("/dev/zero"), os.mkdir, os.mkfifo):
+        make(out / "last.pt")
+        code, _, err = run(train.main, ["--out_dir", out, "--resume"], capsys)
+        assert code == 2 and err.count("\n") == 1 and "last.pt is not a file" in err, err
+        shutil.rmtree(out / "last.pt") if (out / "last.pt").is_dir() else (out / "last.pt").unlink()
