@@ -604,10 +604,14 @@ class GPT(DepthRouting, nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """Sample max_new_tokens tokens after idx (B, T) with a KV cache. Past sequence_len tokens
         the context is the last sequence_len tokens, re-encoded at each step: exact, slower."""
-        if not temperature > 0:
-            raise ValueError(f"temperature={temperature!r}: must be > 0 (top_k=1 is greedy)")
+        if not 0 < temperature < math.inf:  # NaN fails too
+            raise ValueError(f"temperature={temperature!r}: must be > 0 and finite (top_k=1 is "
+                             "greedy)")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k!r}: must be >= 1, or None for no cut-off")
+        # within float32's range: 1e-46 would be 0 there, 1e39 inf (0 / 0, -inf / inf: NaN)
+        f32 = torch.finfo(torch.float32)
+        temperature = min(max(temperature, f32.tiny), f32.max)
         cfg, cache = self.config, None
         for _ in range(max_new_tokens):
             if cache is None or cache.pos >= cfg.sequence_len:  # (re)fill the cache
@@ -621,10 +625,12 @@ class GPT(DepthRouting, nn.Module):
             if top_k == 1:  # greedy: the likeliest token (the first of equals), no random draw
                 idx_next = logits.argmax(-1, keepdim=True)
             else:
-                logits = logits / temperature
                 if top_k is not None:
                     v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                     logits[logits < v[:, [-1]]] = -float("inf")
+                # the likeliest at 0: a tiny temperature sends the others to -inf (greedy), a huge
+                # one every allowed logit to ~0 (uniform), never inf - inf
+                logits = (logits - logits.amax(-1, keepdim=True)) / temperature
                 idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
