@@ -130,6 +130,25 @@ def test_routes_view(runs, demo, tmp_path, capsys):
     assert [sample.shade(w) for w in (0, .25, .26, .5, .51, .75, .76, 1)] == list("░░▒▒▓▓██")
 
 
+def test_routes_view_of_learned_mixing_weights_and_of_a_model_with_none(demo, tmp_path, capsys):
+    for residual in ("denseformer", "prenorm"):
+        assert run(train.main, ["--data", demo, "--out_dir", tmp_path / residual, *TINY,
+                                "--max_iters", 1, "--residual", residual], capsys)[0] == 0
+    routes = json.loads((tmp_path / "denseformer" / "summary.json").read_text())["routes"]
+    assert routes["entropy_norm_mean"] is None  # train.py records them; no distribution
+    ckpt = torch.load(tmp_path / "denseformer" / "best.pt", weights_only=True)
+    for j, weights in enumerate(([-1.0, 2.0], [0.5, -0.25, 1.5])):  # any real numbers
+        ckpt["model"][f"dwa_weights.{j}"] = torch.tensor(weights)
+    torch.save(ckpt, tmp_path / "best.pt")
+    lines = sample_text(capsys, tmp_path, "--routes", "--data", demo).splitlines()
+    assert lines[2].split() == ["emb", "L0", "L1", "H"]
+    assert [line.split() for line in lines[3:]] == [["layer0.dwa", "-1.00", "2.00"],
+                                                    ["layer1.dwa", "0.50", "-0.25", "1.50"]]
+    code, out, err = run(sample.main, ["--out_dir", tmp_path / "prenorm", "--routes"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "residual=prenorm model: it has no depth routing or learned mixing weights" in err
+
+
 def test_ckpt_last_and_the_data_of_a_moved_run(runs, demo, tmp_path, monkeypatch, capsys):
     routed, _ = runs
     flags = ["--num_samples", 1, "--max_new_tokens", 5, "--start", "Once"]
