@@ -284,7 +284,8 @@ def mean_square(v):  # per-token mean(v²) in float32 (B, T): one fused reductio
 
 class Read(NamedTuple):
     """A depth read: the input of layer `layer`'s attention (role "attn": Q and K, and V unless
-    RD reads it apart), RD's value route ("attn.v"), the MLP's ("mlp"), or the final readout."""
+    RD reads it apart), RD's value route ("attn.v"), the MLP's ("mlp"), or the final readout;
+    not a read, DenseFormer's weighted sum after layer `layer` is recorded as role "dwa"."""
     layer: int
     role: str
 
@@ -585,7 +586,7 @@ class GPT(DepthRouting, nn.Module):
         if self.config.residual == "attnres":
             x = self._attnres(e, rope, cache, routes)
         else:
-            x = self._residual(e, rope, cache)
+            x = self._residual(e, rope, cache, routes)
         if cache is not None:
             cache.pos += T
         return norm(x)
@@ -600,16 +601,25 @@ class GPT(DepthRouting, nn.Module):
             return layer.attn(prep(x), rope, x_k, x_v, cache, l // 2)
         return layer.mlp(prep(x))
 
-    def _residual(self, x, rope, cache):
+    def _residual(self, x, rope, cache, routes=None):
         """SPEC: prenorm x += f(norm(x)); rezero x += α·f(x); layerscale x += γ⊙f(norm(x));
-        denseformer: after layer j, x = Σ_i α_ji·X_i over e and each layer's output X_i."""
+        denseformer: after layer j, x = Σ_i α_ji·X_i over e and each layer's output X_i. With
+        routes (return_routes) DenseFormer records each layer's α_j as the read layer{j}.dwa."""
         outputs = [x]  # DenseFormer: e, then each layer's output
         for l in range(2 * self.config.n_layer):
             u = self._sublayer(l, x, None, None, rope, cache)
             x = x + u if self.residual_gain is None else x + self.residual_gain[l] * u
             if self.config.residual == "denseformer" and l % 2:
                 outputs.append(x)
-                x = sum(w * X for w, X in zip(self.dwa_weights[l // 2], outputs))
+                alpha = self.dwa_weights[l // 2]
+                x = sum(w * X for w, X in zip(alpha, outputs))
+                if routes is not None:
+                    read = Read(l // 2, "dwa")
+                    names = ["emb"] + [f"L{j}" for j in range(l // 2 + 1)]
+                    weights = alpha.detach().view(-1, 1, 1, 1).expand(-1, *x.shape[:2], 1)
+                    # any real numbers, not a distribution: routing_stats gives them no entropy
+                    routes.append(dict(read=read, name=str(read), sources=names, weights=weights,
+                                       distribution=False))
         return x
 
     # ----- training helpers ------------------------------------------------------
@@ -642,10 +652,14 @@ class GPT(DepthRouting, nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """Sample max_new_tokens tokens after idx (B, T) with a KV cache. Past sequence_len tokens
         the context is the last sequence_len tokens, re-encoded at each step: exact, slower."""
-        if not temperature > 0:
-            raise ValueError(f"temperature={temperature!r}: must be > 0 (top_k=1 is greedy)")
+        if not 0 < temperature < math.inf:  # NaN fails too
+            raise ValueError(f"temperature={temperature!r}: must be > 0 and finite (top_k=1 is "
+                             "greedy)")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k!r}: must be >= 1, or None for no cut-off")
+        # within float32's range: 1e-46 would be 0 there, 1e39 inf (0 / 0, -inf / inf: NaN)
+        f32 = torch.finfo(torch.float32)
+        temperature = min(max(temperature, f32.tiny), f32.max)
         cfg, cache = self.config, None
         for _ in range(max_new_tokens):
             if cache is None or cache.pos >= cfg.sequence_len:  # (re)fill the cache
@@ -659,10 +673,12 @@ class GPT(DepthRouting, nn.Module):
             if top_k == 1:  # greedy: the likeliest token (the first of equals), no random draw
                 idx_next = logits.argmax(-1, keepdim=True)
             else:
-                logits = logits / temperature
                 if top_k is not None:
                     v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                     logits[logits < v[:, [-1]]] = -float("inf")
+                # the likeliest at 0: a tiny temperature sends the others to -inf (greedy), a huge
+                # one every allowed logit to ~0 (uniform), never inf - inf
+                logits = (logits - logits.amax(-1, keepdim=True)) / temperature
                 idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
@@ -686,8 +702,9 @@ def js_divergence(p, q):
 def routing_stats(routes):
     """Summary of model(..., return_routes=True)'s routes. "reads": {name: {"role", "sources",
     "mean_weight" (per source, mean over tokens and route heads), "head_weight" (per head, per
-    source), "entropy" (nats, mean over tokens and heads), "entropy_norm" (entropy / ln(number of
-    sources): 1 = uniform, so pools of different sizes compare; None for one source)}};
+    source), "entropy" (nats, mean over tokens and heads; None where the route says
+    distribution=False: DenseFormer's weights), "entropy_norm" (entropy / ln(number of sources):
+    1 = uniform, so pools of different sizes compare; None for one source or no entropy)}};
     "sources": every source, in pool order; "entropy_norm_mean": over the reads of more than one
     source that every variant has (one a sublayer, RD: the one feeding the queries, and the
     readout); "js": {"layer{j}": nats} (RD: the route feeding the queries vs the one feeding the
@@ -696,11 +713,14 @@ def routing_stats(routes):
     reads = {}
     for r in routes:
         w, n = r["weights"], len(r["sources"])  # (S, B, T, H)
-        entropy = max(0.0, -torch.xlogy(w, w).sum(0).mean().item())  # max: no -0.0
+        entropy = None  # for learned weights (DenseFormer's), not a distribution
+        if r.get("distribution", True):
+            entropy = max(0.0, -torch.xlogy(w, w).sum(0).mean().item())  # max: no -0.0
         reads[r["name"]] = dict(role=r["read"].role, feeds=r.get("feeds", ""),
                                 sources=r["sources"], mean_weight=w.mean((1, 2, 3)).tolist(),
                                 head_weight=w.mean((1, 2)).t().tolist(), entropy=entropy,
-                                entropy_norm=entropy / math.log(n) if n > 1 else None)
+                                entropy_norm=None if n == 1 or entropy is None else
+                                entropy / math.log(n))
     # sorted by block (stable: a block keeps its own order, C0, C0.phase, C0.split)
     sources = sorted(dict.fromkeys(s for r in routes for s in r["sources"]), key=source_block)
     queries = {r["read"].layer: r for r in routes if "Q" in r.get("feeds", "")}

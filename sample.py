@@ -97,20 +97,29 @@ def prompt_ids(a, meta, data_dir, sequence_len):
               f"using its last {sequence_len}", file=sys.stderr)
     return ids[-sequence_len:]
 
+def cell(weight, distribution):  # a share in percent, "█100", or a learned weight, "-0.25"
+    return f"{shade(weight)}{round(100 * weight):>3}" if distribution else f"{weight:.2f}"
+
 def shade(weight):
     return SHADES[min(4, max(1, math.ceil(weight * 4)))]
 
 @torch.no_grad()
 def show_routes(model, idx, path, prompt):
-    """Every read's heatmap over the prompt (then each route head's), and RD's JS divergences."""
-    if model.config.residual != "attnres":
-        raise UsageError(f"{path} is a residual={model.config.residual} model: it has no depth "
-                         "routing to show (--routes needs a --residual attnres run)")
+    """Every read's heatmap over the prompt (then each route head's), and RD's JS divergences;
+    DenseFormer's learned weights per layer."""
     stats = routing_stats(model(idx, return_routes=True)[2])
+    if not stats["reads"]:
+        raise UsageError(f"{path} is a residual={model.config.residual} model: it has no depth "
+                         "routing or learned mixing weights to show (--routes needs a --residual "
+                         "attnres or denseformer run)")
     snippet = prompt if len(prompt) <= 60 else "..." + prompt[-57:]
-    print(f"depth routing of {path} over a {idx.size(1)}-token prompt: {snippet!r}\n"
-          f"mean weight per source in %: shade {SHADES[1]} <=25 {SHADES[2]} <=50 {SHADES[3]} <=75 "
-          f"{SHADES[4]} >75, blank: not seen by that read; H: entropy of the read (nats)")
+    print(f"depth routing of {path} over a {idx.size(1)}-token prompt: {snippet!r}")
+    if any(r["entropy"] is not None for r in stats["reads"].values()):
+        print(f"mean weight per source in %: shade {SHADES[1]} <=25 {SHADES[2]} <=50 {SHADES[3]} "
+              f"<=75 {SHADES[4]} >75, blank: not seen by that read; H: entropy of the read (nats)")
+    if any(r["entropy"] is None for r in stats["reads"].values()):
+        print("learned weights (no H): as they are, any real numbers, not a distribution; emb: "
+              "the embedding, L<i>: layer i's output")
     heatmap(stats["sources"], stats["reads"])
     heads = model.config.route_heads
     for k in range(heads if heads > 1 else 0):  # MHAR: head k reads with slice k of the width
@@ -125,13 +134,14 @@ def show_routes(model, idx, path, prompt):
 
 def heatmap(sources, reads, head=None):  # head None: the mean over route heads, and entropies
     short = [s.replace(".phase", ".ph").replace(".split", ".sp") for s in sources]
-    width, name_width = 1 + max(4, *map(len, short)), 2 + max(map(len, reads))  # a cell: "█100"
+    width, name_width = 1 + max(5, *map(len, short)), 2 + max(map(len, reads))
     print(" " * name_width + "".join(f"{s:>{width}}" for s in short) + "      H" * (head is None))
     for name, r in reads.items():
         weights = r["mean_weight"] if head is None else r["head_weight"][head]
-        cells = {s: f"{shade(w)}{round(100 * w):>3}" for s, w in zip(r["sources"], weights)}
+        cells = {s: cell(w, r["entropy"] is not None) for s, w in zip(r["sources"], weights)}
         row = "".join(cells.get(s, "").rjust(width) for s in sources)  # blank: not seen
-        print(f"{name:<{name_width}}{row}" + f"  {r['entropy']:5.2f}" * (head is None))
+        entropy = "" if r["entropy"] is None else f"  {r['entropy']:5.2f}"
+        print(f"{name:<{name_width}}{row}" + entropy * (head is None))
 
 if __name__ == "__main__":
     main()

@@ -459,16 +459,14 @@ def evaluate(run, data, batches):
 
 @torch.no_grad()
 def routes(run):
-    """routing_stats of 8 fixed val crops; None for a model without depth routing."""
-    if run.config.residual != "attnres":
-        return None
+    """routing_stats of 8 fixed val crops; None for a model without routes or learned mixing."""
     run.raw_model.eval()
     T, offsets = run.config.sequence_len, run.eval_batches[1][0][:8]
     (x, y), = get_batch(run.splits[1], offsets, T, run.device)
     with run.ctx:
         stats = routing_stats(run.raw_model(x, y, return_routes=True)[2])
     run.raw_model.train()
-    return stats
+    return stats if stats["reads"] else None
 
 def finish(run):
     """The end: the test loss, summary.json, then how the model routes and what to try next."""

@@ -1,6 +1,7 @@
 """sample.py on tiny trained runs: text, prompts, the routes view, the run's own data, bad input."""
 
 import json
+import math
 import re
 import shutil
 
@@ -12,6 +13,7 @@ import prepare_data
 import sample
 import train
 from conftest import TINY, run
+from nanoroute import GPT, GPTConfig
 
 SEP = "-" * 40 + "\n"
 
@@ -53,6 +55,8 @@ def test_text_prompts_seed_temperature_and_top_k(runs, tmp_path, monkeypatch, ca
     assert text("--top_k", 1, "--seed", 2) == greedy  # top_k reaches generate: 1 is greedy
     assert text("--temperature", 1e-4, "--seed", 3) == greedy  # so does the temperature
     assert text("--temperature", 1.0, "--seed", 3) != greedy
+    assert text("--temperature", 1e-45, "--seed", 4) == greedy  # the likeliest, not NaN
+    assert text("--temperature", 1e30, "--top_k", 3).count(SEP) == 2  # even among the top 3
     monkeypatch.chdir(tmp_path)  # FILE: a UTF-8 file, relative to the working folder
     (tmp_path / "prompt.txt").write_text("Tom saw a cat.", encoding="utf-8")
     assert text("--start", "FILE:prompt.txt") == text("--start", "Tom saw a cat.")
@@ -63,6 +67,22 @@ def test_text_prompts_seed_temperature_and_top_k(runs, tmp_path, monkeypatch, ca
     default = text()  # char level: after a newline, which is not printed
     assert [s for s in default.split(SEP) if s] == \
         [s[1:] for s in text("--start", "\n").split(SEP) if s]
+
+
+def test_extreme_temperatures_are_greedy_or_even_among_the_top_k():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=23, sequence_len=16, n_layer=1, n_head=2, n_embd=16))
+    torch.nn.init.normal_(model.lm_head.weight, 0, 0.3)  # logits units apart: uneven at 1
+    prompt = torch.randint(0, 23, (4, 3))
+    assert torch.equal(model.generate(prompt, 6, 1e-45, 5), model.generate(prompt, 6, top_k=1))
+    n, top5 = 20000, model(prompt[:1])[0][0, -1].topk(5).indices
+    for temperature, even in ((1e30, True), (1.0, False)):
+        counts = model.generate(prompt[:1].expand(n, -1), 1, temperature, 5)[:, -1].bincount()
+        assert counts.sum() == counts[top5].sum() == n  # only the top 5 are drawn
+        deviation = (counts[top5] - n / 5).abs() / math.sqrt(n * 0.2 * 0.8)  # binomial sds
+        assert (deviation < 6).all() == even, counts[top5]
+    with pytest.raises(ValueError, match="must be > 0 and finite"):  # NaN: the same check
+        model.generate(prompt, 1, math.inf)
 
 
 def cells(line):
@@ -110,6 +130,25 @@ def test_routes_view(runs, demo, tmp_path, capsys):
     assert [sample.shade(w) for w in (0, .25, .26, .5, .51, .75, .76, 1)] == list("░░▒▒▓▓██")
 
 
+def test_routes_view_of_learned_mixing_weights_and_of_a_model_with_none(demo, tmp_path, capsys):
+    for residual in ("denseformer", "prenorm"):
+        assert run(train.main, ["--data", demo, "--out_dir", tmp_path / residual, *TINY,
+                                "--max_iters", 1, "--residual", residual], capsys)[0] == 0
+    routes = json.loads((tmp_path / "denseformer" / "summary.json").read_text())["routes"]
+    assert routes["entropy_norm_mean"] is None  # train.py records them; no distribution
+    ckpt = torch.load(tmp_path / "denseformer" / "best.pt", weights_only=True)
+    for j, weights in enumerate(([-1.0, 2.0], [0.5, -0.25, 1.5])):  # any real numbers
+        ckpt["model"][f"dwa_weights.{j}"] = torch.tensor(weights)
+    torch.save(ckpt, tmp_path / "best.pt")
+    lines = sample_text(capsys, tmp_path, "--routes", "--data", demo).splitlines()
+    assert lines[2].split() == ["emb", "L0", "L1", "H"]
+    assert [line.split() for line in lines[3:]] == [["layer0.dwa", "-1.00", "2.00"],
+                                                    ["layer1.dwa", "0.50", "-0.25", "1.50"]]
+    code, out, err = run(sample.main, ["--out_dir", tmp_path / "prenorm", "--routes"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "residual=prenorm model: it has no depth routing or learned mixing weights" in err
+
+
 def test_ckpt_last_and_the_data_of_a_moved_run(runs, demo, tmp_path, monkeypatch, capsys):
     routed, _ = runs
     flags = ["--num_samples", 1, "--max_new_tokens", 5, "--start", "Once"]
@@ -150,6 +189,7 @@ def test_gpt2_level_run_starts_after_endoftext_and_decodes_its_tokens(tmp_path, 
 @pytest.mark.parametrize("flags, says", [
     (["--temperature", "0"], "--temperature 0.0: must be > 0 and finite"),
     (["--temperature", "nan"], "--temperature nan: must be > 0 and finite"),
+    (["--temperature", "inf"], "--temperature inf: must be > 0 and finite"),
     (["--top_k", "0"], "--top_k 0: must be at least 1"),
     (["--num_samples", "0"], "--num_samples 0: must be at least 1"),
     (["--seed", "-1"], r"--seed -1: must be in \[0, 2\*\*63\)"),
