@@ -126,8 +126,9 @@ def show_routes(model, idx, path, prompt):
         print(f"\nroute head {k} of {heads}:")
         heatmap(stats["sources"], stats["reads"], head=k)
     if stats["js"]:
-        print("\nRD: JS divergence between the QK and the V route, per attention layer (nats, at "
-              "most ln 2 = 0.693)")
+        q, v = stats["js_pair"].split("‖")  # what each route feeds, from RD_MODES
+        print(f"\nRD: JS divergence between the {q} and the {v} route, per attention layer (nats, "
+              "at most ln 2 = 0.693)")
         for layer, js in stats["js"].items():
             print(f"  {layer:<8} {js:.4f}  " + SHADES[4] * round(40 * js / math.log(2)))
         print(f"  {'mean':<8} {stats['js_mean']:.4f}")

@@ -34,19 +34,17 @@ def _tf32_as_before():
 VOCAB, SEQ = 23, 16
 TINY = dict(vocab_size=VOCAB, sequence_len=SEQ, n_layer=3, n_head=2, n_embd=16)
 
-# Every routing configuration the tests sweep. n_layer=3 is 6 sublayers, so attnres_block=4 leaves a
-# shorter last block of 2 and attnres_block=1 is Full AttnRes.
-ATTNRES_MODES = {
-    "block": dict(residual="attnres", attnres_block=2),
+# The per-mode tests take their cases from the tables, so that an entry is tested the moment it
+# exists: the shapes the kernel treats apart first (n_layer=3 is 6 sublayers: attnres_block=4
+# leaves a shorter last block of 2, attnres_block=1 is Full AttnRes), then every variant of
+# VARIANTS, every residual of RESIDUALS and every mode of RD_MODES.
+SHAPES = {
     "block_short_last": dict(residual="attnres", attnres_block=4),
     "full": dict(residual="attnres", attnres_block=1),
-    "wav": dict(residual="attnres", wav=True, attnres_block=4),
     "wav_split": dict(residual="attnres", wav=True, wav_bases="split", attnres_block=4),
     "wav_phase_readout": dict(residual="attnres", wav=True, wav_bases="phase",
                               wav_readout_details=True, attnres_block=4),
     "wav_wide": dict(residual="attnres", wav=True, attnres_block=6, n_layer=3),
-    **{f"rd_{m}": dict(residual="attnres", rd=m, attnres_block=4)
-       for m in nanoroute.RD_MODES if m != "off"},
     "rd_wav": dict(residual="attnres", rd="decoupled", wav=True, attnres_block=4),
     # SPEC: Learnable bases
     "wav_learned": dict(residual="attnres", wav=True, wav_learned_bases=True, attnres_block=4),
@@ -59,9 +57,26 @@ ATTNRES_MODES = {
     "heads_wav_rd": dict(residual="attnres", route_heads=2, wav=True, rd="frozen_v",
                          attnres_block=4),
 }
-ALL_MODES = {"prenorm": dict(), "rezero": dict(residual="rezero"),
-             "layerscale": dict(residual="layerscale"), "denseformer": dict(residual="denseformer"),
-             **ATTNRES_MODES}
+
+
+def distinct(cases):
+    """The cases of distinct configurations: the tables name a few twice (prenorm, rd=off)."""
+    seen, kept = [], {}
+    for name, overrides in cases.items():
+        config = GPTConfig(**{**TINY, **overrides})
+        if config not in seen:
+            seen.append(config)
+            kept[name] = overrides
+    return kept
+
+
+ALL_MODES = distinct({**SHAPES,
+                      **{name: nanoroute.variant(name) for name in nanoroute.VARIANTS},
+                      **{residual: dict(residual=residual) for residual in nanoroute.RESIDUALS},
+                      **{f"rd_{m}": dict(residual="attnres", rd=m, attnres_block=4)
+                         for m in nanoroute.RD_MODES}})
+ATTNRES_MODES = {m: kw for m, kw in ALL_MODES.items() if kw.get("residual") == "attnres"}
+CLASSIC_MODES = [m for m, kw in ALL_MODES.items() if kw.get("residual") != "attnres"]
 
 
 def make_model(seed=0, **overrides):
@@ -206,6 +221,9 @@ def reference_residual(model, idx):
     x += γ⊙f(norm(x)); denseformer: PreNorm layers, each layer's input the weighted sum of e and
     every earlier layer's output."""
     cfg = model.config
+    if cfg.residual not in ("prenorm", "rezero", "layerscale", "denseformer"):
+        pytest.fail(f"residual={cfg.residual!r} has no reference: write its SPEC equations in "
+                    "reference_residual, test_nanoroute.py, beside the others (docs/routing.md)")
     rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
     x = model.wte(idx)
     outputs = [x]
@@ -221,9 +239,9 @@ def reference_residual(model, idx):
     return model.lm_head(nanoroute.norm(x))
 
 
-@pytest.mark.parametrize("residual", ["prenorm", "rezero", "layerscale", "denseformer"])
-def test_classic_residuals_equal_reference(residual):
-    model, idx = randomise_routing(make_model(residual=residual), scale=0.5), tokens()
+@pytest.mark.parametrize("mode", CLASSIC_MODES)
+def test_classic_residuals_equal_reference(mode):
+    model, idx = randomise_routing(make_model(**ALL_MODES[mode]), scale=0.5), tokens()
     with torch.no_grad():
         torch.testing.assert_close(model(idx)[0], reference_residual(model, idx),
                                    atol=1e-5, rtol=1e-5)
@@ -249,7 +267,12 @@ def capture_sublayer_inputs(model):
 @pytest.mark.parametrize("mode", ATTNRES_MODES)
 @pytest.mark.parametrize("fast", [True, False])
 def test_routed_inputs_equal_reference(mode, fast):
-    model, idx = randomise_routing(make_model(**ATTNRES_MODES[mode], fast_routing=fast)), tokens()
+    assert_routed_model_equals_reference(ATTNRES_MODES[mode], fast)
+
+
+def assert_routed_model_equals_reference(overrides, fast):
+    """Logits, every read's sources and weights, and every sublayer's input, against the loops."""
+    model, idx = randomise_routing(make_model(**overrides, fast_routing=fast)), tokens()
     seen, hooks = capture_sublayer_inputs(model)
     logits, _, routes = model(idx, return_routes=True)
     for hook in hooks:
@@ -315,7 +338,7 @@ def test_default_routing_block_is_whole_layers_at_most_8_blocks():
     assert GPTConfig(n_layer=4, residual="attnres", wav=True).routing_block == 4  # WAV needs m >= 4
 
 
-@pytest.mark.parametrize("mode", ["block", "full", "block_short_last", "rd_decoupled"])
+@pytest.mark.parametrize("mode", [m for m, kw in ATTNRES_MODES.items() if not kw.get("wav")])
 def test_zero_queries_give_uniform_weights(mode):
     _, _, routes = make_model(**ATTNRES_MODES[mode])(tokens(), return_routes=True)
     for r in routes:
@@ -441,7 +464,7 @@ def test_wav_detail_bias_to_minus_infinity_is_block_attnres():
 @pytest.mark.parametrize("base", ["block", "block_short_last", "wav"])
 def test_rd_tied_equals_off_exactly(base):
     off = randomise_routing(make_model(**ATTNRES_MODES[base]))
-    tied = randomise_routing(make_model(**ATTNRES_MODES[base], rd="tied"))
+    tied = randomise_routing(make_model(**{**ATTNRES_MODES[base], "rd": "tied"}))
     assert set(dict(off.named_parameters())) == set(dict(tied.named_parameters()))  # no extras
     idx = tokens()
     assert torch.equal(off(idx)[0], tied(idx)[0])
@@ -648,9 +671,9 @@ def test_gradients_reach_every_routing_parameter(mode):
         if name == "basis_coefficients" and not model.config.wav_readout_details:
             grad = grad[:-1]  # the last update is read only by the readout, which reads no details
         assert grad is not None and (grad != 0).any(dim=-1).all(), name
-    if mode.startswith(("block", "full", "wav", "rd")):
-        learned = [r for r in model.reads if r.layer or r.role not in ("attn", "attn.v")]
-        learned = [r for r in learned if not (model.config.rd == "frozen_v" and r.role == "attn.v")]
+    if model.config.residual == "attnres":  # a query or static logits per read, but e's reads
+        frozen = nanoroute.RD_MODES[model.config.rd].frozen  # and those RD freezes
+        learned = [r for r in model.reads if r.sublayer > 0 and r.role not in frozen]
         assert len(model.query) + len(model.static_logits) == len(learned)
 
 
@@ -752,21 +775,16 @@ def assert_fast_equals_reference(mode, device, precision, model_class=GPT, froze
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", [
-    "block", "block_short_last", "full", "wav", "wav_split", "wav_phase_readout", "wav_wide",
-    "rd_decoupled", "rd_tied", "rd_average", "rd_frozen_v", "rd_wav", "wav_learned",
-    "wav_learned_rd", "static", "static_wav_rd", "heads", "heads_wav_rd"])
+@pytest.mark.parametrize("mode", ATTNRES_MODES)
 def test_fast_path_equals_reference_path_forward_and_gradients(mode, device):
     # wav_wide (m = 6) reads all four pieces of a partial block (see the kernel's BlockReads)
     assert_fast_equals_reference(mode, device, "float32")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode",
-                         ["block", "full", "wav", "rd_wav", "wav_learned_rd", "heads_wav_rd"])
+@pytest.mark.parametrize("mode", ATTNRES_MODES)
 def test_fast_path_equals_reference_path_under_bf16_autocast(mode, device):
-    routing = assert_fast_equals_reference(mode, device, "bf16_autocast")
-    assert {"query.readout", "basis_coefficients"} & routing  # routing parameters are compared
+    assert assert_fast_equals_reference(mode, device, "bf16_autocast")  # routing ones compared
 
 
 @pytest.mark.gpu
@@ -1267,22 +1285,49 @@ def test_torch_compile_traces_every_routing_path_without_graph_breaks():
 # -----------------------------------------------------------------------------
 # Controls (SPEC: Controls): a static routing control, DenseFormer, multi-head depth reads, masks
 
-def test_controls_start_equal_to_their_parents_bitwise():
+def parent(name):
+    """The variant whose VARIANTS row is the largest that name's row extends, or None."""
+    row = nanoroute.VARIANTS[name].items()
+    parents = [p for p, r in nanoroute.VARIANTS.items() if r.items() < row]
+    return max(parents, key=lambda p: len(nanoroute.VARIANTS[p]), default=None)
+
+
+# a variant that extends another starts as it, bit for bit (route_static's logits and every
+# query zero; RD's routes one read at init), but where it adds WAV's detail sources (weight e^-2);
+# DenseFormer starts as PreNorm (each weighted sum is the last layer's output)
+STARTS_AS = [(name, parent(name)) for name in nanoroute.VARIANTS
+             if parent(name) and not nanoroute.variant(name).get("wav")]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("name,parent", [*STARTS_AS, ("denseformer", "prenorm")])
+def test_variants_start_equal_to_their_parents_bitwise(name, parent, fast):
     idx, targets = tokens(), tokens(seed=4)
-    pairs = [(dict(residual="attnres", route_static=True), dict(residual="attnres")),  # uniform
-             (dict(residual="denseformer"), dict()),  # weights (0, ..., 0, 1): each layer's output
-             (dict(residual="attnres", route_heads=4, fast_routing=False),
-              dict(residual="attnres", fast_routing=False))]
-    for control, parent in pairs:
-        a, b = make_model(**control), make_model(**parent)
-        (la, loss_a), (lb, loss_b) = a(idx, targets), b(idx, targets)
-        assert torch.equal(la, lb), control
-        loss_a.backward()
-        loss_b.backward()
-        shared = dict(b.named_parameters())  # the shared weights get the same gradients
-        for name, p in a.named_parameters():
-            if name in shared and name not in b.no_decay_parameters():
-                assert torch.equal(p.grad, shared[name].grad), (control, name)
+    a, b = (make_model(**nanoroute.variant(v)) for v in (name, parent))
+    if a.config.residual == "attnres":
+        a, b = (make_model(**nanoroute.variant(v), fast_routing=fast) for v in (name, parent))
+    (la, loss_a), (lb, loss_b) = a(idx, targets), b(idx, targets)
+    assert torch.equal(la, lb), f"{name} does not start as {parent}, the variant it extends"
+    loss_a.backward()
+    loss_b.backward()
+    shared = dict(b.named_parameters())  # the shared weights get the same gradients: bit for bit
+    same_reads = getattr(a, "reads", None) == getattr(b, "reads", None)  # (RD's two: rounding)
+    for weight, p in a.named_parameters():
+        if weight in shared and weight not in b.no_decay_parameters():
+            if same_reads:
+                assert torch.equal(p.grad, shared[weight].grad), (name, weight)
+            torch.testing.assert_close(p.grad, shared[weight].grad, atol=1e-6, rtol=1e-5)
+
+
+def test_table_entries_differ_from_each_other():
+    # an entry equal to another is that one under a new name: every test would pass on it
+    for table in (nanoroute.RD_MODES, {name: nanoroute.variant(name) for name in nanoroute.VARIANTS}):
+        for i, (a, row_a) in enumerate(table.items()):
+            for b, row_b in list(table.items())[i + 1:]:
+                assert row_a != row_b, f"{b} is {a} under another name: give it what differs"
+
+
+def test_initial_values_of_the_controls():
     static = make_model(residual="attnres", route_static=True)
     assert not static.query and all(p.abs().sum() == 0 for p in static.static_logits.values())
     assert all(f"static_logits.{k}" in static.no_decay_parameters() for k in static.static_logits)
@@ -1340,6 +1385,26 @@ def test_masked_sources_get_no_weight_and_the_rest_renormalise():
     model.masked = {nanoroute.Read(0, "attn"): {"emb"}}
     with pytest.raises(ValueError, match="masking every source of layer0.attn"):
         model(tokens())
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_extension_rd_mode_reading_a_new_role(monkeypatch, fast, device):
+    # docs/routing.md: an RD mode whose keys read a route of their own is one line of RD_MODES
+    monkeypatch.setitem(nanoroute.RD_MODES, "qk_split", nanoroute.RD(k="attn.k", v="attn.v"))
+    mode = dict(residual="attnres", rd="qk_split", wav=True, attnres_block=4)
+    assert_routed_model_equals_reference(mode, fast)  # the reference reads RD_MODES too
+    if fast:
+        assert_fast_equals_reference(mode, device, "float32")
+    model = randomise_routing(make_model(**mode))
+    assert {"layer1_attn", "layer1_attn_k", "layer1_attn_v"} <= set(model.query)
+    stats = routing_stats(model(tokens(), return_routes=True)[2])
+    assert stats["js_pair"] == "Q‖V" and stats["js"]["layer1"] > 0  # labels from the table
+    assert stats["reads"]["layer1.attn.k"]["feeds"] == "K"
+    main = [r["entropy_norm"] for n, r in stats["reads"].items() if not n.endswith((".k", ".v"))]
+    assert stats["entropy_norm_mean"] == pytest.approx(sum(main[1:]) / len(main[1:]))  # not e's
+    monkeypatch.setitem(nanoroute.RD_MODES, "bad", nanoroute.RD(v="mlp.v"))
+    with pytest.raises(ValueError, match="attention's reads are"):
+        make_model(residual="attnres", rd="bad")
 
 
 def test_a_read_computed_but_not_used_is_an_error():

@@ -502,7 +502,8 @@ def routing_summary(stats, top=3):
         lines.append(f"  {name:<14}" + "  ".join(f"{s} {w:.2f}" for w, s in ranked)
                      + ("  ..." if len(read["sources"]) > top else ""))
     if stats["js_mean"] is not None:
-        lines.append(f"  RD: JS divergence between the QK and V routes, mean over layers "
+        q, v = stats["js_pair"].split("‖")  # what each route feeds, from RD_MODES
+        lines.append(f"  RD: JS divergence between the {q} and {v} routes, mean over layers "
                      f"{stats['js_mean']:.4f} nats")
     return "\n".join(lines)
 
