@@ -31,7 +31,7 @@ import torch
 import checkpoint
 import prepare_data
 import train
-from nanoroute import VARIANTS, GPTConfig, routing_stats, source_block, variant
+from nanoroute import VARIANTS, GPTConfig, missing_need, routing_stats, source_block, variant
 from prepare_data import UsageError, write_atomic, write_json
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
@@ -59,6 +59,10 @@ SWEEPS = {
 }
 # sweep custom: three seeds, the fewest that give a spread of the paired differences
 CUSTOM = dict(depths=[train.MODEL_DEFAULTS["n_layer"]], seeds=[0, 1, 2], flags="")
+# train.py's flags by name: the fields of its settings and of the model (vocab_size is the data's)
+SETTINGS = {f.name: f for cls in (train.TrainSettings, GPTConfig) for f in dataclasses.fields(cls)
+            if f.name != "vocab_size"}
+MAX_RUNS = 1000  # more is a typo (--seeds 0-100000000), refused before a list of them is built
 NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib): no figures; tables are whole"
 
 # --- Planning a sweep: the runs, their flags, and every check that can fail before the first. ---
@@ -69,7 +73,34 @@ def plan(a, extra=()):
     seeds = listed(a.seeds, "--seeds", lambda part: span(part, 0))
     depths = listed(a.depths, "--depths", lambda part: span(part, 1))
     rates = listed(a.lrs, "--lrs", lambda x: [float(x)] * (float(x) > 0), "rates like 1e-3,2e-3")
-    grid = SWEEPS.get(a.name)
+    grid = sweep_grid(a, variants)
+    presets, variants = grid.get("presets", {}), variants or grid["variants"].split()
+    check_train_flags(extra, presets, rates, variants)
+    settings = set_values(a.set, extra, presets, rates, variants)
+    depths, seeds, rates = depths or grid["depths"], seeds or grid["seeds"], rates or [None]
+    count = math.prod(map(len, [grid["datasets"], depths, seeds, variants, rates,
+                                *settings.values()]))
+    if count > MAX_RUNS:
+        raise UsageError(f"sweep {a.name}: {count} runs, more than {MAX_RUNS}: give fewer "
+                         "--seeds, --depths, --variants, --lrs or --set values")
+    runs = []
+    for dataset, depth in itertools.product(grid["datasets"], depths):
+        if presets and depth not in presets:
+            raise UsageError(f"--depths {depth}: sweep {a.name} has presets for depths "
+                             f"{', '.join(map(str, presets))} only (the preset sets the width)")
+        m = sweep_block(variants, depth, a.attnres_block)
+        for seed, v, lr in itertools.product(seeds, variants, rates):
+            block = m if VARIANTS[v]["residual"] == "attnres" else None
+            # a setting with no effect in this variant is left out: it runs once, not per value
+            mine = {k: values for k, values in settings.items() if not inert(k, v)}
+            for chosen in itertools.product(*mine.values()):
+                where = dict(dataset=dataset, depth=depth, seed=seed, variant=v, lr=lr,
+                             attnres_block=block, set_base={k: x[0][1] for k, x in mine.items()})
+                runs.append(one_run(a, grid, where, dict(zip(mine, chosen)), extra))
+    return runs
+
+def sweep_grid(a, variants):
+    """The grid of sweep a.name: SWEEPS' entry, or custom's on the dataset of --data."""
     if a.name == "custom" and (a.data is None or not variants):
         raise UsageError("sweep custom needs --data FOLDER (a prepared dataset) and --variants, "
                          "e.g. --data data/demo --variants prenorm,block,wav,rd")
@@ -77,33 +108,31 @@ def plan(a, extra=()):
         folder = prepare_data.dataset_folder(a.data)
         demo = folder.name == "demo" and not (folder / "meta.json").exists()
         dataset = "demo" if demo else prepare_data.load_meta(folder)["dataset"]
-        grid = dict(CUSTOM, datasets=[dataset], folder=str(folder))
-    elif a.data is not None:
+        return dict(CUSTOM, datasets=[dataset], folder=str(folder))
+    if a.data is not None:
         raise UsageError(f"--data {a.data}: only sweep custom takes a data folder; sweep {a.name} "
-                         f"reads {', '.join(grid['datasets'])} from --data_root")
-    presets, variants = grid.get("presets", {}), variants or grid["variants"].split()
-    check_train_flags(extra, presets, rates)
-    runs = []
-    for dataset, depth in itertools.product(grid["datasets"], depths or grid["depths"]):
-        if presets and depth not in presets:
-            raise UsageError(f"--depths {depth}: sweep {a.name} has presets for depths "
-                             f"{', '.join(map(str, presets))} only (the preset sets the width)")
-        m = sweep_block(variants, depth, a.attnres_block)
-        folder = grid.get("folder") or f"{a.data_root}/{dataset}"
-        for seed, v, lr in itertools.product(seeds or grid["seeds"], variants, rates or [None]):
-            block = m if VARIANTS[v]["residual"] == "attnres" else None
-            run = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
-            run = f"{dataset}/{run}" if len(grid["datasets"]) > 1 else run
-            args = ["--preset", presets[depth]] if presets else []
-            args += ["--data", folder, "--n_layer", str(depth), "--seed", str(seed)]
-            # every field a variant may set: a preset's wav=True never leaks into block
-            args += [s for k, value in variant(v).items() for s in (f"--{k}", str(value))]
-            args += [] if block is None else ["--attnres_block", str(block)]
-            args += [*shlex.split(grid["flags"]), *extra] + (["--lr", f"{lr:g}"] if lr else [])
-            runs.append(dict(name=run, dir=Path(a.out or f"runs/{a.name}") / run, variant=v,
-                             dataset=dataset, depth=depth, seed=seed, lr=lr, sweep=a.name,
-                             attnres_block=block, args=args, env=grid.get("env", {}), data=folder))
-    return runs
+                         f"reads {', '.join(SWEEPS[a.name]['datasets'])} from --data_root")
+    return SWEEPS[a.name]
+
+def one_run(a, grid, run, chosen, extra):
+    """The run dict at `run` (dataset, depth, seed, variant, lr, block), with the --set values
+    chosen ({NAME: (text, value)}): its name, folder and train.py flags."""
+    v, lr, presets = run["variant"], run["lr"], grid.get("presets")
+    name = f"{v}_L{run['depth']}_s{run['seed']}" + (f"_lr{lr:g}" if lr else "")
+    for k, (text, _) in chosen.items():  # a value as given: block_L4_s0_wav_rho2
+        name += f"_{k}" + re.sub(r"[^\w.+-]+", "_", text)
+    name = f"{run['dataset']}/{name}" if len(grid["datasets"]) > 1 else name
+    folder = grid.get("folder") or f"{a.data_root}/{run['dataset']}"
+    args = ["--preset", presets[run["depth"]]] if presets else []
+    args += ["--data", folder, "--n_layer", str(run["depth"]), "--seed", str(run["seed"])]
+    # every field a variant may set: a preset's wav=True never leaks into block
+    args += [s for k, value in variant(v).items() for s in (f"--{k}", str(value))]
+    args += [] if run["attnres_block"] is None else ["--attnres_block", str(run["attnres_block"])]
+    args += [*shlex.split(grid["flags"]), *for_variant(extra, v)]
+    args += (["--lr", f"{lr:g}"] if lr else []) + [f"--{k}={t}" for k, (t, _) in chosen.items()]
+    return dict(run, name=name, dir=Path(a.out or f"runs/{a.name}") / name, sweep=a.name,
+                args=args, env=grid.get("env", {}), data=folder,
+                set={k: value for k, (_, value) in chosen.items()})
 
 def listed(text, flag, parse, example="integers like 0,1,2 or 0-4"):
     """A comma-separated flag as distinct values, parse(part) giving each part's ([]: refused)."""
@@ -111,6 +140,9 @@ def listed(text, flag, parse, example="integers like 0,1,2 or 0-4"):
         return None
     with contextlib.suppress(ValueError):
         parts = [parse(part.strip()) for part in text.split(",")]
+        if sum(map(len, parts)) > MAX_RUNS:  # a range: refused before its list is built
+            raise UsageError(f"{flag} {text}: {sum(map(len, parts))} values, more than a sweep's "
+                             f"{MAX_RUNS} runs")
         values = [v for part in parts for v in part]
         if all(parts) and len(set(values)) == len(values):
             return values
@@ -121,24 +153,87 @@ def span(part, low):  # a part of --seeds or --depths: '3' or a rising range '0-
     values = range(int(first), int(last or first) + 1)
     return values if values and values[0] >= low else []
 
-def check_train_flags(extra, presets, lrs):
-    """The flags after -- (for every run), before any run: the grid's own refused, all parsed."""
-    use = {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths",
-           "--seed": "--seeds", "--out_dir": "--out", "--attnres_block": "it before --",
-           **{f"--{k}": "--variants" for k in variant("block")},
-           **({"--preset": "sweep custom for another preset"} if presets else {}),
-           **({"--lr": "--lrs"} if lrs else {}), "--resume": "the same sweep command to resume"}
-    refused = {k: f"the sweep sets it for each run; use {v}" for k, v in use.items()}
+def owned(presets, lrs):
+    """{train.py flag the sweep sets for each run: the sweep's flag to use instead}."""
+    return {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths",
+            "--seed": "--seeds", "--out_dir": "--out", "--attnres_block": "it before --",
+            **{f"--{k}": "--variants" for k in variant("block")},
+            **({"--preset": "sweep custom for another preset"} if presets else {}),
+            **({"--lr": "--lrs"} if lrs else {}), "--resume": "the same sweep command to resume"}
+
+def check_train_flags(extra, presets, lrs, variants):
+    """The flags after -- before any run: the grid's own refused, all parsed, each of use to some
+    variant (a run of a variant it has no effect in leaves it out)."""
+    refused = {k: f"the sweep sets it for each run; use {use}"
+               for k, use in owned(presets, lrs).items()}
     refused |= dict.fromkeys(["-h", "--help"], "the flags after -- are train.py's: train.py -h")
     for flag in [f for f in refused if f in {*flag_dict(extra), *extra}]:
         raise UsageError(f"{flag} after --: {refused[flag]}")
+    train_args(list(extra), "after --")
+    for flag in flag_dict(extra):
+        of_use(flag[2:], variants, f"{flag} after --")
+
+def set_values(given, extra, presets, lrs, variants):
+    """Each --set NAME=V1,V2 as {NAME: [(text, value), ...]}, parsed by train.py's parser, the
+    baseline first: the value equal to train.py's default, else the first given."""
+    settings = {}
+    for item in given:
+        name, _, texts = item.partition("=")
+        if name not in SETTINGS or not texts:
+            raise UsageError(f"--set {item}: expected NAME=V1,V2 with NAME a flag of train.py "
+                             "(train.py -h), e.g. --set wav_rho=2,4")
+        use = owned(presets, lrs).get(f"--{name}")
+        if use:
+            raise UsageError(f"--set {item}: the sweep sets it for each run; use {use}")
+        if f"--{name}" in flag_dict(extra) or name in settings:
+            raise UsageError(f"--set {item}: --{name} is also after -- or in another --set")
+        values = [(t.strip(), train_args([f"--{name}={t.strip()}"], f"--set {item}")[name])
+                  for t in texts.split(",")]
+        if len({value for _, value in values}) < len(values):
+            raise UsageError(f"--set {item}: expected distinct values")
+        of_use(name, variants, f"--set {item}")
+        default = train.MODEL_DEFAULTS.get(name, SETTINGS[name].default)
+        settings[name] = sorted(values, key=lambda text_value: text_value[1] != default)
+    return settings
+
+def train_args(argv, where):
+    """{name: value} of argv as train.py parses it; its parser's one `error:` line becomes ours."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            train.build_parser().parse_args(list(extra))
-    except SystemExit:  # the parser's one `error:` line becomes ours
+            return vars(train.build_parser().parse_args(argv))
+    except SystemExit:
         why = re.sub(r"^error: |; see --help$", "", err.getvalue().strip().splitlines()[-1])
-        raise UsageError(f"after --: {why} (the flags after -- go to every run)") from None
+        raise UsageError(f"{where}: {why}") from None
+
+def inert(name, v):
+    """Why train.py's --name has no effect in variant v (nanoroute.missing_need), else None."""
+    return inert_in(name, variant(v))
+
+def of_use(name, variants, where):
+    """A setting that has no effect in any of the variants is an error (it would go nowhere)."""
+    if all(inert(name, v) for v in variants):
+        fits = [v for v in VARIANTS if not inert(name, v)]
+        raise UsageError(f"{where}: it has no effect in {', '.join(variants)}; add a variant it "
+                         f"applies to, e.g. --variants {','.join([*variants, fits[0]])}")
+
+def for_variant(extra, v):
+    """The flags after -- less each (with its value) that has no effect in variant v."""
+    kept, drop = [], False
+    for arg in extra:
+        if arg.startswith("--"):  # a flag; what follows up to the next one is its value
+            drop = inert(arg.partition("=")[0][2:], v) is not None
+        if not drop:
+            kept.append(arg)
+    return kept
+
+def left_out(runs, flags):
+    """A line per flag (--NAME) that some variant's runs leave out: it has no effect in them."""
+    variants = dict.fromkeys(run["variant"] for run in runs)
+    for flag in flags:
+        off = [v for v in variants if inert(flag[2:], v)]
+        if off:
+            print(f"# {flag} is left out of the {', '.join(off)} runs: it has no effect there")
 
 def flag_dict(args):
     """{--flag: value} of a train.py argument list ("True" for a bare flag; the last one wins)."""
@@ -221,7 +316,8 @@ def launch(todo, slots):
 def start(run, cmd, label, slot):  # run.json, then train.py writing to train.log: its process
     d, env = run["dir"], run_env(run, slot)
     d.mkdir(parents=True, exist_ok=True)
-    keys = ("variant", "dataset", "depth", "seed", "lr", "attnres_block", "sweep", "args")
+    keys = ("variant", "dataset", "depth", "seed", "lr", "attnres_block", "set", "set_base",
+            "sweep", "args")
     write_json(d / "run.json", {k: run[k] for k in keys} | dict(command=shell(cmd, env)))
     print(f"{label}: started" + " (resuming from last.pt)" * ("--resume" in cmd)
           + "".join(f" {k}={v}" for k, v in env.items()), flush=True)
@@ -253,6 +349,7 @@ def sweep(args, extra):
     launcher = [sys.executable, TRAIN] if not args.torchrun else [  # "--": train.py drops it
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={args.torchrun}", TRAIN, "--"]
+    left_out(runs, [*flag_dict(extra), *(f"--{s.partition('=')[0]}" for s in args.set)])
     if args.dry_run:
         return print("\n".join(shell(cmd, run_env(run, {})) for run, cmd in
                                pending(runs, launcher))) or 0
@@ -300,15 +397,30 @@ def read_run(d, name):
                       if e["type"] == "eval" and e["tokens"] > 0})
     if summary is not None:
         config, settings = summary["config"], summary["train"]
-        setup = {**config, **settings, "data": Path(settings["data"]).name}  # from any folder
-        setup = tuple(sorted((k, repr(x)) for k, x in setup.items() if k not in NOT_SETUP))
+        swept, base = (info or {}).get("set", {}), (info or {}).get("set_base", {})
+        both = {**config, **settings, "data": Path(settings["data"]).name}  # from any folder
+        # a routing knob (needs=) is the variant's: named in its row where not the default, so
+        # that prenorm and wav group alike; --set values make rows of their own too
+        knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and needs_of(k)
+                 and not inert_in(k, config) and x != SETTINGS[k].default}
+        setup = tuple(sorted((k, repr(x)) for k, x in both.items()
+                             if k not in {*NOT_SETUP, *swept} and not needs_of(k)))
         block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
         fits = [v for v in VARIANTS if variant(v).items() <= config.items()] + [config["residual"]]
         run.update(variant=run["variant"] or fits[0], dataset=summary["dataset"],
                    depth=config["n_layer"], seed=settings["seed"], lr=settings["lr"], block=block,
                    final=float(summary["final"]["val_loss"]), level=summary["level"], setup=setup,
-                   milestones=summary.get("milestones") or {}, routes=summary.get("routes") or {})
+                   milestones=summary.get("milestones") or {}, routes=summary.get("routes") or {},
+                   set=knobs | swept, set_base=base,
+                   fixed=repr(sorted((k, x) for k, x in knobs.items() if k not in swept)),
+                   off=tuple((k, x) for k, x in sorted(swept.items()) if x != base[k]))
     return run
+
+def needs_of(name):  # "attnres", "wav" (a field of the depth routing) or None
+    return SETTINGS[name].metadata.get("needs") if name in SETTINGS else None
+
+def inert_in(name, config):  # why a setting has no effect in a run of this config, else None
+    return missing_need(needs_of(name), config["residual"], config.get("wav"))
 
 def mean_std(values):  # (mean, sample std, ddof=1): std None for one value, both for none
     values = [v for v in values if v is not None]
@@ -325,44 +437,70 @@ def paired(runs, base_runs, value):
                 ties=sum(d == 0 for d in diffs), n=len(diffs))
 
 def summarize(runs, baseline):
-    """Groups of like finished runs; a row per (variant, routing block), at its chosen lr."""
+    """Groups of like finished runs; a row per (variant, routing block, --set values off their
+    baseline), at its chosen lr. A row off the baseline values pairs with its variant's row at
+    them (at that row's lr), the others with the baseline variant's row."""
     groups, rank = {}, {v: i for i, v in enumerate(VARIANTS)}
     for r in runs:
         rows = groups.setdefault((str(r["dataset"]), r["depth"], r["setup"]), {})
-        rows.setdefault((r["variant"], r["block"]), {}).setdefault(r["lr"], []).append(r)
+        key = (r["variant"], r["block"], r["fixed"], r["off"])
+        rows.setdefault(key, {}).setdefault(r["lr"], []).append(r)
     out = []
     for (dataset, depth, setup), by_row in sorted(groups.items()):
-        keys = sorted(by_row, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1] or 0))
-        rows = [make_row(v, block, by_row[v, block]) for v, block in keys]
-        reached = {k: m["tokens"] for row in rows for r in row["runs"]
+        rows = {}
+        for v, block, fixed, off in sorted(by_row, key=lambda k: (
+                rank.get(k[0], len(rank)), k[0], k[1] or 0, k[2], bool(k[3]), repr(k[3]))):
+            home = rows.get((v, block, fixed, ()), {})  # the row a --set value pairs with
+            rows[v, block, fixed, off] = make_row(v, block, by_row[v, block, fixed, off],
+                                                  home.get("lr"))
+        base = next((row for (v, _, _, off), row in rows.items() if (v, off) == (baseline, ())),
+                    None)
+        reached = {k: m["tokens"] for row in rows.values() for r in row["runs"]
                    for k, m in r["milestones"].items()}
-        base = next((row for row in rows if row["variant"] == baseline), None)
-        for row in rows:
-            pair = base is not None and row is not base
-            row["delta"] = paired(row["runs"], base["runs"], lambda r: r["final"]) if pair else None
+        for (v, block, fixed, off), row in rows.items():
+            row["vs"] = rows.get((v, block, fixed, ())) if off else base
+            vs = row["vs"] if row["vs"] is not row else None
+            row["delta"] = vs and paired(row["runs"], vs["runs"], lambda r: r["final"])
             at = {k: lambda r, k=k: r["milestones"].get(k, {}).get("val_loss") for k in reached}
-            row["at"] = {k: (mean_std(map(val, row["runs"])),
-                             paired(row["runs"], base["runs"], val) if pair else None)
+            row["at"] = {k: (mean_std(map(val, row["runs"])), vs and paired(row["runs"], vs["runs"],
+                                                                            val))
                          for k, val in at.items()}
+        rows = list(rows.values())
         out.append(dict(dataset=dataset, depth=depth, level=rows[0]["runs"][0]["level"], rows=rows,
                         setup=setup, base=base, milestones=sorted(reached, key=reached.get)))
     return out
 
-def make_row(name, block, by_lr):
-    """A row: the variant's runs at the lr of the lowest mean final val loss over seeds."""
+def make_row(name, block, by_lr, given=None):
+    """A row: the variant's runs at `given` lr, else at the lr of the lowest mean final val loss
+    over seeds (its warning if that is the lowest or highest of several)."""
     means = {lr: statistics.fmean(r["final"] for r in rs) for lr, rs in by_lr.items()}
-    lr = min(means, key=means.get)
+    lr = given if given in by_lr else min(means, key=means.get)
     runs = sorted(by_lr[lr], key=lambda r: r["seed"])
+    label = row_label(name, runs[0])
     for a, b in [(a, b) for a, b in zip(runs, runs[1:]) if a["seed"] == b["seed"]]:
         raise UsageError(f"runs {a['name']} and {b['name']} are both {name}, seed {a['seed']}, lr "
                          f"{lr:g} in one setup: neither pairs clearly; report one at a time")
     to_metric = (lambda v: v / math.log(2)) if runs[0]["level"] == "char" else math.exp
     return dict(variant=name, block=block, lr=lr, runs=runs, val=mean_std(r["final"] for r in runs),
+                label=label, off=runs[0]["off"], edge=given is None and lr_edge(lr, means, label),
                 metric=mean_std(to_metric(r["final"]) for r in runs),  # bits per char, perplexity
                 entropy=mean_std(r["routes"].get("entropy_norm_mean") for r in runs),
                 js=mean_std(r["routes"].get("js_mean") for r in runs),
                 wall=mean_std(r["summary"].get("wall_time_s") for r in runs),
                 others={k: (m, len(by_lr[k])) for k, m in means.items() if k != lr})
+
+def row_label(name, run):
+    """The variant and its --set values; off their baselines, the values its Δ is against."""
+    label = ", ".join([name, *(f"{k}={x}" for k, x in run["set"].items())])
+    base = ", ".join(f"{k}={run['set_base'][k]}" for k, _ in run["off"])
+    return label + (f" (Δ vs {base})" if base else "")
+
+def lr_edge(lr, rates, label):  # a warning where the best lr may lie outside the grid
+    if len(rates) > 1 and lr in (min(rates), max(rates)):
+        side = ("lowest", "below") if lr == min(rates) else ("highest", "above")
+        return f"lr {lr:g} is the {side[0]} of the grid for {label}: the best rate may be " \
+            f"{side[1]} it; extend --lrs"
+    return None
 
 def titles(groups):
     """Each group's heading; groups of one dataset and depth also name what sets them apart."""
@@ -388,10 +526,12 @@ def _delta(d):  # "Δ mean ± std | wins/n"
 def markdown(folders, runs, groups, baseline, notes):
     finished = [r for r in runs if r["summary"]]
     lines = [f"# Report: {' '.join(folders)}", "", f"{len(runs)} runs: {len(finished)} finished, "
-             f"{len(runs) - len(finished)} unfinished. A group: runs alike but for seed, lr and "
-             "variant. Val loss: the last eval's, nats/token, mean ± sample std over seeds. Δ: "
-             f"paired difference to **{baseline}** (same seed); wins: seeds where lower. lr: of "
-             "the lowest mean. Route entropy: normalised; JS: RD's QK vs V, nats.", ""]
+             f"{len(runs) - len(finished)} unfinished. A group: runs alike but for seed, lr, "
+             "variant and --set values. Val loss: the last eval's, nats/token, mean ± sample std "
+             f"over seeds. Δ: paired difference to **{baseline}** (same seed), or for a --set "
+             "value off its baseline (the default, else the first given) to the same variant at the "
+             "baseline (Δ vs); wins: seeds where lower. lr: of the lowest mean. Route entropy: "
+             "normalised; JS: RD's QK vs V, nats.", ""]
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
         char, marks = g["level"] == "char", g["milestones"]
@@ -402,18 +542,20 @@ def markdown(folders, runs, groups, baseline, notes):
         lines += [f"| variant | lr | block | seeds | val loss | val {'bpc' if char else 'ppl'} | "
                   "Δ val loss | wins | route entropy | JS QK‖V | train s |", "|---" * 11 + "|"]
         for row in g["rows"]:
-            name = f"**{row['variant']}** (baseline)" if row is g["base"] else row["variant"]
+            name = f"**{row['label']}** (baseline)" if row is g["base"] else row["label"]
             lines.append(f"| {name} | {row['lr']:g} | {row['block'] or '–'} | {len(row['runs'])} "
                          f"| {_ms(row['val'])} | {_ms(row['metric'], 4 if char else 2)} | "
                          f"{_delta(row['delta'])} | {_ms(row['entropy'], 3)} | "
                          f"{_ms(row['js'], 3)} | {_ms(row['wall'], 0)} |")
+        edges = [f"WARNING: {row['edge']}" for row in g["rows"] if row["edge"]]
+        lines += [""] * bool(edges) + edges
         if marks:
             lines += ["", "Milestones (val loss where the token count crossed each one):", "",
                       "| variant |" + "".join(f" val @{m} | Δ @{m} | wins |" for m in marks),
                       "|---" * (1 + 3 * len(marks)) + "|"]
-            lines += [f"| {row['variant']} |" + "".join(f" {_ms(row['at'][m][0])} | "
+            lines += [f"| {row['label']} |" + "".join(f" {_ms(row['at'][m][0])} | "
                       f"{_delta(row['at'][m][1])} |" for m in marks) for row in g["rows"]]
-        others = [f"- {row['variant']}: " + "; ".join(
+        others = [f"- {row['label']}: " + "; ".join(
             f"lr {lr:g}: {m:.4f} ({n} seeds)" for lr, (m, n) in sorted(row["others"].items()))
             for row in g["rows"] if row["others"]]
         head = ["", "Other learning rates (mean final val loss over their seeds):", ""]
@@ -468,19 +610,19 @@ def val_loss_figure(Figure, groups, baseline):
     axes = fig.subplots(2, len(groups), squeeze=False, sharex="col",
                         gridspec_kw=dict(height_ratios=[3, 2]))
     for g, title, ax, dax in zip(groups, titles(groups), axes[0], axes[1]):
-        base = {r["seed"]: r["curve"] for r in g["base"]["runs"]} if g["base"] else {}
         for row in g["rows"]:
+            base = {r["seed"]: r["curve"] for r in row["vs"]["runs"]} if row["vs"] else {}
             shade = colormaps["tab20"](([*VARIANTS, row["variant"]].index(row["variant"])) % 20)
             curves = [r["curve"] for r in row["runs"]]
-            band(ax, curves, shade, f"{row['variant']} (lr {row['lr']:g}, {len(curves)})")
+            band(ax, curves, shade, f"{row['label']} (lr {row['lr']:g}, {len(curves)})")
             band(dax, [{t: y - base[r["seed"]][t] for t, y in r["curve"].items()
                         if t in base[r["seed"]]} for r in row["runs"]
-                       if r["seed"] in base and row is not g["base"]], shade)
+                       if r["seed"] in base and row is not row["vs"]], shade)
         late = [y for row in g["rows"] for r in row["runs"] for t, y in r["curve"].items()
                 if t >= 0.2 * max(r["curve"], default=0)]  # the first fifth would dwarf the rest
         dax.axhline(0, color="black", linewidth=0.8)
         ax.set(title=title, ylabel="val loss (nats/token)", ylim=(None, max(late, default=None)))
-        dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline} (same seed)")
+        dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline} or Δ vs (same seed)")
         ax.legend(fontsize=8, title="variant (lr, seeds); band: min–max", title_fontsize=8)
     return fig
 
@@ -511,8 +653,9 @@ def routes_figure(Figure, name, reads, sources, matrix):
 
 def load_model(run_dir, ckpt="best.pt", data=None, device="cpu"):
     """A run's model (eval mode), checkpoint, val split (of --data if given) and eval crops."""
-    path = Path(run_dir) / ckpt
-    saved = checkpoint.load(path, f"no {ckpt} in {run_dir}: give a run folder of train.py")
+    path, last = Path(run_dir) / ckpt, Path(run_dir) / "last.pt"
+    hint = " (it has a last.pt: --ckpt last)" if ckpt == "best.pt" and last.exists() else ""
+    saved = checkpoint.load(path, f"no {ckpt} in {run_dir}: give a run folder of train.py{hint}")
     model = checkpoint.model_from(saved, path).to(device).eval()
     if model.config.residual != "attnres":
         raise UsageError(f"{path}: a {model.config.residual} model has no depth routes")
@@ -557,6 +700,11 @@ def random_mask(mask, pools, seed):  # the control: as many sources per read, ne
 
 def ablate(args, extra):
     """Δ val loss of the mask in each read alone and in all, beside count-matched random masks."""
+    if args.draws < 1:
+        raise UsageError(f"--draws {args.draws}: give 1 or more random masks to compare with")
+    if (args.older_than or 0) < 0:
+        raise UsageError(f"--older_than {args.older_than}: give 0 or more (0: every completed "
+                         "block, 1: all but the last one, ...)")
     folder, device = Path(args.run_dir), train.pick_device(args.device)
     model, saved, val, offsets = load_model(args.run_dir, f"{args.ckpt}.pt", args.data, device)
     s, T = saved["settings"], model.config.sequence_len
@@ -585,7 +733,9 @@ def ablate(args, extra):
               + ",".join(rows[-1]["masked"].get(label, [f"{len(mask)} reads"])))
     if kept:
         print(f"  not masked (it would hide every source of the read): {', '.join(kept)}")
-    tag = "_".join([f"mask-{args.mask}"] * bool(args.mask) + [f"read-{args.read}"] * bool(args.read)
+    # the checkpoint in the name: an ablation of last.pt never writes over best.pt's
+    tag = "_".join([args.ckpt] + [f"mask-{args.mask}"] * bool(args.mask)
+                   + [f"read-{args.read}"] * bool(args.read)
                    + [f"older{args.older_than}"] * (args.older_than is not None))
     write_json(folder / f"ablate_{tag}.json", dict(vars(args), step=saved["progress"]["step"],
                fast_routing=model.config.fast_routing, base_val_loss=base, rows=rows, kept=kept))
@@ -620,6 +770,9 @@ def build_parser():
     s.add_argument("--seeds", help="0,1,2 or 0-4 (custom: 0-2)")
     s.add_argument("--depths", help=f"n_layer values (custom: {CUSTOM['depths'][0]})")
     s.add_argument("--lrs", help="run each variant and seed at each rate: 1e-3,2e-3,4e-3")
+    s.add_argument("--set", action="append", default=[], metavar="NAME=V1,V2",
+                   help="run each variant and seed at each value of train.py's --NAME (again for "
+                   "another); a variant it has no effect in runs once")
     s.add_argument("--attnres_block", type=int, help="of all AttnRes runs (default: largest auto)")
     s.add_argument("--jobs", type=int, default=1, help="runs at once (CPU: cores/N threads each)")
     s.add_argument("--torchrun", type=int, metavar="N", help="each run on N processes (DDP)")
