@@ -62,6 +62,7 @@ CUSTOM = dict(depths=[train.MODEL_DEFAULTS["n_layer"]], seeds=[0, 1, 2], flags="
 # train.py's flags by name: the fields of its settings and of the model (vocab_size is the data's)
 SETTINGS = {f.name: f for cls in (train.TrainSettings, GPTConfig) for f in dataclasses.fields(cls)
             if f.name != "vocab_size"}
+NEEDS = {name: f.metadata.get("needs") for name, f in SETTINGS.items()}  # "attnres", "wav", None
 MAX_RUNS = 1000  # more is a typo (--seeds 0-100000000), refused before a list of them is built
 NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib): no figures; tables are whole"
 
@@ -75,8 +76,11 @@ def plan(a, extra=()):
     rates = listed(a.lrs, "--lrs", lambda x: [float(x)] * (float(x) > 0), "rates like 1e-3,2e-3")
     grid = sweep_grid(a, variants)
     presets, variants = grid.get("presets", {}), variants or grid["variants"].split()
-    check_train_flags(extra, presets, rates, variants)
-    settings = set_values(a.set, extra, presets, rates, variants)
+    taken = check_train_flags(extra, presets, rates)
+    settings = set_values(a.set, taken)
+    # the flags after -- and each --set's values: {--NAME: [value, ...]}, each where it applies
+    options = {**{k: [x] for k, x in flag_dict(extra).items()}, **settings}
+    notes = left_out(options, variants)
     depths, seeds, rates = depths or grid["depths"], seeds or grid["seeds"], rates or [None]
     count = math.prod(map(len, [grid["datasets"], depths, seeds, variants, rates,
                                 *settings.values()]))
@@ -89,14 +93,30 @@ def plan(a, extra=()):
             raise UsageError(f"--depths {depth}: sweep {a.name} has presets for depths "
                              f"{', '.join(map(str, presets))} only (the preset sets the width)")
         m = sweep_block(variants, depth, a.attnres_block)
+        folder = grid.get("folder") or f"{a.data_root}/{dataset}"
         for seed, v, lr in itertools.product(seeds, variants, rates):
             block = m if VARIANTS[v]["residual"] == "attnres" else None
-            # a setting with no effect in this variant is left out: it runs once, not per value
-            mine = {k: values for k, values in settings.items() if not inert(k, v)}
-            for chosen in itertools.product(*mine.values()):
-                where = dict(dataset=dataset, depth=depth, seed=seed, variant=v, lr=lr,
-                             attnres_block=block, set_base={k: x[0][1] for k, x in mine.items()})
-                runs.append(one_run(a, grid, where, dict(zip(mine, chosen)), extra))
+            # a flag with no effect in this variant is left out: it runs once, not once per value
+            mine = {k: values for k, values in options.items() if not inert(k[2:], variant(v))}
+            for chosen in [dict(zip(mine, values)) for values in itertools.product(*mine.values())]:
+                swept = {k[2:]: x for k, x in chosen.items() if k in settings}
+                run = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
+                run += "".join(f"_{k}{x}" for k, x in swept.items())  # block_L4_s0_wav_rho2
+                run = f"{dataset}/{run}" if len(grid["datasets"]) > 1 else run
+                args = ["--preset", presets[depth]] if presets else []
+                args += ["--data", folder, "--n_layer", str(depth), "--seed", str(seed)]
+                # every field a variant may set: a preset's wav=True never leaks into block
+                args += [s for k, value in variant(v).items() for s in (f"--{k}", str(value))]
+                args += [] if block is None else ["--attnres_block", str(block)]
+                args += [*shlex.split(grid["flags"]), *itertools.chain(*chosen.items())]
+                args += ["--lr", f"{lr:g}"] if lr else []
+                runs.append(dict(name=run, dir=Path(a.out or f"runs/{a.name}") / run, variant=v,
+                                 dataset=dataset, depth=depth, seed=seed, lr=lr, sweep=a.name,
+                                 attnres_block=block, args=args, env=grid.get("env", {}),
+                                 data=folder, set=swept, set_base={
+                                     k[2:]: settings[k][0] for k in mine if k in settings}))
+    for note in notes:  # once every check passed
+        print(note)
     return runs
 
 def sweep_grid(a, variants):
@@ -113,26 +133,6 @@ def sweep_grid(a, variants):
         raise UsageError(f"--data {a.data}: only sweep custom takes a data folder; sweep {a.name} "
                          f"reads {', '.join(SWEEPS[a.name]['datasets'])} from --data_root")
     return SWEEPS[a.name]
-
-def one_run(a, grid, run, chosen, extra):
-    """The run dict at `run` (dataset, depth, seed, variant, lr, block), with the --set values
-    chosen ({NAME: (text, value)}): its name, folder and train.py flags."""
-    v, lr, presets = run["variant"], run["lr"], grid.get("presets")
-    name = f"{v}_L{run['depth']}_s{run['seed']}" + (f"_lr{lr:g}" if lr else "")
-    for k, (text, _) in chosen.items():  # a value as given: block_L4_s0_wav_rho2
-        name += f"_{k}" + re.sub(r"[^\w.+-]+", "_", text)
-    name = f"{run['dataset']}/{name}" if len(grid["datasets"]) > 1 else name
-    folder = grid.get("folder") or f"{a.data_root}/{run['dataset']}"
-    args = ["--preset", presets[run["depth"]]] if presets else []
-    args += ["--data", folder, "--n_layer", str(run["depth"]), "--seed", str(run["seed"])]
-    # every field a variant may set: a preset's wav=True never leaks into block
-    args += [s for k, value in variant(v).items() for s in (f"--{k}", str(value))]
-    args += [] if run["attnres_block"] is None else ["--attnres_block", str(run["attnres_block"])]
-    args += [*shlex.split(grid["flags"]), *for_variant(extra, v)]
-    args += (["--lr", f"{lr:g}"] if lr else []) + [f"--{k}={t}" for k, (t, _) in chosen.items()]
-    return dict(run, name=name, dir=Path(a.out or f"runs/{a.name}") / name, sweep=a.name,
-                args=args, env=grid.get("env", {}), data=folder,
-                set={k: value for k, (_, value) in chosen.items()})
 
 def listed(text, flag, parse, example="integers like 0,1,2 or 0-4"):
     """A comma-separated flag as distinct values, parse(part) giving each part's ([]: refused)."""
@@ -153,47 +153,38 @@ def span(part, low):  # a part of --seeds or --depths: '3' or a rising range '0-
     values = range(int(first), int(last or first) + 1)
     return values if values and values[0] >= low else []
 
-def owned(presets, lrs):
-    """{train.py flag the sweep sets for each run: the sweep's flag to use instead}."""
-    return {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths",
-            "--seed": "--seeds", "--out_dir": "--out", "--attnres_block": "it before --",
-            **{f"--{k}": "--variants" for k in variant("block")},
-            **({"--preset": "sweep custom for another preset"} if presets else {}),
-            **({"--lr": "--lrs"} if lrs else {}), "--resume": "the same sweep command to resume"}
-
-def check_train_flags(extra, presets, lrs, variants):
-    """The flags after -- before any run: the grid's own refused, all parsed, each of use to some
-    variant (a run of a variant it has no effect in leaves it out)."""
-    refused = {k: f"the sweep sets it for each run; use {use}"
-               for k, use in owned(presets, lrs).items()}
+def check_train_flags(extra, presets, lrs):
+    """The flags after -- before any run: the grid's own refused, all parsed. {flag: the fix} of
+    those --set may not take either."""
+    use = {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths",
+           "--seed": "--seeds", "--out_dir": "--out", "--attnres_block": "it before --",
+           **{f"--{k}": "--variants" for k in variant("block")},
+           **({"--preset": "sweep custom for another preset"} if presets else {}),
+           **({"--lr": "--lrs"} if lrs else {}), "--resume": "the same sweep command to resume"}
+    refused = {k: f"the sweep sets it for each run; use {v}" for k, v in use.items()}
     refused |= dict.fromkeys(["-h", "--help"], "the flags after -- are train.py's: train.py -h")
     for flag in [f for f in refused if f in {*flag_dict(extra), *extra}]:
         raise UsageError(f"{flag} after --: {refused[flag]}")
     train_args(list(extra), "after --")
-    for flag in flag_dict(extra):
-        of_use(flag[2:], variants, f"{flag} after --")
+    return refused | dict.fromkeys(flag_dict(extra), "give it after -- or in --set, not both")
 
-def set_values(given, extra, presets, lrs, variants):
-    """Each --set NAME=V1,V2 as {NAME: [(text, value), ...]}, parsed by train.py's parser, the
-    baseline first: the value equal to train.py's default, else the first given."""
+def set_values(given, taken):
+    """{--NAME: its values} of each --set NAME=V1,V2, parsed by train.py's parser (a float as %g
+    text), the baseline first: the value equal to train.py's default, else the first given."""
     settings = {}
     for item in given:
         name, _, texts = item.partition("=")
         if name not in SETTINGS or not texts:
             raise UsageError(f"--set {item}: expected NAME=V1,V2 with NAME a flag of train.py "
                              "(train.py -h), e.g. --set wav_rho=2,4")
-        use = owned(presets, lrs).get(f"--{name}")
-        if use:
-            raise UsageError(f"--set {item}: the sweep sets it for each run; use {use}")
-        if f"--{name}" in flag_dict(extra) or name in settings:
-            raise UsageError(f"--set {item}: --{name} is also after -- or in another --set")
-        values = [(t.strip(), train_args([f"--{name}={t.strip()}"], f"--set {item}")[name])
-                  for t in texts.split(",")]
-        if len({value for _, value in values}) < len(values):
-            raise UsageError(f"--set {item}: expected distinct values")
-        of_use(name, variants, f"--set {item}")
+        taken |= dict.fromkeys(settings, "give one --set per flag")
+        if f"--{name}" in taken:
+            raise UsageError(f"--set {item}: {taken[f'--{name}']}")
+        values = listed(texts, f"--set {name}", lambda text: [
+            train_args([f"--{name}={text}"], f"--set {item}")[name]], f"values of --{name}")
         default = train.MODEL_DEFAULTS.get(name, SETTINGS[name].default)
-        settings[name] = sorted(values, key=lambda text_value: text_value[1] != default)
+        values.sort(key=lambda value: value != default)  # stable: else the first given
+        settings[f"--{name}"] = [f"{x:g}" if isinstance(x, float) else str(x) for x in values]
     return settings
 
 def train_args(argv, where):
@@ -206,34 +197,23 @@ def train_args(argv, where):
         why = re.sub(r"^error: |; see --help$", "", err.getvalue().strip().splitlines()[-1])
         raise UsageError(f"{where}: {why}") from None
 
-def inert(name, v):
-    """Why train.py's --name has no effect in variant v (nanoroute.missing_need), else None."""
-    return inert_in(name, variant(v))
+def inert(name, config):
+    """Why train.py's --name has no effect in a model of config (nanoroute.missing_need)."""
+    return missing_need(NEEDS.get(name), config["residual"], config.get("wav"))
 
-def of_use(name, variants, where):
-    """A setting that has no effect in any of the variants is an error (it would go nowhere)."""
-    if all(inert(name, v) for v in variants):
-        fits = [v for v in VARIANTS if not inert(name, v)]
-        raise UsageError(f"{where}: it has no effect in {', '.join(variants)}; add a variant it "
-                         f"applies to, e.g. --variants {','.join([*variants, fits[0]])}")
-
-def for_variant(extra, v):
-    """The flags after -- less each (with its value) that has no effect in variant v."""
-    kept, drop = [], False
-    for arg in extra:
-        if arg.startswith("--"):  # a flag; what follows up to the next one is its value
-            drop = inert(arg.partition("=")[0][2:], v) is not None
-        if not drop:
-            kept.append(arg)
-    return kept
-
-def left_out(runs, flags):
-    """A line per flag (--NAME) that some variant's runs leave out: it has no effect in them."""
-    variants = dict.fromkeys(run["variant"] for run in runs)
-    for flag in flags:
-        off = [v for v in variants if inert(flag[2:], v)]
-        if off:
-            print(f"# {flag} is left out of the {', '.join(off)} runs: it has no effect there")
+def left_out(options, variants):
+    """A line per flag (--NAME) that some variants leave out, as it has no effect in them; a flag
+    that every one would leave out is an error."""
+    notes = []
+    for flag in options:
+        off = [v for v in variants if inert(flag[2:], variant(v))]
+        if off == variants:
+            fits = next(v for v in VARIANTS if not inert(flag[2:], variant(v)))
+            raise UsageError(f"{flag}: it has no effect in {', '.join(variants)}; add a variant "
+                             f"it applies to, e.g. --variants {','.join([*variants, fits])}")
+        notes += [f"# {flag} is left out of the {', '.join(off)} runs: it has no effect there"] * (
+            off != [])
+    return notes
 
 def flag_dict(args):
     """{--flag: value} of a train.py argument list ("True" for a bare flag; the last one wins)."""
@@ -349,7 +329,6 @@ def sweep(args, extra):
     launcher = [sys.executable, TRAIN] if not args.torchrun else [  # "--": train.py drops it
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={args.torchrun}", TRAIN, "--"]
-    left_out(runs, [*flag_dict(extra), *(f"--{s.partition('=')[0]}" for s in args.set)])
     if args.dry_run:
         return print("\n".join(shell(cmd, run_env(run, {})) for run, cmd in
                                pending(runs, launcher))) or 0
@@ -401,10 +380,10 @@ def read_run(d, name):
         both = {**config, **settings, "data": Path(settings["data"]).name}  # from any folder
         # a routing knob (needs=) is the variant's: named in its row where not the default, so
         # that prenorm and wav group alike; --set values make rows of their own too
-        knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and needs_of(k)
-                 and not inert_in(k, config) and x != SETTINGS[k].default}
+        knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
+                 and not inert(k, config) and x != SETTINGS[k].default}
         setup = tuple(sorted((k, repr(x)) for k, x in both.items()
-                             if k not in {*NOT_SETUP, *swept} and not needs_of(k)))
+                             if k not in {*NOT_SETUP, *swept} and not NEEDS.get(k)))
         block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
         fits = [v for v in VARIANTS if variant(v).items() <= config.items()] + [config["residual"]]
         run.update(variant=run["variant"] or fits[0], dataset=summary["dataset"],
@@ -416,11 +395,6 @@ def read_run(d, name):
                    off=tuple((k, x) for k, x in sorted(swept.items()) if x != base[k]))
     return run
 
-def needs_of(name):  # "attnres", "wav" (a field of the depth routing) or None
-    return SETTINGS[name].metadata.get("needs") if name in SETTINGS else None
-
-def inert_in(name, config):  # why a setting has no effect in a run of this config, else None
-    return missing_need(needs_of(name), config["residual"], config.get("wav"))
 
 def mean_std(values):  # (mean, sample std, ddof=1): std None for one value, both for none
     values = [v for v in values if v is not None]
@@ -529,8 +503,8 @@ def markdown(folders, runs, groups, baseline, notes):
              f"{len(runs) - len(finished)} unfinished. A group: runs alike but for seed, lr, "
              "variant and --set values. Val loss: the last eval's, nats/token, mean ± sample std "
              f"over seeds. Δ: paired difference to **{baseline}** (same seed), or for a --set "
-             "value off its baseline (the default, else the first given) to the same variant at the "
-             "baseline (Δ vs); wins: seeds where lower. lr: of the lowest mean. Route entropy: "
+             "value off its baseline (the default, else the first given) to the same variant "
+             "at the baseline (Δ vs); wins: seeds where lower. lr: of the lowest mean. Route entropy: "
              "normalised; JS: RD's QK vs V, nats.", ""]
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
