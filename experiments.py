@@ -378,10 +378,11 @@ def read_run(d, name):
         config, settings = summary["config"], summary["train"]
         swept, base = (info or {}).get("set", {}), (info or {}).get("set_base", {})
         both = {**config, **settings, "data": Path(settings["data"]).name}  # from any folder
-        # a routing knob (needs=) is the variant's: named in its row where not the default, so
-        # that prenorm and wav group alike; --set values make rows of their own too
+        # a routing knob (needs=) is the variant's, named in its row where not the default (so
+        # prenorm and a wav of wav_rho 2 pair); so are the --set values; `home`: at the baselines
         knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
                  and not inert(k, config) and x != SETTINGS[k].default}
+        row, home = [repr(sorted({**knobs, **swept, **at}.items())) for at in ({}, base)]
         setup = tuple(sorted((k, repr(x)) for k, x in both.items()
                              if k not in {*NOT_SETUP, *swept} and not NEEDS.get(k)))
         block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
@@ -390,9 +391,7 @@ def read_run(d, name):
                    depth=config["n_layer"], seed=settings["seed"], lr=settings["lr"], block=block,
                    final=float(summary["final"]["val_loss"]), level=summary["level"], setup=setup,
                    milestones=summary.get("milestones") or {}, routes=summary.get("routes") or {},
-                   set=knobs | swept, set_base=base,
-                   fixed=repr(sorted((k, x) for k, x in knobs.items() if k not in swept)),
-                   off=tuple((k, x) for k, x in sorted(swept.items()) if x != base[k]))
+                   set=knobs | swept, set_base=base, row=row, home=home, off=row != home)
     return run
 
 
@@ -411,44 +410,38 @@ def paired(runs, base_runs, value):
                 ties=sum(d == 0 for d in diffs), n=len(diffs))
 
 def summarize(runs, baseline):
-    """Groups of like finished runs; a row per (variant, routing block, --set values off their
-    baseline), at its chosen lr. A row off the baseline values pairs with its variant's row at
-    them (at that row's lr), the others with the baseline variant's row."""
+    """Groups of like finished runs; a row per (variant, routing block, knobs and --set values),
+    at its chosen lr. A row with --set values off their baselines pairs with the runs of its
+    variant at the baselines and at its lr, any other with the baseline variant's row."""
     groups, rank = {}, {v: i for i, v in enumerate(VARIANTS)}
     for r in runs:
         rows = groups.setdefault((str(r["dataset"]), r["depth"], r["setup"]), {})
-        key = (r["variant"], r["block"], r["fixed"], r["off"])
+        key = (r["variant"], r["block"], r["off"], r["row"])
         rows.setdefault(key, {}).setdefault(r["lr"], []).append(r)
     out = []
     for (dataset, depth, setup), by_row in sorted(groups.items()):
-        rows = {}
-        for v, block, fixed, off in sorted(by_row, key=lambda k: (
-                rank.get(k[0], len(rank)), k[0], k[1] or 0, k[2], bool(k[3]), repr(k[3]))):
-            home = rows.get((v, block, fixed, ()), {})  # the row a --set value pairs with
-            rows[v, block, fixed, off] = make_row(v, block, by_row[v, block, fixed, off],
-                                                  home.get("lr"))
-        base = next((row for (v, _, _, off), row in rows.items() if (v, off) == (baseline, ())),
-                    None)
-        reached = {k: m["tokens"] for row in rows.values() for r in row["runs"]
+        keys = sorted(by_row, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1] or 0, *k[2:]))
+        rows = [make_row(k[0], k[1], by_row[k]) for k in keys]
+        reached = {k: m["tokens"] for row in rows for r in row["runs"]
                    for k, m in r["milestones"].items()}
-        for (v, block, fixed, off), row in rows.items():
-            row["vs"] = rows.get((v, block, fixed, ())) if off else base
-            vs = row["vs"] if row["vs"] is not row else None
-            row["delta"] = vs and paired(row["runs"], vs["runs"], lambda r: r["final"])
+        base = next((row for row in rows if (row["variant"], row["off"]) == (baseline, False)),
+                    None)
+        for row in rows:
+            home = by_row.get((row["variant"], row["block"], False, row["runs"][0]["home"]), {})
+            row["vs"] = home.get(row["lr"]) if row["off"] else base and base["runs"]
+            vs = row["vs"] if row is not base else None
+            row["delta"] = vs and paired(row["runs"], vs, lambda r: r["final"])
             at = {k: lambda r, k=k: r["milestones"].get(k, {}).get("val_loss") for k in reached}
-            row["at"] = {k: (mean_std(map(val, row["runs"])), vs and paired(row["runs"], vs["runs"],
-                                                                            val))
+            row["at"] = {k: (mean_std(map(val, row["runs"])), vs and paired(row["runs"], vs, val))
                          for k, val in at.items()}
-        rows = list(rows.values())
         out.append(dict(dataset=dataset, depth=depth, level=rows[0]["runs"][0]["level"], rows=rows,
                         setup=setup, base=base, milestones=sorted(reached, key=reached.get)))
     return out
 
-def make_row(name, block, by_lr, given=None):
-    """A row: the variant's runs at `given` lr, else at the lr of the lowest mean final val loss
-    over seeds (its warning if that is the lowest or highest of several)."""
+def make_row(name, block, by_lr):
+    """A row: the variant's runs at the lr of the lowest mean final val loss over seeds."""
     means = {lr: statistics.fmean(r["final"] for r in rs) for lr, rs in by_lr.items()}
-    lr = given if given in by_lr else min(means, key=means.get)
+    lr = min(means, key=means.get)
     runs = sorted(by_lr[lr], key=lambda r: r["seed"])
     label = row_label(name, runs[0])
     for a, b in [(a, b) for a, b in zip(runs, runs[1:]) if a["seed"] == b["seed"]]:
@@ -456,7 +449,7 @@ def make_row(name, block, by_lr, given=None):
                          f"{lr:g} in one setup: neither pairs clearly; report one at a time")
     to_metric = (lambda v: v / math.log(2)) if runs[0]["level"] == "char" else math.exp
     return dict(variant=name, block=block, lr=lr, runs=runs, val=mean_std(r["final"] for r in runs),
-                label=label, off=runs[0]["off"], edge=given is None and lr_edge(lr, means, label),
+                label=label, off=runs[0]["off"], edge=lr_edge(lr, means, label),
                 metric=mean_std(to_metric(r["final"]) for r in runs),  # bits per char, perplexity
                 entropy=mean_std(r["routes"].get("entropy_norm_mean") for r in runs),
                 js=mean_std(r["routes"].get("js_mean") for r in runs),
@@ -466,7 +459,7 @@ def make_row(name, block, by_lr, given=None):
 def row_label(name, run):
     """The variant and its --set values; off their baselines, the values its Δ is against."""
     label = ", ".join([name, *(f"{k}={x}" for k, x in run["set"].items())])
-    base = ", ".join(f"{k}={run['set_base'][k]}" for k, _ in run["off"])
+    base = ", ".join(f"{k}={x}" for k, x in run["set_base"].items() if run["set"][k] != x)
     return label + (f" (Δ vs {base})" if base else "")
 
 def lr_edge(lr, rates, label):  # a warning where the best lr may lie outside the grid
@@ -585,13 +578,13 @@ def val_loss_figure(Figure, groups, baseline):
                         gridspec_kw=dict(height_ratios=[3, 2]))
     for g, title, ax, dax in zip(groups, titles(groups), axes[0], axes[1]):
         for row in g["rows"]:
-            base = {r["seed"]: r["curve"] for r in row["vs"]["runs"]} if row["vs"] else {}
+            base = {r["seed"]: r["curve"] for r in row["vs"] or []}
             shade = colormaps["tab20"](([*VARIANTS, row["variant"]].index(row["variant"])) % 20)
             curves = [r["curve"] for r in row["runs"]]
             band(ax, curves, shade, f"{row['label']} (lr {row['lr']:g}, {len(curves)})")
             band(dax, [{t: y - base[r["seed"]][t] for t, y in r["curve"].items()
                         if t in base[r["seed"]]} for r in row["runs"]
-                       if r["seed"] in base and row is not row["vs"]], shade)
+                       if r["seed"] in base and row is not g["base"]], shade)
         late = [y for row in g["rows"] for r in row["runs"] for t, y in r["curve"].items()
                 if t >= 0.2 * max(r["curve"], default=0)]  # the first fifth would dwarf the rest
         dax.axhline(0, color="black", linewidth=0.8)
