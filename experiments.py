@@ -59,11 +59,12 @@ SWEEPS = {
 }
 # sweep custom: three seeds, the fewest that give a spread of the paired differences
 CUSTOM = dict(depths=[train.MODEL_DEFAULTS["n_layer"]], seeds=[0, 1, 2], flags="")
-# train.py's flags by name: the fields of its settings and of the model (vocab_size is the data's)
-SETTINGS = {f.name: f for cls in (train.TrainSettings, GPTConfig) for f in dataclasses.fields(cls)
-            if f.name != "vocab_size"}
-NEEDS = {name: f.metadata.get("needs") for name, f in SETTINGS.items()}  # "attnres", "wav", None
-MAX_RUNS = 1000  # more is a typo (--seeds 0-100000000), refused before a list of them is built
+# train.py's flags: the fields of its settings and of the model, each with its needs= ("attnres",
+# "wav" or None: where it has an effect) and its default in train.py
+FIELDS = [f for cls in (train.TrainSettings, GPTConfig) for f in dataclasses.fields(cls)]
+NEEDS = {f.name: f.metadata.get("needs") for f in FIELDS}
+DEFAULTS = {f.name: train.MODEL_DEFAULTS.get(f.name, f.default) for f in FIELDS}
+MAX_RUNS = 1000  # more is a typo (--seeds 0-100000000)
 NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib): no figures; tables are whole"
 
 # --- Planning a sweep: the runs, their flags, and every check that can fail before the first. ---
@@ -82,9 +83,8 @@ def plan(a, extra=()):
     options = {**{k: [x] for k, x in flag_dict(extra).items()}, **settings}
     notes = left_out(options, variants)
     depths, seeds, rates = depths or grid["depths"], seeds or grid["seeds"], rates or [None]
-    count = math.prod(map(len, [grid["datasets"], depths, seeds, variants, rates,
-                                *settings.values()]))
-    if count > MAX_RUNS:
+    size = [grid["datasets"], depths, seeds, variants, rates, *settings.values()]
+    if (count := math.prod(map(len, size))) > MAX_RUNS:
         raise UsageError(f"sweep {a.name}: {count} runs, more than {MAX_RUNS}: give fewer "
                          "--seeds, --depths, --variants, --lrs or --set values")
     runs = []
@@ -134,15 +134,12 @@ def sweep_grid(a, variants):
                          f"reads {', '.join(SWEEPS[a.name]['datasets'])} from --data_root")
     return SWEEPS[a.name]
 
-def listed(text, flag, parse, example="integers like 0,1,2 or 0-4"):
+def listed(text, flag, parse, example=f"integers like 0,1,2 or 0-4, at most {MAX_RUNS}"):
     """A comma-separated flag as distinct values, parse(part) giving each part's ([]: refused)."""
     if text is None:
         return None
     with contextlib.suppress(ValueError):
         parts = [parse(part.strip()) for part in text.split(",")]
-        if sum(map(len, parts)) > MAX_RUNS:  # a range: refused before its list is built
-            raise UsageError(f"{flag} {text}: {sum(map(len, parts))} values, more than a sweep's "
-                             f"{MAX_RUNS} runs")
         values = [v for part in parts for v in part]
         if all(parts) and len(set(values)) == len(values):
             return values
@@ -150,8 +147,8 @@ def listed(text, flag, parse, example="integers like 0,1,2 or 0-4"):
 
 def span(part, low):  # a part of --seeds or --depths: '3' or a rising range '0-4', integers >= low
     first, _, last = part.partition("-")
-    values = range(int(first), int(last or first) + 1)
-    return values if values and values[0] >= low else []
+    values = range(int(first), int(last or first) + 1)  # refused before a list of it is built:
+    return values if values and values[0] >= low and len(values) <= MAX_RUNS else []
 
 def check_train_flags(extra, presets, lrs):
     """The flags after -- before any run: the grid's own refused, all parsed. {flag: the fix} of
@@ -172,18 +169,14 @@ def set_values(given, taken):
     """{--NAME: its values} of each --set NAME=V1,V2, parsed by train.py's parser (a float as %g
     text), the baseline first: the value equal to train.py's default, else the first given."""
     settings = {}
-    for item in given:
+    for item in given:  # an unknown NAME or a bad value: train.py's parser says so
         name, _, texts = item.partition("=")
-        if name not in SETTINGS or not texts:
-            raise UsageError(f"--set {item}: expected NAME=V1,V2 with NAME a flag of train.py "
-                             "(train.py -h), e.g. --set wav_rho=2,4")
         taken |= dict.fromkeys(settings, "give one --set per flag")
         if f"--{name}" in taken:
             raise UsageError(f"--set {item}: {taken[f'--{name}']}")
         values = listed(texts, f"--set {name}", lambda text: [
             train_args([f"--{name}={text}"], f"--set {item}")[name]], f"values of --{name}")
-        default = train.MODEL_DEFAULTS.get(name, SETTINGS[name].default)
-        values.sort(key=lambda value: value != default)  # stable: else the first given
+        values.sort(key=lambda value: value != DEFAULTS[name])  # stable: else the first given
         settings[f"--{name}"] = [f"{x:g}" if isinstance(x, float) else str(x) for x in values]
     return settings
 
@@ -208,9 +201,8 @@ def left_out(options, variants):
     for flag in options:
         off = [v for v in variants if inert(flag[2:], variant(v))]
         if off == variants:
-            fits = next(v for v in VARIANTS if not inert(flag[2:], variant(v)))
-            raise UsageError(f"{flag}: it has no effect in {', '.join(variants)}; add a variant "
-                             f"it applies to, e.g. --variants {','.join([*variants, fits])}")
+            raise UsageError(f"{flag}: it has no effect in {', '.join(variants)}: add to "
+                             "--variants one it applies to (nanoroute.missing_need)")
         notes += [f"# {flag} is left out of the {', '.join(off)} runs: it has no effect there"] * (
             off != [])
     return notes
@@ -381,7 +373,7 @@ def read_run(d, name):
         # a routing knob (needs=) is the variant's, named in its row where not the default (so
         # prenorm and a wav of wav_rho 2 pair); so are the --set values; `home`: at the baselines
         knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
-                 and not inert(k, config) and x != SETTINGS[k].default}
+                 and not inert(k, config) and x != DEFAULTS[k]}
         row, home = [repr(sorted({**knobs, **swept, **at}.items())) for at in ({}, base)]
         setup = tuple(sorted((k, repr(x)) for k, x in both.items()
                              if k not in {*NOT_SETUP, *swept} and not NEEDS.get(k)))
@@ -443,31 +435,25 @@ def make_row(name, block, by_lr):
     means = {lr: statistics.fmean(r["final"] for r in rs) for lr, rs in by_lr.items()}
     lr = min(means, key=means.get)
     runs = sorted(by_lr[lr], key=lambda r: r["seed"])
-    label = row_label(name, runs[0])
+    # the variant, its knobs and --set values; off their baselines, the values its Δ is against
+    base = ", ".join(f"{k}={x}" for k, x in runs[0]["set_base"].items() if runs[0]["set"][k] != x)
+    label = ", ".join([name, *(f"{k}={x}" for k, x in runs[0]["set"].items())])
+    label += f" (Δ vs {base})" if base else ""
+    # the lowest or highest of several rates: the best may lie outside the grid
+    side = {min(means): ("lowest", "below"), max(means): ("highest", "above")}.get(lr)
+    edge = f"lr {lr:g} is the {side[0]} of the grid for {label}: the best rate may be " \
+        f"{side[1]} it; extend --lrs" if side and len(means) > 1 else None
     for a, b in [(a, b) for a, b in zip(runs, runs[1:]) if a["seed"] == b["seed"]]:
         raise UsageError(f"runs {a['name']} and {b['name']} are both {name}, seed {a['seed']}, lr "
                          f"{lr:g} in one setup: neither pairs clearly; report one at a time")
     to_metric = (lambda v: v / math.log(2)) if runs[0]["level"] == "char" else math.exp
     return dict(variant=name, block=block, lr=lr, runs=runs, val=mean_std(r["final"] for r in runs),
-                label=label, off=runs[0]["off"], edge=lr_edge(lr, means, label),
+                label=label, off=runs[0]["off"], edge=edge,
                 metric=mean_std(to_metric(r["final"]) for r in runs),  # bits per char, perplexity
                 entropy=mean_std(r["routes"].get("entropy_norm_mean") for r in runs),
                 js=mean_std(r["routes"].get("js_mean") for r in runs),
                 wall=mean_std(r["summary"].get("wall_time_s") for r in runs),
                 others={k: (m, len(by_lr[k])) for k, m in means.items() if k != lr})
-
-def row_label(name, run):
-    """The variant and its --set values; off their baselines, the values its Δ is against."""
-    label = ", ".join([name, *(f"{k}={x}" for k, x in run["set"].items())])
-    base = ", ".join(f"{k}={x}" for k, x in run["set_base"].items() if run["set"][k] != x)
-    return label + (f" (Δ vs {base})" if base else "")
-
-def lr_edge(lr, rates, label):  # a warning where the best lr may lie outside the grid
-    if len(rates) > 1 and lr in (min(rates), max(rates)):
-        side = ("lowest", "below") if lr == min(rates) else ("highest", "above")
-        return f"lr {lr:g} is the {side[0]} of the grid for {label}: the best rate may be " \
-            f"{side[1]} it; extend --lrs"
-    return None
 
 def titles(groups):
     """Each group's heading; groups of one dataset and depth also name what sets them apart."""
@@ -495,9 +481,9 @@ def markdown(folders, runs, groups, baseline, notes):
     lines = [f"# Report: {' '.join(folders)}", "", f"{len(runs)} runs: {len(finished)} finished, "
              f"{len(runs) - len(finished)} unfinished. A group: runs alike but for seed, lr, "
              "variant and --set values. Val loss: the last eval's, nats/token, mean ± sample std "
-             f"over seeds. Δ: paired difference to **{baseline}** (same seed), or for a --set "
-             "value off its baseline (the default, else the first given) to the same variant "
-             "at the baseline (Δ vs); wins: seeds where lower. lr: of the lowest mean. Route entropy: "
+             f"over seeds. Δ: paired difference to **{baseline}** (same seed), or (Δ vs) to the "
+             "same variant at the baseline of its --set values (the default, else the first "
+             "given); wins: seeds where lower. lr: of the lowest mean. Route entropy: "
              "normalised; JS: RD's QK vs V, nats.", ""]
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
@@ -670,8 +656,7 @@ def ablate(args, extra):
     if args.draws < 1:
         raise UsageError(f"--draws {args.draws}: give 1 or more random masks to compare with")
     if (args.older_than or 0) < 0:
-        raise UsageError(f"--older_than {args.older_than}: give 0 or more (0: every completed "
-                         "block, 1: all but the last one, ...)")
+        raise UsageError(f"--older_than {args.older_than}: give 0 or more (0: every completed block)")
     folder, device = Path(args.run_dir), train.pick_device(args.device)
     model, saved, val, offsets = load_model(args.run_dir, f"{args.ckpt}.pt", args.data, device)
     s, T = saved["settings"], model.config.sequence_len
