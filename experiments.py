@@ -2,7 +2,7 @@
 Paired sweeps over nanoroute's variants, the report that compares them, and routing interventions on
 a trained run (SPEC: Paired experiments, What the controls can show). docs/experiments.md has more.
 
-    python experiments.py sweep controls --jobs 2     # 7 variants x 3 seeds; tail -f runs/*/*.log
+    python experiments.py sweep controls --jobs 2     # its variants x 3 seeds; tail -f runs/*/*.log
     python experiments.py sweep custom --data data/text8 --variants prenorm,block,wav,rd \
         --depths 8,12 --seeds 0-2 --lrs 1e-3,2e-3 --jobs 4 -- --max_iters 2000
     python experiments.py report runs/controls --plots --heatmap block_L4_s0
@@ -656,7 +656,8 @@ def ablate(args, extra):
     if args.draws < 1:
         raise UsageError(f"--draws {args.draws}: give 1 or more random masks to compare with")
     if (args.older_than or 0) < 0:
-        raise UsageError(f"--older_than {args.older_than}: give 0 or more (0: every completed block)")
+        raise UsageError(f"--older_than {args.older_than}: give 0 or more (0: every completed "
+                         "block)")
     folder, device = Path(args.run_dir), train.pick_device(args.device)
     model, saved, val, offsets = load_model(args.run_dir, f"{args.ckpt}.pt", args.data, device)
     s, T = saved["settings"], model.config.sequence_len
@@ -713,7 +714,8 @@ def build_parser():
     s = sub.add_parser("sweep", help="a named sweep or a custom grid, train.py per run",
                        epilog="; ".join(f"{k}: {v['variants']} x seeds {v['seeds']}, depths "
                                         f"{v['depths']}" for k, v in SWEEPS.items()) + ". Flags "
-                       "after -- go to every run; `tail -f OUT/*/train.log` follows the runs.")
+                       "after -- go to each run they have an effect in; `tail -f OUT/*/train.log` "
+                       "follows the runs.")
     s.add_argument("name", choices=[*SWEEPS, "custom"])
     s.add_argument("--out", help="folder of the run folders (default: runs/NAME)")
     s.add_argument("--data", help="custom: a prepared dataset folder (its meta.json names it)")
