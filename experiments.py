@@ -2,7 +2,7 @@
 Paired sweeps over nanoroute's variants, the report that compares them, and routing interventions on
 a trained run (SPEC: Paired experiments, What the controls can show). docs/experiments.md has more.
 
-    python experiments.py sweep controls --jobs 2     # 7 variants x 3 seeds; tail -f runs/*/*.log
+    python experiments.py sweep controls --jobs 2     # its variants x 3 seeds; tail -f runs/*/*.log
     python experiments.py sweep custom --data data/text8 --variants prenorm,block,wav,rd \
         --depths 8,12 --seeds 0-2 --lrs 1e-3,2e-3 --jobs 4 -- --max_iters 2000
     python experiments.py report runs/controls --plots --heatmap block_L4_s0
@@ -31,7 +31,7 @@ import torch
 import checkpoint
 import prepare_data
 import train
-from nanoroute import VARIANTS, GPTConfig, routing_stats, source_block, variant
+from nanoroute import VARIANTS, GPTConfig, missing_need, routing_stats, source_block, variant
 from prepare_data import UsageError, write_atomic, write_json
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
@@ -59,6 +59,12 @@ SWEEPS = {
 }
 # sweep custom: three seeds, the fewest that give a spread of the paired differences
 CUSTOM = dict(depths=[train.MODEL_DEFAULTS["n_layer"]], seeds=[0, 1, 2], flags="")
+# train.py's flags: the fields of its settings and of the model, each with its needs= ("attnres",
+# "wav" or None: where it has an effect) and its default in train.py
+FIELDS = [f for cls in (train.TrainSettings, GPTConfig) for f in dataclasses.fields(cls)]
+NEEDS = {f.name: f.metadata.get("needs") for f in FIELDS}
+DEFAULTS = {f.name: train.MODEL_DEFAULTS.get(f.name, f.default) for f in FIELDS}
+MAX_RUNS = 1000  # more is a typo (--seeds 0-100000000)
 NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib): no figures; tables are whole"
 
 # --- Planning a sweep: the runs, their flags, and every check that can fail before the first. ---
@@ -69,7 +75,52 @@ def plan(a, extra=()):
     seeds = listed(a.seeds, "--seeds", lambda part: span(part, 0))
     depths = listed(a.depths, "--depths", lambda part: span(part, 1))
     rates = listed(a.lrs, "--lrs", lambda x: [float(x)] * (float(x) > 0), "rates like 1e-3,2e-3")
-    grid = SWEEPS.get(a.name)
+    grid = sweep_grid(a, variants)
+    presets, variants = grid.get("presets", {}), variants or grid["variants"].split()
+    taken = check_train_flags(extra, presets, rates)
+    settings = set_values(a.set, taken)
+    # the flags after -- and each --set's values: {--NAME: [value, ...]}, each where it applies
+    options = {**{k: [x] for k, x in flag_dict(extra).items()}, **settings}
+    notes = left_out(options, variants)
+    depths, seeds, rates = depths or grid["depths"], seeds or grid["seeds"], rates or [None]
+    size = [grid["datasets"], depths, seeds, variants, rates, *settings.values()]
+    if (count := math.prod(map(len, size))) > MAX_RUNS:
+        raise UsageError(f"sweep {a.name}: {count} runs, more than {MAX_RUNS}: give fewer "
+                         "--seeds, --depths, --variants, --lrs or --set values")
+    runs = []
+    for dataset, depth in itertools.product(grid["datasets"], depths):
+        if presets and depth not in presets:
+            raise UsageError(f"--depths {depth}: sweep {a.name} has presets for depths "
+                             f"{', '.join(map(str, presets))} only (the preset sets the width)")
+        m = sweep_block(variants, depth, a.attnres_block)
+        folder = grid.get("folder") or f"{a.data_root}/{dataset}"
+        for seed, v, lr in itertools.product(seeds, variants, rates):
+            block = m if VARIANTS[v]["residual"] == "attnres" else None
+            # a flag with no effect in this variant is left out: it runs once, not once per value
+            mine = {k: values for k, values in options.items() if not inert(k[2:], variant(v))}
+            for chosen in [dict(zip(mine, values)) for values in itertools.product(*mine.values())]:
+                swept = {k[2:]: x for k, x in chosen.items() if k in settings}
+                run = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
+                run += "".join(f"_{k}{x}" for k, x in swept.items())  # block_L4_s0_wav_rho2
+                run = f"{dataset}/{run}" if len(grid["datasets"]) > 1 else run
+                args = ["--preset", presets[depth]] if presets else []
+                args += ["--data", folder, "--n_layer", str(depth), "--seed", str(seed)]
+                # every field a variant may set: a preset's wav=True never leaks into block
+                args += [s for k, value in variant(v).items() for s in (f"--{k}", str(value))]
+                args += [] if block is None else ["--attnres_block", str(block)]
+                args += [*shlex.split(grid["flags"]), *itertools.chain(*chosen.items())]
+                args += ["--lr", f"{lr:g}"] if lr else []
+                runs.append(dict(name=run, dir=Path(a.out or f"runs/{a.name}") / run, variant=v,
+                                 dataset=dataset, depth=depth, seed=seed, lr=lr, sweep=a.name,
+                                 attnres_block=block, args=args, env=grid.get("env", {}),
+                                 data=folder, set=swept, set_base={
+                                     k[2:]: settings[k][0] for k in mine if k in settings}))
+    for note in notes:  # once every check passed
+        print(note)
+    return runs
+
+def sweep_grid(a, variants):
+    """The grid of sweep a.name: SWEEPS' entry, or custom's on the dataset of --data."""
     if a.name == "custom" and (a.data is None or not variants):
         raise UsageError("sweep custom needs --data FOLDER (a prepared dataset) and --variants, "
                          "e.g. --data data/demo --variants prenorm,block,wav,rd")
@@ -77,35 +128,13 @@ def plan(a, extra=()):
         folder = prepare_data.dataset_folder(a.data)
         demo = folder.name == "demo" and not (folder / "meta.json").exists()
         dataset = "demo" if demo else prepare_data.load_meta(folder)["dataset"]
-        grid = dict(CUSTOM, datasets=[dataset], folder=str(folder))
-    elif a.data is not None:
+        return dict(CUSTOM, datasets=[dataset], folder=str(folder))
+    if a.data is not None:
         raise UsageError(f"--data {a.data}: only sweep custom takes a data folder; sweep {a.name} "
-                         f"reads {', '.join(grid['datasets'])} from --data_root")
-    presets, variants = grid.get("presets", {}), variants or grid["variants"].split()
-    check_train_flags(extra, presets, rates)
-    runs = []
-    for dataset, depth in itertools.product(grid["datasets"], depths or grid["depths"]):
-        if presets and depth not in presets:
-            raise UsageError(f"--depths {depth}: sweep {a.name} has presets for depths "
-                             f"{', '.join(map(str, presets))} only (the preset sets the width)")
-        m = sweep_block(variants, depth, a.attnres_block)
-        folder = grid.get("folder") or f"{a.data_root}/{dataset}"
-        for seed, v, lr in itertools.product(seeds or grid["seeds"], variants, rates or [None]):
-            block = m if VARIANTS[v]["residual"] == "attnres" else None
-            run = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
-            run = f"{dataset}/{run}" if len(grid["datasets"]) > 1 else run
-            args = ["--preset", presets[depth]] if presets else []
-            args += ["--data", folder, "--n_layer", str(depth), "--seed", str(seed)]
-            # every field a variant may set: a preset's wav=True never leaks into block
-            args += [s for k, value in variant(v).items() for s in (f"--{k}", str(value))]
-            args += [] if block is None else ["--attnres_block", str(block)]
-            args += [*shlex.split(grid["flags"]), *extra] + (["--lr", f"{lr:g}"] if lr else [])
-            runs.append(dict(name=run, dir=Path(a.out or f"runs/{a.name}") / run, variant=v,
-                             dataset=dataset, depth=depth, seed=seed, lr=lr, sweep=a.name,
-                             attnres_block=block, args=args, env=grid.get("env", {}), data=folder))
-    return runs
+                         f"reads {', '.join(SWEEPS[a.name]['datasets'])} from --data_root")
+    return SWEEPS[a.name]
 
-def listed(text, flag, parse, example="integers like 0,1,2 or 0-4"):
+def listed(text, flag, parse, example=f"integers like 0,1,2 or 0-4, at most {MAX_RUNS}"):
     """A comma-separated flag as distinct values, parse(part) giving each part's ([]: refused)."""
     if text is None:
         return None
@@ -118,11 +147,12 @@ def listed(text, flag, parse, example="integers like 0,1,2 or 0-4"):
 
 def span(part, low):  # a part of --seeds or --depths: '3' or a rising range '0-4', integers >= low
     first, _, last = part.partition("-")
-    values = range(int(first), int(last or first) + 1)
-    return values if values and values[0] >= low else []
+    values = range(int(first), int(last or first) + 1)  # refused before a list of it is built:
+    return values if values and values[0] >= low and len(values) <= MAX_RUNS else []
 
 def check_train_flags(extra, presets, lrs):
-    """The flags after -- (for every run), before any run: the grid's own refused, all parsed."""
+    """The flags after -- before any run: the grid's own refused, all parsed. {flag: the fix} of
+    those --set may not take either."""
     use = {"--data": "--data (sweep custom) or --data_root", "--n_layer": "--depths",
            "--seed": "--seeds", "--out_dir": "--out", "--attnres_block": "it before --",
            **{f"--{k}": "--variants" for k in variant("block")},
@@ -132,13 +162,50 @@ def check_train_flags(extra, presets, lrs):
     refused |= dict.fromkeys(["-h", "--help"], "the flags after -- are train.py's: train.py -h")
     for flag in [f for f in refused if f in {*flag_dict(extra), *extra}]:
         raise UsageError(f"{flag} after --: {refused[flag]}")
+    train_args(list(extra), "after --")
+    return refused | dict.fromkeys(flag_dict(extra), "give it after -- or in --set, not both")
+
+def set_values(given, taken):
+    """{--NAME: its values} of each --set NAME=V1,V2, parsed by train.py's parser (a float as %g
+    text), the baseline first: the value equal to train.py's default, else the first given."""
+    settings = {}
+    for item in given:  # an unknown NAME or a bad value: train.py's parser says so
+        name, _, texts = item.partition("=")
+        taken |= dict.fromkeys(settings, "give one --set per flag")
+        if f"--{name}" in taken:
+            raise UsageError(f"--set {item}: {taken[f'--{name}']}")
+        values = listed(texts, f"--set {name}", lambda text: [
+            train_args([f"--{name}={text}"], f"--set {item}")[name]], f"values of --{name}")
+        values.sort(key=lambda value: value != DEFAULTS[name])  # stable: else the first given
+        settings[f"--{name}"] = [f"{x:g}" if isinstance(x, float) else str(x) for x in values]
+    return settings
+
+def train_args(argv, where):
+    """{name: value} of argv as train.py parses it; its parser's one `error:` line becomes ours."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            train.build_parser().parse_args(list(extra))
-    except SystemExit:  # the parser's one `error:` line becomes ours
+            return vars(train.build_parser().parse_args(argv))
+    except SystemExit:
         why = re.sub(r"^error: |; see --help$", "", err.getvalue().strip().splitlines()[-1])
-        raise UsageError(f"after --: {why} (the flags after -- go to every run)") from None
+        raise UsageError(f"{where}: {why}") from None
+
+def inert(name, config):
+    """Why train.py's --name has no effect in a model of config (nanoroute.missing_need)."""
+    return missing_need(NEEDS.get(name), config["residual"], config.get("wav"))
+
+def left_out(options, variants):
+    """A line per flag (--NAME) that some variants leave out, as it has no effect in them; a flag
+    that every one would leave out is an error."""
+    notes = []
+    for flag in options:
+        off = [v for v in variants if inert(flag[2:], variant(v))]
+        if off == variants:
+            raise UsageError(f"{flag}: it has no effect in {', '.join(variants)}: add to "
+                             "--variants one it applies to (nanoroute.missing_need)")
+        notes += [f"# {flag} is left out of the {', '.join(off)} runs: it has no effect there"] * (
+            off != [])
+    return notes
 
 def flag_dict(args):
     """{--flag: value} of a train.py argument list ("True" for a bare flag; the last one wins)."""
@@ -221,7 +288,8 @@ def launch(todo, slots):
 def start(run, cmd, label, slot):  # run.json, then train.py writing to train.log: its process
     d, env = run["dir"], run_env(run, slot)
     d.mkdir(parents=True, exist_ok=True)
-    keys = ("variant", "dataset", "depth", "seed", "lr", "attnres_block", "sweep", "args")
+    keys = ("variant", "dataset", "depth", "seed", "lr", "attnres_block", "set", "set_base",
+            "sweep", "args")
     write_json(d / "run.json", {k: run[k] for k in keys} | dict(command=shell(cmd, env)))
     print(f"{label}: started" + " (resuming from last.pt)" * ("--resume" in cmd)
           + "".join(f" {k}={v}" for k, v in env.items()), flush=True)
@@ -300,15 +368,24 @@ def read_run(d, name):
                       if e["type"] == "eval" and e["tokens"] > 0})
     if summary is not None:
         config, settings = summary["config"], summary["train"]
-        setup = {**config, **settings, "data": Path(settings["data"]).name}  # from any folder
-        setup = tuple(sorted((k, repr(x)) for k, x in setup.items() if k not in NOT_SETUP))
+        swept, base = (info or {}).get("set", {}), (info or {}).get("set_base", {})
+        both = {**config, **settings, "data": Path(settings["data"]).name}  # from any folder
+        # a routing knob (needs=) is the variant's, named in its row where not the default (so
+        # prenorm and a wav of wav_rho 2 pair); so are the --set values; `home`: at the baselines
+        knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
+                 and not inert(k, config) and x != DEFAULTS[k]}
+        row, home = [repr(sorted({**knobs, **swept, **at}.items())) for at in ({}, base)]
+        setup = tuple(sorted((k, repr(x)) for k, x in both.items()
+                             if k not in {*NOT_SETUP, *swept} and not NEEDS.get(k)))
         block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
         fits = [v for v in VARIANTS if variant(v).items() <= config.items()] + [config["residual"]]
         run.update(variant=run["variant"] or fits[0], dataset=summary["dataset"],
                    depth=config["n_layer"], seed=settings["seed"], lr=settings["lr"], block=block,
                    final=float(summary["final"]["val_loss"]), level=summary["level"], setup=setup,
-                   milestones=summary.get("milestones") or {}, routes=summary.get("routes") or {})
+                   milestones=summary.get("milestones") or {}, routes=summary.get("routes") or {},
+                   set=knobs | swept, set_base=base, row=row, home=home, off=row != home)
     return run
+
 
 def mean_std(values):  # (mean, sample std, ddof=1): std None for one value, both for none
     values = [v for v in values if v is not None]
@@ -325,24 +402,29 @@ def paired(runs, base_runs, value):
                 ties=sum(d == 0 for d in diffs), n=len(diffs))
 
 def summarize(runs, baseline):
-    """Groups of like finished runs; a row per (variant, routing block), at its chosen lr."""
+    """Groups of like finished runs; a row per (variant, routing block, knobs and --set values),
+    at its chosen lr. A row with --set values off their baselines pairs with the runs of its
+    variant at the baselines and at its lr, any other with the baseline variant's row."""
     groups, rank = {}, {v: i for i, v in enumerate(VARIANTS)}
     for r in runs:
         rows = groups.setdefault((str(r["dataset"]), r["depth"], r["setup"]), {})
-        rows.setdefault((r["variant"], r["block"]), {}).setdefault(r["lr"], []).append(r)
+        key = (r["variant"], r["block"], r["off"], r["row"])
+        rows.setdefault(key, {}).setdefault(r["lr"], []).append(r)
     out = []
     for (dataset, depth, setup), by_row in sorted(groups.items()):
-        keys = sorted(by_row, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1] or 0))
-        rows = [make_row(v, block, by_row[v, block]) for v, block in keys]
+        keys = sorted(by_row, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1] or 0, *k[2:]))
+        rows = [make_row(k[0], k[1], by_row[k]) for k in keys]
         reached = {k: m["tokens"] for row in rows for r in row["runs"]
                    for k, m in r["milestones"].items()}
-        base = next((row for row in rows if row["variant"] == baseline), None)
+        base = next((row for row in rows if (row["variant"], row["off"]) == (baseline, False)),
+                    None)
         for row in rows:
-            pair = base is not None and row is not base
-            row["delta"] = paired(row["runs"], base["runs"], lambda r: r["final"]) if pair else None
+            home = by_row.get((row["variant"], row["block"], False, row["runs"][0]["home"]), {})
+            row["vs"] = home.get(row["lr"]) if row["off"] else base and base["runs"]
+            vs = row["vs"] if row is not base else None
+            row["delta"] = vs and paired(row["runs"], vs, lambda r: r["final"])
             at = {k: lambda r, k=k: r["milestones"].get(k, {}).get("val_loss") for k in reached}
-            row["at"] = {k: (mean_std(map(val, row["runs"])),
-                             paired(row["runs"], base["runs"], val) if pair else None)
+            row["at"] = {k: (mean_std(map(val, row["runs"])), vs and paired(row["runs"], vs, val))
                          for k, val in at.items()}
         out.append(dict(dataset=dataset, depth=depth, level=rows[0]["runs"][0]["level"], rows=rows,
                         setup=setup, base=base, milestones=sorted(reached, key=reached.get)))
@@ -353,11 +435,20 @@ def make_row(name, block, by_lr):
     means = {lr: statistics.fmean(r["final"] for r in rs) for lr, rs in by_lr.items()}
     lr = min(means, key=means.get)
     runs = sorted(by_lr[lr], key=lambda r: r["seed"])
+    # the variant, its knobs and --set values; off their baselines, the values its Δ is against
+    base = ", ".join(f"{k}={x}" for k, x in runs[0]["set_base"].items() if runs[0]["set"][k] != x)
+    label = ", ".join([name, *(f"{k}={x}" for k, x in runs[0]["set"].items())])
+    label += f" (Δ vs {base})" if base else ""
+    # the lowest or highest of several rates: the best may lie outside the grid
+    side = {min(means): ("lowest", "below"), max(means): ("highest", "above")}.get(lr)
+    edge = f"lr {lr:g} is the {side[0]} of the grid for {label}: the best rate may be " \
+        f"{side[1]} it; extend --lrs" if side and len(means) > 1 else None
     for a, b in [(a, b) for a, b in zip(runs, runs[1:]) if a["seed"] == b["seed"]]:
         raise UsageError(f"runs {a['name']} and {b['name']} are both {name}, seed {a['seed']}, lr "
                          f"{lr:g} in one setup: neither pairs clearly; report one at a time")
     to_metric = (lambda v: v / math.log(2)) if runs[0]["level"] == "char" else math.exp
     return dict(variant=name, block=block, lr=lr, runs=runs, val=mean_std(r["final"] for r in runs),
+                label=label, off=runs[0]["off"], edge=edge,
                 metric=mean_std(to_metric(r["final"]) for r in runs),  # bits per char, perplexity
                 entropy=mean_std(r["routes"].get("entropy_norm_mean") for r in runs),
                 js=mean_std(r["routes"].get("js_mean") for r in runs),
@@ -388,10 +479,12 @@ def _delta(d):  # "Δ mean ± std | wins/n"
 def markdown(folders, runs, groups, baseline, notes):
     finished = [r for r in runs if r["summary"]]
     lines = [f"# Report: {' '.join(folders)}", "", f"{len(runs)} runs: {len(finished)} finished, "
-             f"{len(runs) - len(finished)} unfinished. A group: runs alike but for seed, lr and "
-             "variant. Val loss: the last eval's, nats/token, mean ± sample std over seeds. Δ: "
-             f"paired difference to **{baseline}** (same seed); wins: seeds where lower. lr: of "
-             "the lowest mean. Route entropy: normalised; JS: RD's QK vs V, nats.", ""]
+             f"{len(runs) - len(finished)} unfinished. A group: runs alike but for seed, lr, "
+             "variant and --set values. Val loss: the last eval's, nats/token, mean ± sample std "
+             f"over seeds. Δ: paired difference to **{baseline}** (same seed), or (Δ vs) to the "
+             "same variant at the baseline of its --set values (the default, else the first "
+             "given); wins: seeds where lower. lr: of the lowest mean. Route entropy: "
+             "normalised; JS: RD's QK vs V, nats.", ""]
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
         char, marks = g["level"] == "char", g["milestones"]
@@ -402,18 +495,20 @@ def markdown(folders, runs, groups, baseline, notes):
         lines += [f"| variant | lr | block | seeds | val loss | val {'bpc' if char else 'ppl'} | "
                   "Δ val loss | wins | route entropy | JS QK‖V | train s |", "|---" * 11 + "|"]
         for row in g["rows"]:
-            name = f"**{row['variant']}** (baseline)" if row is g["base"] else row["variant"]
+            name = f"**{row['label']}** (baseline)" if row is g["base"] else row["label"]
             lines.append(f"| {name} | {row['lr']:g} | {row['block'] or '–'} | {len(row['runs'])} "
                          f"| {_ms(row['val'])} | {_ms(row['metric'], 4 if char else 2)} | "
                          f"{_delta(row['delta'])} | {_ms(row['entropy'], 3)} | "
                          f"{_ms(row['js'], 3)} | {_ms(row['wall'], 0)} |")
+        edges = [f"WARNING: {row['edge']}" for row in g["rows"] if row["edge"]]
+        lines += [""] * bool(edges) + edges
         if marks:
             lines += ["", "Milestones (val loss where the token count crossed each one):", "",
                       "| variant |" + "".join(f" val @{m} | Δ @{m} | wins |" for m in marks),
                       "|---" * (1 + 3 * len(marks)) + "|"]
-            lines += [f"| {row['variant']} |" + "".join(f" {_ms(row['at'][m][0])} | "
+            lines += [f"| {row['label']} |" + "".join(f" {_ms(row['at'][m][0])} | "
                       f"{_delta(row['at'][m][1])} |" for m in marks) for row in g["rows"]]
-        others = [f"- {row['variant']}: " + "; ".join(
+        others = [f"- {row['label']}: " + "; ".join(
             f"lr {lr:g}: {m:.4f} ({n} seeds)" for lr, (m, n) in sorted(row["others"].items()))
             for row in g["rows"] if row["others"]]
         head = ["", "Other learning rates (mean final val loss over their seeds):", ""]
@@ -468,11 +563,11 @@ def val_loss_figure(Figure, groups, baseline):
     axes = fig.subplots(2, len(groups), squeeze=False, sharex="col",
                         gridspec_kw=dict(height_ratios=[3, 2]))
     for g, title, ax, dax in zip(groups, titles(groups), axes[0], axes[1]):
-        base = {r["seed"]: r["curve"] for r in g["base"]["runs"]} if g["base"] else {}
         for row in g["rows"]:
+            base = {r["seed"]: r["curve"] for r in row["vs"] or []}
             shade = colormaps["tab20"](([*VARIANTS, row["variant"]].index(row["variant"])) % 20)
             curves = [r["curve"] for r in row["runs"]]
-            band(ax, curves, shade, f"{row['variant']} (lr {row['lr']:g}, {len(curves)})")
+            band(ax, curves, shade, f"{row['label']} (lr {row['lr']:g}, {len(curves)})")
             band(dax, [{t: y - base[r["seed"]][t] for t, y in r["curve"].items()
                         if t in base[r["seed"]]} for r in row["runs"]
                        if r["seed"] in base and row is not g["base"]], shade)
@@ -480,7 +575,7 @@ def val_loss_figure(Figure, groups, baseline):
                 if t >= 0.2 * max(r["curve"], default=0)]  # the first fifth would dwarf the rest
         dax.axhline(0, color="black", linewidth=0.8)
         ax.set(title=title, ylabel="val loss (nats/token)", ylim=(None, max(late, default=None)))
-        dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline} (same seed)")
+        dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline} or Δ vs (same seed)")
         ax.legend(fontsize=8, title="variant (lr, seeds); band: min–max", title_fontsize=8)
     return fig
 
@@ -511,8 +606,9 @@ def routes_figure(Figure, name, reads, sources, matrix):
 
 def load_model(run_dir, ckpt="best.pt", data=None, device="cpu"):
     """A run's model (eval mode), checkpoint, val split (of --data if given) and eval crops."""
-    path = Path(run_dir) / ckpt
-    saved = checkpoint.load(path, f"no {ckpt} in {run_dir}: give a run folder of train.py")
+    path, last = Path(run_dir) / ckpt, Path(run_dir) / "last.pt"
+    hint = " (it has a last.pt: --ckpt last)" if ckpt == "best.pt" and last.exists() else ""
+    saved = checkpoint.load(path, f"no {ckpt} in {run_dir}: give a run folder of train.py{hint}")
     model = checkpoint.model_from(saved, path).to(device).eval()
     if model.config.residual != "attnres":
         raise UsageError(f"{path}: a {model.config.residual} model has no depth routes")
@@ -557,6 +653,11 @@ def random_mask(mask, pools, seed):  # the control: as many sources per read, ne
 
 def ablate(args, extra):
     """Δ val loss of the mask in each read alone and in all, beside count-matched random masks."""
+    if args.draws < 1:
+        raise UsageError(f"--draws {args.draws}: give 1 or more random masks to compare with")
+    if (args.older_than or 0) < 0:
+        raise UsageError(f"--older_than {args.older_than}: give 0 or more (0: every completed "
+                         "block)")
     folder, device = Path(args.run_dir), train.pick_device(args.device)
     model, saved, val, offsets = load_model(args.run_dir, f"{args.ckpt}.pt", args.data, device)
     s, T = saved["settings"], model.config.sequence_len
@@ -585,7 +686,9 @@ def ablate(args, extra):
               + ",".join(rows[-1]["masked"].get(label, [f"{len(mask)} reads"])))
     if kept:
         print(f"  not masked (it would hide every source of the read): {', '.join(kept)}")
-    tag = "_".join([f"mask-{args.mask}"] * bool(args.mask) + [f"read-{args.read}"] * bool(args.read)
+    # the checkpoint in the name: an ablation of last.pt never writes over best.pt's
+    tag = "_".join([args.ckpt] + [f"mask-{args.mask}"] * bool(args.mask)
+                   + [f"read-{args.read}"] * bool(args.read)
                    + [f"older{args.older_than}"] * (args.older_than is not None))
     write_json(folder / f"ablate_{tag}.json", dict(vars(args), step=saved["progress"]["step"],
                fast_routing=model.config.fast_routing, base_val_loss=base, rows=rows, kept=kept))
@@ -611,7 +714,8 @@ def build_parser():
     s = sub.add_parser("sweep", help="a named sweep or a custom grid, train.py per run",
                        epilog="; ".join(f"{k}: {v['variants']} x seeds {v['seeds']}, depths "
                                         f"{v['depths']}" for k, v in SWEEPS.items()) + ". Flags "
-                       "after -- go to every run; `tail -f OUT/*/train.log` follows the runs.")
+                       "after -- go to each run they have an effect in; `tail -f OUT/*/train.log` "
+                       "follows the runs.")
     s.add_argument("name", choices=[*SWEEPS, "custom"])
     s.add_argument("--out", help="folder of the run folders (default: runs/NAME)")
     s.add_argument("--data", help="custom: a prepared dataset folder (its meta.json names it)")
@@ -620,6 +724,9 @@ def build_parser():
     s.add_argument("--seeds", help="0,1,2 or 0-4 (custom: 0-2)")
     s.add_argument("--depths", help=f"n_layer values (custom: {CUSTOM['depths'][0]})")
     s.add_argument("--lrs", help="run each variant and seed at each rate: 1e-3,2e-3,4e-3")
+    s.add_argument("--set", action="append", default=[], metavar="NAME=V1,V2",
+                   help="run each variant and seed at each value of train.py's --NAME (again for "
+                   "another); a variant it has no effect in runs once")
     s.add_argument("--attnres_block", type=int, help="of all AttnRes runs (default: largest auto)")
     s.add_argument("--jobs", type=int, default=1, help="runs at once (CPU: cores/N threads each)")
     s.add_argument("--torchrun", type=int, metavar="N", help="each run on N processes (DDP)")

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -135,7 +136,7 @@ def test_report_of_several_folders_and_of_run_folders_themselves(tmp_path, capsy
 
 
 def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(tmp_path, capsys):
-    finals = {("block", 1e-3): [2.0, 2.2], ("block", 2e-3): [1.9, 2.1],
+    finals = {("block", 1e-3): [2.0, 2.2], ("block", 2e-3): [1.9, 2.1], ("block", 4e-3): [2.3, 2.4],
               ("rd", 1e-3): [1.8, 2.0], ("rd", 2e-3): [2.0, 2.0]}
     for (variant, lr), vals in finals.items():
         for seed, val in enumerate(vals):
@@ -145,11 +146,14 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(tmp_path, capsys):
     assert (rows["block"]["lr"], rows["rd"]["lr"]) == (2e-3, 1e-3)
     assert rows["rd"]["delta"] == pytest.approx(dict(mean=-0.1, std=0.0, wins=2, ties=0, n=2))
     assert list(rows["rd"]["others"]) == [2e-3] and rows["rd"]["others"][2e-3] == (2.0, 2)
-    code, _, _ = run(experiments.main, ["report", tmp_path], capsys)
+    code, out, _ = run(experiments.main, ["report", tmp_path], capsys)
     text = (tmp_path / "report.md").read_text()
     assert code == 0 and "| rd | 0.001 | 2 | 2 | 1.9000 ± 0.1414 |" in text
     assert "- block: lr 0.001: 2.1000 (2 seeds)" in text
     assert "- rd: lr 0.002: 2.0000 (2 seeds)" in text
+    warning = "WARNING: lr 0.001 is the lowest of the grid for rd: the best rate may be below " \
+        "it; extend --lrs\n"  # block's 0.002 lies inside its grid: no warning
+    assert warning in text and warning in out and text.count("WARNING") == 1
     args = experiments.build_parser().parse_args(["sweep", "tiny", "--lrs", "1e-3,2e-3",
                                                   "--variants", "block", "--seeds", "0"])
     runs = experiments.plan(args)
@@ -195,6 +199,13 @@ def test_bad_grid_input_is_one_error_line(demo, tmp_path, capsys):
         ([*custom, "--variants", "block", "--", "--max_iters", "abc"],
          "after --: argument --max_iters: invalid int value: 'abc'"),
         ([*custom, "--variants", "block", "--jobs", "0"], "--jobs 0: must be at least 1"),
+        ([*custom, "--variants", "block", "--seeds", "0-100000000"], "0-4, at most 1000"),
+        ([*custom, "--variants", "block,wav", "--seeds", "0-999"], "2000 runs, more than 1000"),
+        ([*custom, "--variants", "wav", "--set", "wav_rh=2"], "(did you mean --wav_rho?)"),
+        ([*custom, "--variants", "wav", "--set", "wav_rho=x"], "invalid float value: 'x'"),
+        ([*custom, "--variants", "wav", "--set", "seed=1,2"], "--set seed=1,2: the sweep sets"),
+        ([*custom, "--variants", "block", "--set", "wav_rho=2"], "no effect in block: add to"),
+        ([*custom, "--variants", "prenorm", "--", "--wav_rho", "2"], "it has no effect in prenorm"),
         (["sweep", "wav_paper", "--dry_run", "--", "--preset", "wav12"], "use sweep custom"),
         (["sweep", "wav_paper", "--dry_run", "--depths", "8"], "has presets for depths 12, 24"),
         (["report", tmp_path, "--", "--baseline", "rd"], "report takes no flags after --"),
@@ -213,9 +224,9 @@ def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_p
                                           "--data_root", tmp_path / "data"], capsys)
     commands = out.splitlines()
     variants = experiments.SWEEPS["controls"]["variants"].split()
-    assert code == 0 and len(commands) == 3 * len(variants) == 21
-    assert [c.split("--out_dir ")[1] for c in commands[:7]] == [
-        str(tmp_path / f"{v}_L4_s0") for v in variants]  # seed-major: whole pairs first
+    folders = [c.split("--out_dir ")[1] for c in commands]
+    assert code == 0 and folders == [str(tmp_path / f"{v}_L4_s{seed}") for seed in (0, 1, 2)
+                                     for v in variants]  # every variant, seed-major: pairs first
     for command in commands:
         name = Path(command.split("--out_dir ")[1]).name.split("_L4")[0]
         flags = experiments.flag_dict(command.split()[1:])
@@ -320,7 +331,7 @@ def evaluate(model, val, offsets, masked):
 def test_ablate_measures_what_two_direct_evaluations_measure(block_run, capsys):
     code, printed, _ = run(experiments.main, ["ablate", block_run, "--mask", "emb", "--draws", 4],
                            capsys)
-    result = json.loads((block_run / "ablate_mask-emb.json").read_text())
+    result = json.loads((block_run / "ablate_best_mask-emb.json").read_text())
     assert code == 0 and "routing path fast" in printed and result["fast_routing"]
     assert "not masked (it would hide every source of the read): layer0.attn" in printed
     saved = checkpoint.load(block_run / "best.pt", "")
@@ -341,7 +352,7 @@ def test_ablate_measures_what_two_direct_evaluations_measure(block_run, capsys):
     assert all_row["delta"] == pytest.approx(evaluate(model, val, offsets, every) - base, abs=1e-6)
     assert len(all_row["random"]) == 4 and all_row["random_mean_std"][0] == pytest.approx(
         statistics.fmean(all_row["random"]))
-    assert (block_run / "ablate_mask-emb.png").exists() == HAS_MPL
+    assert (block_run / "ablate_best_mask-emb.png").exists() == HAS_MPL
     x = torch.zeros(1, 8, dtype=torch.long)
     pools = {r["read"]: r["sources"] for r in model(x, return_routes=True)[2]}
     row = next(row for row in result["rows"] if row["read"] == "layer1.mlp")  # masked alone
@@ -376,13 +387,25 @@ def test_the_random_control_is_count_matched_per_read_and_never_empties_one(bloc
     assert experiments.random_mask(mask, pools, 7) == experiments.random_mask(mask, pools, 7)
 
 
-def test_ablate_one_read_and_its_errors(block_run, capsys):
+def test_ablate_one_read_and_its_errors(block_run, tmp_path, capsys):
     code, printed, _ = run(experiments.main, ["ablate", block_run, "--older_than", 0, "--read",
                                               "readout", "--draws", 2], capsys)
-    result = json.loads((block_run / "ablate_read-readout_older0.json").read_text())
+    result = json.loads((block_run / "ablate_best_read-readout_older0.json").read_text())
     assert code == 0 and [row["read"] for row in result["rows"]] == ["readout"]
     assert result["rows"][0]["masked"] == {"readout": ["C0", "C1"]}
-    for argv, message in [(["--mask", "C7"], "--mask C7 --read None: the sources are"),
+    assert run(experiments.main, ["ablate", block_run, "--older_than", 0, "--read", "readout",
+                                  "--draws", 1, "--ckpt", "last"], capsys)[0] == 0
+    saved = {c: json.loads((block_run / f"ablate_{c}_read-readout_older0.json").read_text())
+             for c in ("best", "last")}
+    assert (saved["best"]["draws"], saved["last"]["draws"]) == (2, 1)  # last's never over best's
+    shutil.copytree(block_run, tmp_path / "no_best")
+    (tmp_path / "no_best" / "best.pt").unlink()
+    code, _, err = run(experiments.main, ["ablate", tmp_path / "no_best", "--mask", "emb"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "(it has a last.pt: --ckpt last)" in err
+    for argv, message in [(["--draws", 0], "--draws 0: give 1 or more"),
+                          (["--draws", -1], "--draws -1: give 1 or more"),
+                          (["--older_than", -1], "--older_than -1: give 0 or more"),
+                          (["--mask", "C7"], "--mask C7 --read None: the sources are"),
                           (["--mask", "emb", "--read", "layer9.mlp"], "the reads layer0.attn"),
                           (["--read", "layer0.attn", "--mask", "emb"], "hide a source of some"),
                           ([], "give --mask NAMES and/or --older_than K")]:
@@ -436,3 +459,39 @@ def test_duplicate_runs_stop_the_report_and_several_folders_name_runs_by_path(de
     code, printed, _ = run(experiments.main, ["sweep", "custom", "--data", demo, "--variants",
                                               "block", "--dry_run", "--", "--lr", "1e-3"], capsys)
     assert code == 0 and printed.count("--lr 1e-3") == 3  # --lr without --lrs: every run's
+
+
+def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_path, capsys):
+    """--set wav_detail_bias=-1,-2: wav runs at each value, prenorm once without it (as without
+    the routing-only --wav_rho after --); -2, the default, is the baseline -1 pairs with by seed."""
+    argv = ["sweep", "custom", "--data", demo, "--variants", "prenorm,wav", "--depths", 2,
+            "--seeds", "0,1", "--set", "wav_detail_bias=-1,-2", "--out", tmp_path, "--", *SWEPT,
+            "--max_iters", 2, "--wav_rho", 2]
+    cut = argv.index("--")
+    code, out, _ = run(experiments.main, [*argv[:cut], "--dry_run", *argv[cut:]], capsys)
+    assert code == 0 and "# --wav_rho is left out of the prenorm runs: it has no effect there\n" \
+        "# --wav_detail_bias is left out of the prenorm runs: it has no effect there\n" in out
+    args = experiments.build_parser().parse_args([str(a) for a in argv[:cut]])
+    runs = experiments.plan(args, [str(a) for a in argv[cut + 1:]])
+    assert {r["name"]: experiments.flag_dict(r["args"]).get("--wav_detail_bias") for r in runs
+            if r["seed"] == 0} == {"prenorm_L2_s0": None, "wav_L2_s0_wav_detail_bias-2": "-2",
+                                   "wav_L2_s0_wav_detail_bias-1": "-1"}  # seed 1 likewise
+    assert all(("--wav_rho" in r["args"]) == (r["variant"] == "wav") for r in runs)
+    args.set = ["wav_rho=3,2"]  # no default (4) among them: the first given is the baseline
+    assert {r["set_base"]["wav_rho"] for r in experiments.plan(args) if r["set"]} == {"3"}
+    for r in runs:  # run.json as the sweep writes it (a no-op command), then train.py's run
+        experiments.start(r, [sys.executable, "-c", ""], r["name"], {}).wait()
+        assert run(train.main, [*r["args"], "--out_dir", r["dir"]])[0] == 0
+    group, = experiments.summarize(experiments.find_runs([tmp_path])[0], "prenorm")
+    rows = {row["label"]: row for row in group["rows"]}
+    final = {r["name"]: json.loads((r["dir"] / "summary.json").read_text())["final"]["val_loss"]
+             for r in runs}
+    diffs = [final[f"wav_L2_s{s}_wav_detail_bias-1"] - final[f"wav_L2_s{s}_wav_detail_bias-2"]
+             for s in (0, 1)]
+    label = "wav, wav_rho=2.0, wav_detail_bias=-1 (Δ vs wav_detail_bias=-2)"
+    assert rows[label]["delta"] == pytest.approx(dict(
+        mean=statistics.fmean(diffs), std=statistics.stdev(diffs), wins=sum(d < 0 for d in diffs),
+        ties=sum(d == 0 for d in diffs), n=2))
+    assert rows["wav, wav_rho=2.0, wav_detail_bias=-2"]["delta"]["n"] == 2  # with prenorm
+    code, out, _ = run(experiments.main, ["report", tmp_path], capsys)
+    assert code == 0 and f"| {label} | 0.002 | 4 | 2 |" in out
