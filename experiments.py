@@ -452,6 +452,7 @@ def make_row(name, block, by_lr):
                 metric=mean_std(to_metric(r["final"]) for r in runs),  # bits per char, perplexity
                 entropy=mean_std(r["routes"].get("entropy_norm_mean") for r in runs),
                 js=mean_std(r["routes"].get("js_mean") for r in runs),
+                js_pair=runs[0]["routes"].get("js_pair"),  # what the two routes feed: "QK‖V"
                 wall=mean_std(r["summary"].get("wall_time_s") for r in runs),
                 others={k: (m, len(by_lr[k])) for k, m in means.items() if k != lr})
 
@@ -484,7 +485,8 @@ def markdown(folders, runs, groups, baseline, notes):
              f"over seeds. Δ: paired difference to **{baseline}** (same seed), or (Δ vs) to the "
              "same variant at the baseline of its --set values (the default, else the first "
              "given); wins: seeds where lower. lr: of the lowest mean. Route entropy: "
-             "normalised; JS: RD's QK vs V, nats.", ""]
+             "normalised; JS: RD's route feeding the queries vs the values' (which, in brackets), "
+             "nats.", ""]
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
         char, marks = g["level"] == "char", g["milestones"]
@@ -493,13 +495,14 @@ def markdown(folders, runs, groups, baseline, notes):
             lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]
         lines += [f"(no finished {baseline} run here: no paired differences)", ""] * (not g["base"])
         lines += [f"| variant | lr | block | seeds | val loss | val {'bpc' if char else 'ppl'} | "
-                  "Δ val loss | wins | route entropy | JS QK‖V | train s |", "|---" * 11 + "|"]
+                  "Δ val loss | wins | route entropy | JS | train s |", "|---" * 11 + "|"]
         for row in g["rows"]:
             name = f"**{row['label']}** (baseline)" if row is g["base"] else row["label"]
+            js = _ms(row["js"], 3) + (f" ({row['js_pair']})" if row["js_pair"] else "")
             lines.append(f"| {name} | {row['lr']:g} | {row['block'] or '–'} | {len(row['runs'])} "
                          f"| {_ms(row['val'])} | {_ms(row['metric'], 4 if char else 2)} | "
                          f"{_delta(row['delta'])} | {_ms(row['entropy'], 3)} | "
-                         f"{_ms(row['js'], 3)} | {_ms(row['wall'], 0)} |")
+                         f"{js} | {_ms(row['wall'], 0)} |")
         edges = [f"WARNING: {row['edge']}" for row in g["rows"] if row["edge"]]
         lines += [""] * bool(edges) + edges
         if marks:
