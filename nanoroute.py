@@ -347,14 +347,18 @@ class DepthRouting:
         # source, zero (uniform: equal to Block AttnRes at init); a detail bias per basis
         learned = [r for r in self.reads if r not in self.reads_before(0)
                    and r.role not in RD_MODES[config.rd].frozen]
-        self.query = nn.ParameterDict({} if config.route_static else
-                                      {r.key: nn.Parameter(torch.zeros(d)) for r in learned})
-        self.static_logits = nn.ParameterDict({r.key: nn.Parameter(torch.zeros(self.pool_size(r)))
-                                               for r in learned} if config.route_static else {})
-        detailed = [r for r in learned if r.role != "readout" or config.wav_readout_details]
+        self.query = nn.ParameterDict()
+        self.static_logits = nn.ParameterDict()
+        for r in learned:
+            if config.route_static:
+                self.static_logits[r.key] = nn.Parameter(torch.zeros(self.pool_size(r)))
+            else:
+                self.query[r.key] = nn.Parameter(torch.zeros(d))
         beta = torch.full((len(self.bases),), config.wav_detail_bias)
-        self.detail_bias = nn.ParameterDict({r.key: nn.Parameter(beta.clone()) for r in detailed}
-                                            if self.bases else {})
+        self.detail_bias = nn.ParameterDict()
+        for r in learned if self.bases else []:
+            if r.role != "readout" or config.wav_readout_details:
+                self.detail_bias[r.key] = nn.Parameter(beta.clone())
         self.register_buffer("frozen_query", torch.zeros(d), persistent=False)
         self.register_buffer("frozen_detail_bias", beta, persistent=False)
         self.masked = {}  # routing interventions: {Read: names of the sources it may not read}
@@ -444,20 +448,14 @@ class DepthRouting:
         return query, bias
 
     def block_reads(self, pool, first, sublayers, cache, previous):
-        """The reads before `sublayers` (a routing block that starts at sublayer `first`, or the
-        readout), each over the pool and the block's own sources, which a read sees from the
-        block's second sublayer on. The one place that picks the kernel below the banner or
-        depth_read (fast_routing=False; choice: generation with a KV cache, one token at a time,
-        has nothing to batch)."""
-        n_sub, heads = 2 * self.config.n_layer, self.config.route_heads
-        details = sublayers[0] < n_sub or self.config.wav_readout_details  # choice: the readout
+        """The kernel's reads before `sublayers` (a routing block that starts at sublayer `first`,
+        or the readout), each over the pool and the block's own sources, which a read sees from
+        the block's second sublayer on; None where read() takes the reference path: with
+        fast_routing=False, and in generation with a KV cache (choice: one token at a time has
+        nothing to batch). previous: the last block's, whose key norms the kernel reuses."""
         if not self.config.fast_routing or (cache is not None and not torch.is_grad_enabled()):
-            def reference_reads(read, block, keep_weights=False):  # every source built explicitly
-                own = self.block_sources("P", block, first) if block else []
-                sources = pool + [s for s in own if details or s.basis is None]
-                query, bias = self.route(read, sources)
-                return *depth_read(query, bias, [s.value for s in sources], heads), sources
-            return reference_reads
+            return None
+        details = sublayers[0] < 2 * self.config.n_layer or self.config.wav_readout_details
         partial = [s for s in self.block_source_names("P") if details or s.basis is None]
         sources = {read: pool + (partial if l > first else [])
                    for l in sublayers for read in self.reads_before(l)}
@@ -465,12 +463,21 @@ class DepthRouting:
         match = functools.partial(matching_scale, rho=self.config.wav_rho)
         routes = {read: self.route(read, s) for read, s in sources.items()}
         return BlockReads(routes, [(s.name, s.value) for s in pool], rows, match, previous,
-                          sources, heads)
+                          sources, self.config.route_heads)
 
-    def read(self, reads, read, block, routes):
-        """The read `read` over its sources: h (B, T, d). With routes (return_routes) it records
-        the read's weights over its sources, and what it feeds (RD tied: under every role)."""
-        h, weights, sources = reads(read, block, keep_weights=routes is not None)
+    def read(self, read, pool, block, first, kernel, routes):
+        """SPEC: the read `read` over the pool and the sources of its block (the updates `block`
+        of sublayers first, ...): h (B, T, d). With routes (return_routes) it records the read's
+        weights over its sources, and what it feeds (RD tied: under every role)."""
+        if kernel is None:  # the reference: every source built explicitly, one softmax over them
+            details = read.role != "readout" or self.config.wav_readout_details  # choice
+            own = self.block_sources("P", block, first) if block else []
+            sources = pool + [s for s in own if details or s.basis is None]
+            query, bias = self.route(read, sources)
+            values = [s.value for s in sources]
+            h, weights = depth_read(query, bias, values, self.config.route_heads)
+        else:  # the kernel below the banner: the same numbers, without building P's sources
+            h, weights, sources = kernel(read, block, keep_weights=routes is not None)
         if routes is None:
             return h
         rd = RD_MODES[self.config.rd]
@@ -503,19 +510,23 @@ class DepthRouting:
         details) and its own block's sources, runs, and appends its update to the block; a full
         block's sources join the pool. The final readout reads them all."""
         m, n_sub = self.config.routing_block, 2 * self.config.n_layer
-        pool, block, reads = [Source("emb", e)], [], None  # completed sources; block l // m so far
+        pool, block, kernel = [Source("emb", e)], [], None  # completed sources; block l // m so far
         for l in range(n_sub):
+            first = l - len(block)  # the block's first sublayer
             if l % m == 0:  # a new block (the kernel reuses what the last block's reads computed)
-                reads = self.block_reads(pool, l, range(l, min(l + m, n_sub)), cache, reads)
-            h = {read.role: self.read(reads, read, block, routes) for read in self.reads_before(l)}
+                kernel = self.block_reads(pool, l, range(l, min(l + m, n_sub)), cache, kernel)
+            h = {}
+            for read in self.reads_before(l):
+                h[read.role] = self.read(read, pool, block, first, kernel, routes)
             u = self._sublayer(l, *self.sublayer_inputs(l, h), rope, cache)
             block.append(u.float())  # choice: sources accumulate in float32, like nanoGPT's stream
             if len(block) == m:  # complete (a short last block stays partial)
                 pool, block = self.complete(l // m, block, pool), []
         # SPEC: the final readout; choice: no details unless wav_readout_details (conservative)
         pool = [s for s in pool if s.basis is None or self.config.wav_readout_details]
-        reads = self.block_reads(pool, n_sub - len(block), [n_sub], cache, reads)
-        return self.read(reads, self.reads_before(n_sub)[0], block, routes)
+        first = n_sub - len(block)
+        kernel = self.block_reads(pool, first, [n_sub], cache, kernel)
+        return self.read(self.reads_before(n_sub)[0], pool, block, first, kernel, routes)
 
 # -----------------------------------------------------------------------------
 # The model
