@@ -187,7 +187,8 @@ def variant(name):
     """VARIANTS[name] with every field a variant may set (the others' defaults), so that nothing of
     a preset or another variant leaks into it (a wav preset run as block gets wav=False)."""
     defaults = {f.name: f.default for f in fields(GPTConfig)}
-    return {k: defaults[k] for row in VARIANTS.values() for k in row} | VARIANTS[name]
+    every_field = {k: defaults[k] for row in VARIANTS.values() for k in row}
+    return every_field | VARIANTS[name]
 
 # -----------------------------------------------------------------------------
 # Transformer sublayers
@@ -326,8 +327,10 @@ def combine(coefficients, updates):
     c0, u0 = coefficients[0], updates[0]
     total = u0 if isinstance(c0, (int, float)) and c0 == 1 else c0 * u0
     for c, u in zip(coefficients[1:], updates[1:]):
-        total = torch.add(total, u, alpha=c) if isinstance(c, (int, float)) else \
-            torch.addcmul(total, c, u)
+        if isinstance(c, (int, float)):
+            total = torch.add(total, u, alpha=c)
+        else:
+            total = torch.addcmul(total, c, u)
     return total
 
 def matching_scale(state_ms, detail_ms, rho):
@@ -436,8 +439,10 @@ class DepthRouting:
         key = read.key
         query = self.query[key] if key in self.query else self.frozen_query
         beta = self.detail_bias[key] if key in self.detail_bias else self.frozen_detail_bias
-        bias = {None: query.new_zeros(()), **{basis: beta[k] for k, basis in enumerate(self.bases)}}
-        bias = torch.stack([bias[s.basis] for s in sources])
+        by_basis = {None: query.new_zeros(())}  # a state source: no bias
+        for k, basis in enumerate(self.bases):
+            by_basis[basis] = beta[k]
+        bias = torch.stack([by_basis[s.basis] for s in sources])
         if key in self.static_logits:  # SPEC: Controls, static routing
             bias = bias + self.static_logits[key]
         if self.masked.get(read):  # SPEC: Controls, interventions: logit −inf, then renormalised
