@@ -443,7 +443,8 @@ class DepthRouting:
         h, weights, sources = reads(read, block, keep_weights=routes is not None)
         if routes is not None:
             names = [s.name for s in sources]
-            routes.append(dict(read=read, name=str(read), sources=names, weights=weights.detach()))
+            # not detached: a loss written on the routes trains the routing (docs/routing.md)
+            routes.append(dict(read=read, name=str(read), sources=names, weights=weights))
             if RD_MODES[self.config.rd].value == "tied" and read.role == "attn":
                 value = read._replace(role="attn.v")
                 routes.append(dict(routes[-1], read=value, name=str(value)))
@@ -851,7 +852,7 @@ class CompletedReads(torch.autograd.Function):
     """Phase 1 with a batched backward (one gradient per source, not one per read). Read r returns
     mix_r (B, T, d), normalised over the completed sources, and lse_r (B, T), which phase 2 treats
     as one source with logit lse_r; and p (B, T, S, R), recomputed in the backward from vᵀw:
-        dlogit_rs = p_rs (⟨dmix_r, v_s⟩ − Σ_s' p_rs' ⟨dmix_r, v_s'⟩ + dlse_r)
+        dlogit_rs = p_rs (g_rs − Σ_s' p_rs' g_rs' + dlse_r),  g_rs = ⟨dmix_r, v_s⟩ + dp_rs
         dv_s = Σ_r p_rs dmix_r + dlogit_rs·inv_rms_s·w_r,  dw_r = Σ dlogit_rs·inv_rms_s·v_s,
         dinv_rms_s = Σ_r dlogit_rs·(v_s·w_r),  dbias_rs = Σ dlogit_rs."""
 
@@ -862,7 +863,6 @@ class CompletedReads(torch.autograd.Function):
         mix, lse, p, inv_rms, dots = completed_reads(queries, biases, values,
                                                      values_and_inv_rms[S:])
         ctx.save_for_backward(queries, biases, inv_rms, dots, lse, *values)
-        ctx.mark_non_differentiable(p)
         return (*mix.unbind(2), *lse.unbind(2), p)
 
     @staticmethod
@@ -874,7 +874,8 @@ class CompletedReads(torch.autograd.Function):
             dmix = torch.stack(grads[:R], dim=2).float()  # (B, T, R, d)
             dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R)
             V = torch.stack(values, dim=2).float()  # (B, T, S, d)
-            g = (dmix @ V.transpose(2, 3)).transpose(2, 3)  # (B, T, S, R): ⟨dmix_r, v_s⟩
+            # (B, T, S, R): ⟨dmix_r, v_s⟩, plus dp_rs, the gradient of a loss on the weights
+            g = (dmix @ V.transpose(2, 3)).transpose(2, 3) + grads[2 * R].float()
             dlogits = p * (g - (p * g).sum(2, keepdim=True) + dlse[:, :, None])
             c = dlogits * inv_rms[..., None]
             dV = p @ dmix + c @ Q  # (B, T, S, d)
@@ -889,7 +890,7 @@ class PartialMerge(torch.autograd.Function):
     The sources are combinations of the terms with detached scales and inv_rms: never built, no
     graph nodes, and the backward keeps only the terms (shared by the block's reads), h and P×B×T
     numbers. With ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k, inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
-        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩),  dmix = a_0 dh,
+        dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩ + da_p − Σ_j a_j da_j),  dmix = a_0 dh,
         dlse = −Σ_p dlogit_p (softmax gradients sum to zero: no copy of mix is needed),
         dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p,
         dterm_k = Σ_p c_pk dv_p,  dc_pk = Σ ⟨dv_p, term_k⟩ (for coefficients that require grad)."""
@@ -898,11 +899,10 @@ class PartialMerge(torch.autograd.Function):
     def forward(ctx, mix, lse, query, bias, inv_rms, scale, coeffs, *terms):
         h, a, dots, term_dots = merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms)
         ctx.save_for_backward(query, inv_rms, scale, coeffs, dots, a, h, term_dots, *terms)
-        ctx.mark_non_differentiable(a)
         return h, a
 
     @staticmethod
-    def backward(ctx, dh, _):
+    def backward(ctx, dh, da):
         query, inv_rms, scale, coeffs, dots, a, h, term_dots, *stored = ctx.saved_tensors
         with float32(h):  # float32 also when backward() is called under autocast
             dh, q = dh.float(), query.float()
@@ -910,6 +910,8 @@ class PartialMerge(torch.autograd.Function):
             # ⟨dh, term_k⟩ (K, B, T), then dlogit (P, B, T)
             term_grads = torch.stack([torch.linalg.vecdot(dh, t) for t in terms])
             dlogit = a[1:] * (_per_source(coeffs, term_grads) * scale - torch.linalg.vecdot(dh, h))
+            # a loss on the weights a: the softmax's own backward, a·(da − Σ a·da)
+            dlogit += a[1:] * (da[1:].float() - (a * da.float()).sum(0))
             c = dlogit * inv_rms * scale  # through the dot product
             norm_term = dlogit * dots * inv_rms.pow(3) * scale.square() / h.size(-1)  # the key norm
             c_k, a_k = _per_term(coeffs, c), _per_term(coeffs, a[1:] * scale)

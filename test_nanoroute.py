@@ -709,11 +709,23 @@ def fast_and_reference(mode, device, precision, model_class=GPT):
                         fast_routing=fast)
         model = randomise_routing(model_class(cfg)).to(device)
         with precision_context(device, precision):
-            logits, loss = model(tokens().to(device), tokens(seed=4).to(device))
-        loss.backward()
+            logits, loss, routes = model(tokens().to(device), tokens(seed=4).to(device),
+                                         return_routes=True)
+        (loss + routes_loss(routes)).backward()  # a loss on the routes too: its gradient
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
         results.append((logits.float(), grads))
     return (*results, set(model.no_decay_parameters()))
+
+
+def routes_loss(routes):
+    """A loss on the routes' weights (S, B, T, H): each weight times a fixed number, so that every
+    weight of every read has its own gradient (an entropy's would vanish at uniform weights)."""
+    g = torch.Generator().manual_seed(5)
+    total = 0.0
+    for r in routes:
+        total = total + (r["weights"] * torch.randn(r["weights"].shape, generator=g).to(
+            r["weights"].device)).mean()
+    return total
 
 
 def assert_fast_equals_reference(mode, device, precision, model_class=GPT, frozen=()):
@@ -763,6 +775,17 @@ def test_the_harness_fails_on_a_missing_gradient(device):
                 return super().block_coefficients(first, n)
     with pytest.raises(AssertionError, match="basis_coefficients gets no gradient"):
         assert_fast_equals_reference("wav_learned", device, "float32", NoGradCoefficients)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_loss_on_the_routes_trains_the_routing(fast):
+    # the routes' weights carry a gradient: a routing loss alone moves every pseudo-query
+    model = randomise_routing(make_model(**ATTNRES_MODES["heads_wav_rd"], fast_routing=fast))
+    routes = model(tokens(), return_routes=True)[2]
+    entropy = sum(-torch.xlogy(r["weights"], r["weights"]).sum(0).mean() for r in routes)
+    entropy.backward()
+    for name, p in model.query.items():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
 def test_randomise_routing_moves_every_routing_parameter():
