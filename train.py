@@ -32,8 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import prepare_data
-from nanoroute import (GPT, VARIANTS, GPTConfig, missing_need, routing_fields, routing_stats,
-                       variant)
+from nanoroute import GPT, VARIANTS, GPTConfig, missing_need, routing_fields, routing_stats, variant
 from prepare_data import UsageError, write_json
 
 # -----------------------------------------------------------------------------
@@ -71,9 +70,8 @@ def count(text):
 
 def option(default, help, low=None, high=math.inf, parse=None, choices=None, runtime=False,
            needs=None):
-    """A TrainSettings field: its --help, its range [low, high) or choices, a parse for a text that
-    is not its type. runtime: how this invocation runs, which --resume never takes from last.pt.
-    needs: "attnres" or "wav", as GPTConfig's fields: set elsewhere, an error (missing_need)."""
+    """A TrainSettings field: its --help, range [low, high) or choices, a parse for a text not of
+    its type; runtime: how this invocation runs (not from last.pt); needs: as GPTConfig's."""
     return dataclasses.field(default=default, metadata=dict(
         help=help, low=low, high=high, parse=parse, choices=choices, runtime=runtime, needs=needs))
 
@@ -95,8 +93,7 @@ class TrainSettings:
     beta2: float = option(0.95, "AdamW beta2", low=0, high=1)
     grad_clip: float = option(1.0, "clip the gradient norm to this (0: off)", low=0)
     route_entropy_coef: float = option(0.0, "add this x the mean entropy (nats) of the depth "
-                                       "routes to the loss: > 0 sharpens them, < 0 spreads them",
-                                       low=-math.inf, needs="attnres")
+                                       "routes to the loss", low=0, needs="attnres")
     max_iters: int = option(400, "optimizer steps (the schedule's length)", low=1)
     max_tokens: int | None = option(None, "a token budget instead: 2B, 500M", low=1, parse=count)
     eval_interval: int = option(100, "evaluate and save every this many steps", low=1)
@@ -149,7 +146,6 @@ def resolve_settings(explicit, ckpt=None):
     given = {**PRESETS.get(explicit.get("preset"), {}), **explicit}
     settings = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     settings.update(dataclasses.asdict(TrainSettings()), **MODEL_DEFAULTS, vocab_size=None)
-    defaults = dict(settings)
     if ckpt is not None:
         for name, value in ckpt["config"].items():
             if name in given and given[name] != value:
@@ -165,26 +161,23 @@ def resolve_settings(explicit, ckpt=None):
         # an explicit --residual prenorm also drops the preset's routing (its --rd, its --wav)
         missing = missing_need(f.metadata.get("needs"), settings["residual"], settings["wav"])
         if missing and f.name in given and f.name not in explicit:
-            settings[f.name] = defaults[f.name]
+            settings[f.name] = f.default
     if "max_iters" in explicit:
         settings["max_tokens"] = None  # an explicit step count beats a preset's or run's budget
     a = TrainSettings(**{f.name: settings[f.name] for f in dataclasses.fields(TrainSettings)})
     return a, {f.name: settings[f.name] for f in dataclasses.fields(GPTConfig)}
 
 def check_settings(a, world, model):
-    """Every setting in its range, and where it has an effect, wherever it came from (a flag, a
-    preset, a checkpoint); model: the model's settings."""
+    """Every setting in its range and where the model has use for it, from flag, preset or run."""
     for f in dataclasses.fields(TrainSettings):
         value, low, high = getattr(a, f.name), f.metadata["low"], f.metadata["high"]
         if low is not None and value is not None and not low <= value < high:  # nan fails too
             span = f"in [{low}, {high:g})" if high < math.inf else f"at least {low}"
-            span = "a finite number" if low == -math.inf else span
             raise UsageError(f"--{f.name} {value}: must be {span}")
-        needs = f.metadata["needs"]
-        missing = missing_need(needs, model["residual"], model["wav"])
+        missing = missing_need(f.metadata["needs"], model["residual"], model["wav"])
         if missing and value != f.default:
             where = [name for name in VARIANTS if missing_need(
-                needs, variant(name)["residual"], variant(name).get("wav")) is None]
+                f.metadata["needs"], variant(name)["residual"], variant(name)["wav"]) is None]
             raise UsageError(f"--{f.name} {value}: {missing} (the variants it applies to: "
                              f"{', '.join(where)})")
     try:
@@ -331,8 +324,7 @@ def start(argv):
     explicit = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
     for name in ("out_dir", "data"):  # checked as text: Path("") would be the working folder
         if not explicit.get(name, "default").strip():
-            raise UsageError(f"--{name} {explicit[name]!r}: give a folder name, e.g. --{name} "
-                             f"{getattr(TrainSettings, name)}")
+            raise UsageError(f"--{name} {explicit[name]!r}: give a folder name")
     rank, world, local_rank = (int(os.environ.get(k, 1 if k == "WORLD_SIZE" else 0))
                                for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     device = pick_device(explicit.get("device", "auto"), local_rank, world)
@@ -362,11 +354,11 @@ def setup(argv, stop):
                          f"{data_dir} (train / val: {len(splits[0])} / {len(splits[1])} tokens)")
     if a.max_tokens:
         a.max_iters = math.ceil(a.max_tokens / (a.batch_size * a.grad_accum * T))
-    step = ckpt["progress"]["step"] if ckpt is not None else 0
-    if step >= a.max_iters and (out_dir / "summary.json").exists():  # rewrite nothing
+    # a finished run (summary.json: only with --resume) with nothing to add: rewrite nothing
+    if (out_dir / "summary.json").exists() and ckpt["progress"]["step"] >= a.max_iters:
         if rank == 0:
-            print(f"{out_dir} holds a finished run (step {step} of --max_iters {a.max_iters}): "
-                  "nothing to add; a larger --max_iters continues it", flush=True)
+            print(f"{out_dir} holds a finished run (step {ckpt['progress']['step']}, --max_iters "
+                  f"{a.max_iters}): nothing to add; a larger --max_iters continues it", flush=True)
         return None
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(a.seed)  # right before GPT(): paired runs share their initial weights
@@ -428,6 +420,7 @@ def train(run):
 def train_step(run, lr):
     """One AdamW step on the mean loss of --grad_accum micro-steps (all processes); returns it."""
     a, T, data = run.settings, run.config.sequence_len, run.splits[0]
+    coef = a.route_entropy_coef  # backward runs on cross-entropy + coef x route entropy
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     loss = torch.zeros((), device=run.device)
@@ -438,10 +431,11 @@ def train_step(run, lr):
             last = micro == a.grad_accum - 1 and i == len(mine) - 1
             # DDP: all-reduce the gradients only on the last backward of the step
             with run.model.no_sync() if run.world > 1 and not last else nullcontext():
-                with run.ctx:
-                    cross_entropy, total = training_loss(run, x, y)
+                with run.ctx:  # the routes only with a coef: they keep their weights' graph
+                    _, cross_entropy, *routes = run.model(x, y, return_routes=coef != 0)
+                total = cross_entropy + coef * route_entropy(routes[0]) if coef else cross_entropy
                 (total / (len(mine) * a.grad_accum)).backward()
-            loss += (cross_entropy / (len(mine) * a.grad_accum)).detach().float()
+            loss += (cross_entropy / (len(mine) * a.grad_accum)).detach().float()  # logged
     if run.world > 1:
         dist.all_reduce(loss)
         loss /= run.world
@@ -454,18 +448,8 @@ def train_step(run, lr):
     run.optimizer.zero_grad(set_to_none=True)
     return loss
 
-def training_loss(run, x, y):
-    """(the cross-entropy, the loss backward runs on: + coef x route_entropy)."""
-    coef = run.settings.route_entropy_coef
-    if not coef:
-        cross_entropy = run.model(x, y)[1]
-        return cross_entropy, cross_entropy
-    _, cross_entropy, routes = run.model(x, y, return_routes=True)
-    return cross_entropy, cross_entropy + coef * route_entropy(routes)
-
 def route_entropy(routes):
-    """The entropy in nats of each read's weights over its sources, mean over batch, positions and
-    route heads, then over the reads with more than one source (one source: always 0)."""
+    """Each read's entropy (nats) over its sources, mean over B, T, H; mean over the reads of 2+."""
     weights = [r["weights"].float() for r in routes if len(r["weights"]) > 1]  # (S, B, T, H)
     return torch.stack([-torch.xlogy(w, w).sum(0).mean() for w in weights]).mean()
 
@@ -590,8 +574,7 @@ def baseline_flags(a, config):
     setting a plain train.py would not give it (a preset's too), but the routing fields."""
     plain, plain_model = resolve_settings({})
     defaults = {**dataclasses.asdict(plain), **plain_model}
-    # routing_fields: the model's and training's settings of the depth routing (needs=);
-    # max_iters: a --max_tokens budget sets it
+    # the depth routing's settings, the model's and training's (needs=); max_tokens sets max_iters
     skip = {*routing_fields(), *routing_fields(TrainSettings), "vocab_size", "out_dir", "preset",
             "resume", "stop_after", "wandb_run"} | ({"max_iters"} if a.max_tokens else set())
     flags = ["--residual", "prenorm"]
