@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import prepare_data
-from nanoroute import GPT, GPTConfig, routing_fields, routing_stats, variant
+from nanoroute import GPT, VARIANTS, GPTConfig, missing_need, routing_fields, routing_stats, variant
 from prepare_data import UsageError, write_json
 
 # -----------------------------------------------------------------------------
@@ -68,11 +68,12 @@ def count(text):
         raise ValueError(f"{text!r} is not a token count such as 2B, 500M, 64K or 10000")
     return int(round(float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}[m[2].lower()]))
 
-def option(default, help, low=None, high=math.inf, parse=None, choices=None, runtime=False):
-    """A TrainSettings field: its --help, its range [low, high) or choices, a parse for a text that
-    is not its type. runtime: how this invocation runs, which --resume never takes from last.pt."""
+def option(default, help, low=None, high=math.inf, parse=None, choices=None, runtime=False,
+           needs=None):
+    """A TrainSettings field: its --help, range [low, high) or choices, a parse for a text not of
+    its type; runtime: how this invocation runs (not from last.pt); needs: as GPTConfig's."""
     return dataclasses.field(default=default, metadata=dict(
-        help=help, low=low, high=high, parse=parse, choices=choices, runtime=runtime))
+        help=help, low=low, high=high, parse=parse, choices=choices, runtime=runtime, needs=needs))
 
 @dataclasses.dataclass
 class TrainSettings:
@@ -91,6 +92,8 @@ class TrainSettings:
     beta1: float = option(0.9, "AdamW beta1", low=0, high=1)
     beta2: float = option(0.95, "AdamW beta2", low=0, high=1)
     grad_clip: float = option(1.0, "clip the gradient norm to this (0: off)", low=0)
+    route_entropy_coef: float = option(0.0, "add this x the mean entropy (nats) of the depth "
+                                       "routes to the loss", low=0, needs="attnres")
     max_iters: int = option(400, "optimizer steps (the schedule's length)", low=1)
     max_tokens: int | None = option(None, "a token budget instead: 2B, 500M", low=1, parse=count)
     eval_interval: int = option(100, "evaluate and save every this many steps", low=1)
@@ -110,6 +113,10 @@ class TrainSettings:
     wandb_project: str | None = option(None, "also log the metrics to this Weights & Biases "
                                        "project (pip install wandb)", runtime=True)
     wandb_run: str | None = option(None, "the wandb run's name", runtime=True)
+
+    @property
+    def end_lr(self):  # where the cosine decay ends
+        return self.lr / 10 if self.min_lr is None else self.min_lr
 
 def build_parser():
     """One flag per field of TrainSettings, then of GPTConfig: its type, help and default."""
@@ -150,18 +157,29 @@ def resolve_settings(explicit, ckpt=None):
     if "max_iters" in explicit and "max_tokens" in explicit:
         raise UsageError("give --max_iters or --max_tokens, not both")
     settings.update(given)
+    for f in [*dataclasses.fields(TrainSettings), *dataclasses.fields(GPTConfig)]:
+        # an explicit --residual prenorm also drops the preset's routing (its --rd, its --wav)
+        missing = missing_need(f.metadata.get("needs"), settings["residual"], settings["wav"])
+        if missing and f.name in given and f.name not in explicit:
+            settings[f.name] = f.default
     if "max_iters" in explicit:
         settings["max_tokens"] = None  # an explicit step count beats a preset's or run's budget
     a = TrainSettings(**{f.name: settings[f.name] for f in dataclasses.fields(TrainSettings)})
     return a, {f.name: settings[f.name] for f in dataclasses.fields(GPTConfig)}
 
-def check_settings(a, world):
-    """Every setting in its range, wherever it came from (a flag, a preset, a checkpoint)."""
+def check_settings(a, world, model):
+    """Every setting in its range and where the model has use for it, from flag, preset or run."""
     for f in dataclasses.fields(TrainSettings):
         value, low, high = getattr(a, f.name), f.metadata["low"], f.metadata["high"]
         if low is not None and value is not None and not low <= value < high:  # nan fails too
             span = f"in [{low}, {high:g})" if high < math.inf else f"at least {low}"
             raise UsageError(f"--{f.name} {value}: must be {span}")
+        missing = missing_need(f.metadata["needs"], model["residual"], model["wav"])
+        if missing and value != f.default:
+            where = [name for name in VARIANTS if missing_need(
+                f.metadata["needs"], variant(name)["residual"], variant(name)["wav"]) is None]
+            raise UsageError(f"--{f.name} {value}: {missing} (the variants it applies to: "
+                             f"{', '.join(where)})")
     try:
         count(a.milestones or 0)
     except ValueError as e:
@@ -236,11 +254,10 @@ def pick_dtype(name, device):
 
 def get_lr(step, a):
     """Linear warmup over warmup_iters steps, then cosine decay to min_lr at the last step."""
-    min_lr = a.lr / 10 if a.min_lr is None else a.min_lr
     if step < a.warmup_iters:
         return a.lr * (step + 1) / a.warmup_iters
     progress = min(1.0, (step - a.warmup_iters) / max(1, a.max_iters - 1 - a.warmup_iters))
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (a.lr - min_lr)
+    return a.end_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (a.lr - a.end_lr)
 
 # -----------------------------------------------------------------------------
 # The run: setup, the loop, one step, evaluation, the end
@@ -286,7 +303,9 @@ class Run:
 def main(argv=None):
     stop, handlers = checkpoint.catch_stop_signals()
     try:
-        train(setup(argv, stop))
+        run = setup(argv, stop)
+        if run is not None:  # None: a finished run, nothing to add
+            train(run)
     except torch.OutOfMemoryError:
         raise UsageError("out of memory: lower --micro_batch (the same batches in smaller forwards)"
                          ", --batch_size or --sequence_len; --resume continues last.pt") from None
@@ -298,11 +317,14 @@ def main(argv=None):
     if "RANK" in os.environ:
         checkpoint.leave(0)
 
-def setup(argv, stop):
-    """Everything before the first step: settings, processes, data, model, --resume."""
+def start(argv):
+    """The explicit flags, this process's rank, the world size and device (and process group)."""
     # a lone "--" is dropped: `torchrun train.py -- --rd off` keeps torchrun off train.py's flags
     argv = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--"]
     explicit = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
+    for name in ("out_dir", "data"):  # checked as text: Path("") would be the working folder
+        if not explicit.get(name, "default").strip():
+            raise UsageError(f"--{name} {explicit[name]!r}: give a folder name")
     rank, world, local_rank = (int(os.environ.get(k, 1 if k == "WORLD_SIZE" else 0))
                                for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     device = pick_device(explicit.get("device", "auto"), local_rank, world)
@@ -310,10 +332,16 @@ def setup(argv, stop):
         torch.cuda.set_device(device)
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return explicit, rank, world, device
+
+def setup(argv, stop):
+    """Everything before the first step: settings, processes, data, model, --resume. None: a
+    finished run resumed with nothing to add."""
+    explicit, rank, world, device = start(argv)
     out_dir = Path(explicit.get("out_dir", TrainSettings.out_dir))
     ckpt = checkpoint.check_out_dir(out_dir, explicit.get("resume", False))
     a, model_settings = resolve_settings(explicit, ckpt)
-    check_settings(a, world)
+    check_settings(a, world, model_settings)
     data_dir, meta = open_data(a, ckpt, out_dir, rank == 0, "data" in explicit)
     try:
         config = GPTConfig(**dict(model_settings, vocab_size=meta["vocab_size"]))
@@ -326,6 +354,12 @@ def setup(argv, stop):
                          f"{data_dir} (train / val: {len(splits[0])} / {len(splits[1])} tokens)")
     if a.max_tokens:
         a.max_iters = math.ceil(a.max_tokens / (a.batch_size * a.grad_accum * T))
+    # a finished run (summary.json: only with --resume) with nothing to add: rewrite nothing
+    if (out_dir / "summary.json").exists() and ckpt["progress"]["step"] >= a.max_iters:
+        if rank == 0:
+            print(f"{out_dir} holds a finished run (step {ckpt['progress']['step']}, --max_iters "
+                  f"{a.max_iters}): nothing to add; a larger --max_iters continues it", flush=True)
+        return None
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(a.seed)  # right before GPT(): paired runs share their initial weights
     raw_model = GPT(config).to(device)
@@ -341,19 +375,24 @@ def setup(argv, stop):
         run.log(f"resuming {out_dir / 'last.pt'} at step {run.progress.step}")
     else:
         torch.manual_seed(a.seed + rank)  # each process its own dropout stream
-    routing = f" (block {config.routing_block}, wav {config.wav}, rd {config.rd}, route_heads " \
-              f"{config.route_heads})" if config.residual == "attnres" else ""
-    run.log(f"data: {data_dir} ({meta['dataset']}, {meta['level']} level, vocab "
-            f"{config.vocab_size}; train {len(splits[0]):,} / val {len(splits[1]):,} tokens)\n"
-            f"model: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
-            f"sequence_len {T}, residual {config.residual}{routing}; "
-            f"{raw_model.get_num_params() / 1e6:.2f}M parameters\n"
-            f"training: {a.max_iters} steps x {run.tokens_per_step:,} tokens (batch {a.batch_size}"
-            f" x accum {a.grad_accum} x {T}); lr {a.lr:g} warmup {a.warmup_iters} cosine to "
-            f"{a.lr / 10 if a.min_lr is None else a.min_lr:g}; {world} process(es) on {device} "
-            f"({torch.get_num_threads()} threads each), {str(run.dtype)[6:]}")
+    describe(run)
     run.wandb = start_wandb(run)
     return run
+
+def describe(run):
+    """What the run trains: the data, the model, the schedule and where it runs."""
+    a, config, meta, (train_split, val_split) = run.settings, run.config, run.meta, run.splits
+    routing = f" (block {config.routing_block}, wav {config.wav}, rd {config.rd}, route_heads " \
+              f"{config.route_heads})" if config.residual == "attnres" else ""
+    run.log(f"data: {run.data_dir} ({meta['dataset']}, {meta['level']} level, vocab "
+            f"{config.vocab_size}; train {len(train_split):,} / val {len(val_split):,} tokens)\n"
+            f"model: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
+            f"sequence_len {config.sequence_len}, residual {config.residual}{routing}; "
+            f"{run.raw_model.get_num_params() / 1e6:.2f}M parameters\n"
+            f"training: {a.max_iters} steps x {run.tokens_per_step:,} tokens (batch {a.batch_size}"
+            f" x accum {a.grad_accum} x {config.sequence_len}); lr {a.lr:g} warmup "
+            f"{a.warmup_iters} cosine to {a.end_lr:g}; {run.world} process(es) on {run.device} "
+            f"({torch.get_num_threads()} threads each), {str(run.dtype)[6:]}")
 
 def train(run):
     """The loop: steps, log lines, evaluations with checkpoints; it may stop early (stop_early)."""
@@ -381,6 +420,7 @@ def train(run):
 def train_step(run, lr):
     """One AdamW step on the mean loss of --grad_accum micro-steps (all processes); returns it."""
     a, T, data = run.settings, run.config.sequence_len, run.splits[0]
+    coef = a.route_entropy_coef  # backward runs on cross-entropy + coef x route entropy
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     loss = torch.zeros((), device=run.device)
@@ -391,10 +431,11 @@ def train_step(run, lr):
             last = micro == a.grad_accum - 1 and i == len(mine) - 1
             # DDP: all-reduce the gradients only on the last backward of the step
             with run.model.no_sync() if run.world > 1 and not last else nullcontext():
-                with run.ctx:
-                    chunk_loss = run.model(x, y)[1] / (len(mine) * a.grad_accum)
-                chunk_loss.backward()
-            loss += chunk_loss.detach().float()
+                with run.ctx:  # the routes only with a coef: they keep their weights' graph
+                    _, cross_entropy, *routes = run.model(x, y, return_routes=coef != 0)
+                total = cross_entropy + coef * route_entropy(routes[0]) if coef else cross_entropy
+                (total / (len(mine) * a.grad_accum)).backward()
+            loss += (cross_entropy / (len(mine) * a.grad_accum)).detach().float()  # logged
     if run.world > 1:
         dist.all_reduce(loss)
         loss /= run.world
@@ -406,6 +447,11 @@ def train_step(run, lr):
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     return loss
+
+def route_entropy(routes):
+    """Each read's entropy (nats) over its sources, mean over B, T, H; mean over the reads of 2+."""
+    weights = [r["weights"].float() for r in routes if len(r["weights"]) > 1]  # (S, B, T, H)
+    return torch.stack([-torch.xlogy(w, w).sum(0).mean() for w in weights]).mean()
 
 def log_step(run, loss, lr, dt):
     """A train line; dt: seconds per step since the last one, but this invocation's first step."""
@@ -527,8 +573,9 @@ def baseline_flags(a, config):
     setting a plain train.py would not give it (a preset's too), but the routing fields."""
     plain, plain_model = resolve_settings({})
     defaults = {**dataclasses.asdict(plain), **plain_model}
-    skip = {*routing_fields(), "vocab_size", "out_dir", "preset", "resume", "stop_after",
-            "wandb_run"} | ({"max_iters"} if a.max_tokens else set())  # max_tokens sets it
+    # the depth routing's settings, the model's and training's (needs=); max_tokens sets max_iters
+    skip = {*routing_fields(), *routing_fields(TrainSettings), "vocab_size", "out_dir", "preset",
+            "resume", "stop_after", "wandb_run"} | ({"max_iters"} if a.max_tokens else set())
     flags = ["--residual", "prenorm"]
     for name, value in {**dataclasses.asdict(a), **dataclasses.asdict(config)}.items():
         if name not in skip and value != defaults[name]:

@@ -147,6 +147,10 @@ def test_schedule_token_budget_and_micro_batches(demo, tmp_path):
     lrs = [train.get_lr(step, a) for step in range(10)]
     assert lrs[:2] == [0.5, 1.0] and lrs[-1] == pytest.approx(0.1) \
         and sorted(lrs[1:], reverse=True) == lrs[1:]
+    given = vars(train.build_parser().parse_args(["--min_lr", "0", "--max_iters", "10",
+                                                  "--warmup_iters", "2"]))
+    a, _ = train.resolve_settings({k: v for k, v in given.items() if v is not None})
+    assert train.get_lr(9, a) == 0.0  # an explicit --min_lr 0, not lr/10
     budget, _ = train.resolve_settings({"preset": "rd_s", "max_iters": 5})
     assert budget.max_tokens is None and budget.max_iters == 5  # explicit steps beat preset tokens
     assert run(train.main, tiny(demo, tmp_path / "t", "--max_tokens", "1K", "--batch_size", "4",
@@ -189,19 +193,53 @@ def test_logged_losses_are_the_losses_of_their_crops(routed):
 def test_the_printed_baseline_runs_and_is_the_same_run_without_routing(demo, tmp_path, capsys):
     out = tmp_path / "my run"  # a space: the commands are shell-quoted
     code, printed, _ = run(train.main, tiny(demo, out, *ROUTED, "--route_heads", "2",
-                                            "--max_iters", "2", "--seed", "5"), capsys)
+                                            "--max_iters", "2", "--seed", "5",
+                                            "--route_entropy_coef", "0.1"), capsys)
     line = next(x for x in printed.splitlines() if "--residual prenorm" in x)
     cmd = shlex.split(line.split("  # ")[0])
     assert cmd[:2] == ["python", "train.py"] and "--wav" not in cmd and "--route_heads" not in cmd
+    assert "--route_entropy_coef" not in cmd  # a training setting of the routing (needs=) too
     assert run(train.main, cmd[2:])[0] == 0
     routed, baseline = (json.loads((Path(d) / "summary.json").read_text())
                         for d in (out, f"{out}_prenorm"))
     assert baseline["config"]["residual"] == "prenorm"
     for key in nanoroute.routing_fields():  # only the routing differs
         routed["config"].pop(key), baseline["config"].pop(key)
+    for key in nanoroute.routing_fields(train.TrainSettings)[1:]:  # but "residual"
+        routed["train"].pop(key), baseline["train"].pop(key)
     assert routed["config"] == baseline["config"]
     assert {k: v for k, v in routed["train"].items() if k != "out_dir"} == \
         {k: v for k, v in baseline["train"].items() if k != "out_dir"}
+
+
+def test_the_route_entropy_loss_trains_the_routes_and_coef_0_is_the_run_without_it(demo,
+                                                                                    tmp_path):
+    for name, extra in (("none", []), ("0", ["--route_entropy_coef", 0]),
+                        ("1", ["--route_entropy_coef", 1])):
+        assert run(train.main, tiny(demo, tmp_path / name, "--max_iters", 3, *extra))[0] == 0
+    none, zero, one = (weights(tmp_path / name)["model"] for name in ("none", "0", "1"))
+    assert all(torch.equal(none[k], zero[k]) for k in none)
+    assert without_times(metrics(tmp_path / "none")) == without_times(metrics(tmp_path / "0"))
+    config = nanoroute.GPTConfig(**dict(weights(tmp_path / "1")["config"], residual="prenorm"))
+    routing = set(one) - set(nanoroute.GPT(config).state_dict())  # the pseudo-queries
+    assert routing and all(not torch.equal(zero[k], one[k]) for k in routing)
+    logged = [[x["loss"] for x in metrics(tmp_path / d) if x["type"] == "train"] for d in "01"]
+    assert logged[0][0] == logged[1][0]  # the logged loss: the cross-entropy alone
+    entropy = [json.loads((tmp_path / d / "summary.json").read_text())["routes"]
+               ["entropy_norm_mean"] for d in "01"]
+    assert entropy[1] < entropy[0]  # it sharpens the routes
+
+
+def test_a_routing_setting_where_it_has_no_effect_names_the_variants_it_applies_to(demo,
+                                                                                  tmp_path, capsys):
+    code, _, err = run(train.main, tiny(demo, tmp_path, "--residual", "denseformer",
+                                        "--route_entropy_coef", "0.1"), capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: --route_entropy_coef 0.1: applies only to residual=attnres")
+    named = err.split("applies to: ")[1].rstrip(")\n").split(", ")
+    assert named == [v for v in nanoroute.VARIANTS if nanoroute.variant(v)["residual"] ==
+                     "attnres"]
+    assert not (tmp_path / "last.pt").exists()
 
 
 def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
@@ -289,6 +327,15 @@ def test_a_damaged_or_foreign_checkpoint_is_one_line(routed, tmp_path, capsys):
         assert code == 2 and err.count("\n") == 1 and words in err, (case, err)
 
 
+def test_a_finished_run_resumed_with_nothing_to_add_rewrites_nothing(routed, tmp_path, capsys):
+    out = tmp_path / "done"
+    shutil.copytree(routed, out)  # with the files' times
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
+    code, printed, _ = run(train.main, ["--out_dir", out, "--resume"], capsys)
+    assert code == 0 and printed.count("\n") == 1 and "finished run (step 4" in printed
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
+
+
 def test_resume_refuses_another_model_or_dataset(demo, routed, tmp_path, capsys):
     code, _, err = run(train.main, ["--out_dir", routed, "--resume", "--n_embd", "64"], capsys)
     assert code == 2 and "--n_embd 64 differs from the run's n_embd=32" in err
@@ -332,7 +379,8 @@ def free_port():
 
 
 def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path):
-    flags = [*TINY, *ROUTED, "--dropout", 0.1, "--max_iters", 4, "--eval_interval", 2]
+    flags = [*TINY, *ROUTED, "--dropout", 0.1, "--max_iters", 4, "--eval_interval", 2,
+             "--route_entropy_coef", 0.1]  # DDP returns the routes' graph too
 
     def torchrun(out, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -385,7 +433,7 @@ def test_bf16_autocast_and_compile(demo, tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "compile",
                         lambda model, **kw: compiled.append(model) or real(model, backend="eager"))
     assert run(train.main, tiny(demo, out, "--max_iters", 1, "--compile", "--dtype",
-                                "bfloat16"))[0] == 0
+                                "bfloat16", "--route_entropy_coef", 0.1))[0] == 0
     assert len(compiled) == 1 and list(weights(out)["model"]) == list(compiled[0].state_dict())
     assert all(v.dtype == torch.float32 for v in weights(out)["model"].values())
 
@@ -442,16 +490,19 @@ def bad_inputs(demo, routed, tmp):
                                     "applies only to"),
         "too long crops": ([*d, *t, "--sequence_len", "200000"], "does not fit"),
         "missing data": (["--data", tmp / "data" / "demo_typo", *t], "does not exist"),
-        "empty out_dir": ([*d, "--out_dir", " "], "give a folder name"),
+        "blank out_dir": ([*d, "--out_dir", " "], "give a folder name"),
+        "empty out_dir": ([*d, "--out_dir", ""], "--out_dir '': give a folder name"),
+        "empty data": (["--data", "", *t], "--data '': give a folder name"),
     }
 
 
-def test_bad_input_is_one_error_line_and_exit_2(demo, routed, tmp_path, capsys):
+def test_bad_input_is_one_error_line_and_exit_2(demo, routed, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --out_dir '' must not read as the working folder
     for case, (argv, words) in bad_inputs(demo, routed, tmp_path).items():
         code, out, err = run(train.main, argv, capsys)
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (case, err)
         assert words in err, (case, err)
-        assert not (tmp_path / "x" / "last.pt").exists(), case
+        assert not list(tmp_path.glob("*/last.pt")) and not list(tmp_path.glob("*.pt")), case
 
 
 def test_as_a_command_bad_input_is_one_line_and_a_bare_data_name_is_under_data(tmp_path):
@@ -479,6 +530,24 @@ def test_the_baseline_of_a_token_budget_and_of_a_named_wandb_run():
                                         mean_weight=[0.2, 0.5, 0.1, 0.2])}, js_mean=None)
     assert train.routing_summary(stats).splitlines()[1].split() == \
         ["readout", "C0", "0.50", "emb", "0.20", "P", "0.20", "..."]  # the heaviest first
+
+
+def test_explicit_flags_beat_a_preset_and_its_baseline_keeps_all_but_the_routing():
+    a, model = train.resolve_settings({"preset": "wav12", "residual": "prenorm", "lr": 0.01})
+    assert model["residual"] == "prenorm" and not model["wav"] and a.lr == 0.01
+    assert a.max_iters == train.PRESETS["wav12"]["max_iters"]  # the preset's other settings stay
+    nanoroute.GPTConfig(**dict(model, vocab_size=256))  # a model train.py builds: PreNorm
+    a, model = train.resolve_settings({"preset": "wav12"})
+    flags, _ = train.baseline_flags(a, nanoroute.GPTConfig(**dict(model, vocab_size=256)))
+    flags = list(map(str, flags))
+    assert "--preset" not in flags and flags[:2] == ["--residual", "prenorm"]
+    given = {k: v for k, v in vars(train.build_parser().parse_args(flags)).items() if v is not None}
+    b, baseline = train.resolve_settings(given)
+    skip = {*nanoroute.routing_fields(), *nanoroute.routing_fields(train.TrainSettings),
+            "out_dir", "preset"}  # all else as the preset's run
+    assert {k: v for k, v in {**dataclasses.asdict(a), **model}.items() if k not in skip} == \
+        {k: v for k, v in {**dataclasses.asdict(b), **baseline}.items() if k not in skip}
+    assert baseline["residual"] == "prenorm" and not baseline["wav"]
 
 
 def test_best_is_the_lowest_val_loss_and_survives_a_crash_between_the_two_files(demo, tmp_path,
