@@ -450,7 +450,8 @@ def train_step(run, lr):
 
 def route_entropy(routes):
     """Each read's entropy (nats) over its sources, mean over B, T, H; mean over the reads of 2+."""
-    weights = [r["weights"].float() for r in routes if len(r["weights"]) > 1]  # (S, B, T, H)
+    reads = {id(r["weights"]): r["weights"] for r in routes}  # RD tied: one read, two names
+    weights = [w.float() for w in reads.values() if len(w) > 1]  # (S, B, T, H)
     return torch.stack([-torch.xlogy(w, w).sum(0).mean() for w in weights]).mean()
 
 def log_step(run, loss, lr, dt):
