@@ -799,6 +799,18 @@ def test_the_harness_fails_on_a_missing_gradient(device):
         assert_fast_equals_reference("wav_learned", device, "float32", NoGradCoefficients)
 
 
+def test_docs_route_entropy_loss_trains_the_routing_on_both_paths(device):
+    route_entropy = docs_code("docs/routing.md")["route_entropy"]  # as docs/routing.md writes it
+    grads = []
+    for fast in (True, False):
+        model = randomise_routing(make_model(**ATTNRES_MODES["rd_tied"], fast_routing=fast))
+        route_entropy(model.to(device)(tokens().to(device), return_routes=True)[2]).backward()
+        grads.append({name: p.grad for name, p in model.query.items()})
+        assert all(g is not None and g.abs().sum() > 0 for g in grads[-1].values())
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_a_loss_on_the_routes_trains_the_routing(fast):
     # the routes' weights carry a gradient: a routing loss alone moves every pseudo-query
