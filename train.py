@@ -543,7 +543,7 @@ def finish(run):
 def routing_summary(stats, top=3):
     """The sources each read leans on most (mean weight over 8 val crops and route heads)."""
     lines = ["routing (mean weight per source, 8 val crops; emb: embedding, C<i>: completed "
-             "block i, P: partial block)"]
+             "block i, P: partial block, L<i>: layer i's output)"]
     for name, read in stats["reads"].items():
         ranked = sorted(zip(read["mean_weight"], read["sources"]), reverse=True)[:top]
         lines.append(f"  {name:<14}" + "  ".join(f"{s} {w:.2f}" for w, s in ranked)
@@ -559,7 +559,7 @@ def next_commands(run):
     a, config = run.settings, run.config
     here = [] if a.out_dir == TrainSettings.out_dir else ["--out_dir", a.out_dir]
     commands = [(command("sample.py", here), "text from best.pt")]
-    if config.residual == "attnres":
+    if any(line.get("routes") for line in run.progress.lines):  # routing or learned mixing
         commands.append((command("sample.py", [*here, "--routes"]), "how each read routes"))
     if config.residual != "prenorm":
         flags, baseline = baseline_flags(a, config)
