@@ -505,6 +505,12 @@ def test_bad_input_is_one_error_line_and_exit_2(demo, routed, tmp_path, capsys, 
         assert not list(tmp_path.glob("*/last.pt")) and not list(tmp_path.glob("*.pt")), case
 
 
+def test_bool_flags_take_true_false_1_0_and_alone_mean_true():
+    for text, value in [("True", True), ("1", True), ("false", False), ("0", False)]:
+        assert train.build_parser().parse_args(["--route_static", text]).route_static is value
+    assert train.build_parser().parse_args(["--compile"]).compile is True
+
+
 def test_as_a_command_bad_input_is_one_line_and_a_bare_data_name_is_under_data(tmp_path):
     done = subprocess.run([sys.executable, ROOT / "train.py", "--max_itres", "3"],
                           capture_output=True, text=True, env=env(), cwd=tmp_path)
