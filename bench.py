@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
+import common
 import nanoroute
 import prepare_data
 import train
-from prepare_data import UsageError, write_json
+from common import UsageError, write_json
 
 SHAPES = {  # batch_size is B; sequence_len is the context and the T of the training batch
     "tiny": dict(n_layer=2, n_embd=32, n_head=2, sequence_len=32, vocab_size=256, batch_size=2),
@@ -47,7 +48,7 @@ VARIANTS = {**nanoroute.VARIANTS, "full": dict(nanoroute.VARIANTS["block"], attn
 DEFAULT_VARIANTS = "prenorm,block,full,wav,rd"
 
 def build_parser():
-    p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n")[0])
+    p = common.ArgumentParser(description=__doc__.strip().split("\n")[0])
     p.add_argument("--shape", default="s12", choices=SHAPES, help="model and batch (default s12)")
     p.add_argument("--preset", choices=train.PRESETS, help="a train.py preset's shape instead: "
                    "its model, B = its --micro_batch (or its batch), its data's vocabulary")
@@ -195,7 +196,7 @@ def cpu_name():
 
 # --- The measurements: the rounds, each model's record, the ratios, generation, profile. ---
 
-@prepare_data.cli
+@common.cli
 def main(argv=None):
     b = Bench(build_parser().parse_args(argv), argv)
     # torch._dynamo compiles at most recompile_limit versions of a function (8), counted over all

@@ -2,7 +2,7 @@
 What keeps a train.py run safe, and nothing of training (as nanochat's checkpoint_manager.py is to
 its training script): a new run never writes over a run (check_out_dir), but for what a kill in its
 first save left, and deletes only a kill's temporary files; files are written whole
-(prepare_data.write_atomic); a checkpoint is read with weights_only=True after its zip CRCs are
+(common.write_atomic); a checkpoint is read with weights_only=True after its zip CRCs are
 checked (flipped bytes would otherwise load silently); SIGINT and SIGTERM stop the loop at the end
 of a step, which saves; a resumed run is bitwise the same as an uninterrupted one (batches depend
 on the step alone; each process's RNG states are kept).
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import prepare_data
+from common import UsageError, write_atomic
 from nanoroute import GPT, GPTConfig
-from prepare_data import UsageError, write_atomic
 
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "summary.json")
 KEYS = ("model", "optimizer", "config", "settings", "data_dir", "dataset", "progress", "rng")

@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 import checkpoint
+import common
 import prepare_data
 import train
+from common import UsageError, write_atomic, write_json
 from nanoroute import VARIANTS, GPTConfig, missing_need, routing_stats, source_block, variant
-from prepare_data import UsageError, write_atomic, write_json
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
 
@@ -712,7 +713,7 @@ def ablate_figure(Figure, rows, run, tag):
 # --- Command line. ---
 
 def build_parser():
-    p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    p = common.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sweep", help="a named sweep or a custom grid, train.py per run",
                        epilog="; ".join(f"{k}: {v['variants']} x seeds {v['seeds']}, depths "
@@ -752,7 +753,7 @@ def build_parser():
         parser.add_argument("--data", help="the runs' dataset folder, if it moved")
     return p
 
-@prepare_data.cli
+@common.cli
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)

@@ -17,16 +17,17 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import common
 import prepare_data
+from common import UsageError
 from nanoroute import routing_stats
-from prepare_data import UsageError
 from train import command, pick_device
 
 SHADES = " ░▒▓█"  # a weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; blank: not seen
 
-@prepare_data.cli
+@common.cli
 def main(argv=None):
-    p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n")[0])
+    p = common.ArgumentParser(description=__doc__.strip().split("\n")[0])
     p.add_argument("--out_dir", default="out", help="train.py's run folder (default: out)")
     p.add_argument("--ckpt", default="best", choices=("best", "last"),
                    help="best.pt or last.pt (default: best)")

@@ -31,9 +31,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import common
 import prepare_data
+from common import UsageError, write_json
 from nanoroute import GPT, VARIANTS, GPTConfig, missing_need, routing_fields, routing_stats, variant
-from prepare_data import UsageError, write_json
 
 # -----------------------------------------------------------------------------
 # Settings: every training flag is a TrainSettings field, every model flag a GPTConfig field
@@ -120,7 +121,7 @@ class TrainSettings:
 
 def build_parser():
     """One flag per field of TrainSettings, then of GPTConfig: its type, help and default."""
-    p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n")[0],
+    p = common.ArgumentParser(description=__doc__.strip().split("\n")[0],
                                     epilog="Bool flags take True/False/1/0; alone they mean True.")
     for cls, title in ((TrainSettings, "training"), (GPTConfig, "model (GPTConfig's fields)")):
         group, hints = p.add_argument_group(title), typing.get_type_hints(cls)
@@ -299,7 +300,7 @@ class Run:
     def elapsed(self):  # seconds, over every invocation of the run
         return self.progress.seconds + time.time() - self.t_start
 
-@prepare_data.cli
+@common.cli
 def main(argv=None):
     stop, handlers = checkpoint.catch_stop_signals()
     try:
