@@ -70,9 +70,11 @@ def build_parser():
                    "code generation, quick on a CPU)")
     p.add_argument("--profile", metavar="VARIANT", choices=VARIANTS,
                    help="the top ops of 3 training steps of VARIANT, under torch.profiler")
-    p.add_argument("--against", metavar="PATH", help="another nanoroute.py, or a folder holding "
-                   "one: its variants timed in the same rounds, as VARIANT@against")
-    p.add_argument("--json", metavar="PATH", help="every number, rewritten as they come")
+    p.add_argument("--against", type=common.file_name, metavar="PATH",
+                   help="another nanoroute.py, or a folder holding one: its variants timed in "
+                   "the same rounds, as VARIANT@against")
+    p.add_argument("--json", type=common.file_name, metavar="PATH",
+                   help="every number, rewritten as they come")
     return p
 
 # A timed model: the module, what its steps call (compiled or itself), its AdamW, --compile's counts

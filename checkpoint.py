@@ -41,8 +41,6 @@ class Progress:
 def check_out_dir(out_dir, resume):
     """The checkpoint to resume (--resume), or None after checking that out_dir holds no run (or
     only what a run stopped in its first save left). Either way, a kill's temporary files go."""
-    if not str(out_dir).strip():
-        raise UsageError("--out_dir '': give a folder name, e.g. --out_dir out")
     if resume:
         ckpt = load(out_dir / "last.pt", f"nothing to resume in {out_dir} (no last.pt): train "
                     "without --resume first")

@@ -721,9 +721,12 @@ def build_parser():
                        "after -- go to each run they have an effect in; `tail -f OUT/*/train.log` "
                        "follows the runs.")
     s.add_argument("name", choices=[*SWEEPS, "custom"])
-    s.add_argument("--out", help="folder of the run folders (default: runs/NAME)")
-    s.add_argument("--data", help="custom: a prepared dataset folder (its meta.json names it)")
-    s.add_argument("--data_root", default="data", help="named sweeps: folder of the datasets")
+    s.add_argument("--out", type=common.folder_name,
+                   help="folder of the run folders (default: runs/NAME)")
+    s.add_argument("--data", type=common.folder_name,
+                   help="custom: a prepared dataset folder (its meta.json names it)")
+    s.add_argument("--data_root", type=common.folder_name, default="data",
+                   help="named sweeps: folder of the datasets")
     s.add_argument("--variants", help="custom (required), or override: " + ",".join(VARIANTS))
     s.add_argument("--seeds", help="0,1,2 or 0-4 (custom: 0-2)")
     s.add_argument("--depths", help=f"n_layer values (custom: {CUSTOM['depths'][0]})")
@@ -736,13 +739,15 @@ def build_parser():
     s.add_argument("--torchrun", type=int, metavar="N", help="each run on N processes (DDP)")
     s.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     r = sub.add_parser("report", help="tables (and figures) of finished runs")
-    r.add_argument("folders", nargs="+", help="sweep --out folders or train.py run folders")
+    r.add_argument("folders", type=common.folder_name, nargs="+",
+                   help="sweep --out folders or train.py run folders")
     r.add_argument("--baseline", help="variant the others pair with (default: block, else prenorm)")
-    r.add_argument("--out", help="report.md's path (default: in the first folder)")
+    r.add_argument("--out", type=common.file_name,
+                   help="report.md's path (default: in the first folder)")
     r.add_argument("--plots", action="store_true", help="also val_loss.png (matplotlib)")
     r.add_argument("--heatmap", action="append", default=[], metavar="RUN", help="routes_RUN.png")
     a = sub.add_parser("ablate", help="Δ val loss when a run's reads may not read some sources")
-    a.add_argument("run_dir")
+    a.add_argument("run_dir", type=common.folder_name)
     a.add_argument("--mask", help="source names: emb,C0 (C0 and P take their details too)")
     a.add_argument("--older_than", type=int, metavar="K", help="mask blocks older than K blocks")
     a.add_argument("--read", help="only this read, e.g. layer3.attn (default: every read)")
@@ -750,7 +755,8 @@ def build_parser():
     a.add_argument("--ckpt", choices=("best", "last"), default="best")
     a.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps")
     for parser in (r, a):
-        parser.add_argument("--data", help="the runs' dataset folder, if it moved")
+        parser.add_argument("--data", type=common.folder_name,
+                            help="the runs' dataset folder, if it moved")
     return p
 
 @common.cli

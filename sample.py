@@ -28,10 +28,12 @@ SHADES = " ░▒▓█"  # a weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]
 @common.cli
 def main(argv=None):
     p = common.ArgumentParser(description=__doc__.strip().split("\n")[0])
-    p.add_argument("--out_dir", default="out", help="train.py's run folder (default: out)")
+    p.add_argument("--out_dir", type=common.folder_name, default="out",
+                   help="train.py's run folder (default: out)")
     p.add_argument("--ckpt", default="best", choices=("best", "last"),
                    help="best.pt or last.pt (default: best)")
-    p.add_argument("--data", metavar="DIR", help="the dataset folder (default: the run's own)")
+    p.add_argument("--data", type=common.folder_name, metavar="DIR",
+                   help="the dataset folder (default: the run's own)")
     p.add_argument("--start", help="prompt text, or FILE:path to read it (UTF-8); default: a "
                    "newline for char level, <|endoftext|> for GPT-2 tokens; with --routes the "
                    "first sequence_len tokens of val")

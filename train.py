@@ -79,8 +79,10 @@ def option(default, help, low=None, high=math.inf, parse=None, choices=None, run
 @dataclasses.dataclass
 class TrainSettings:
     """Every training flag. The defaults learn on two CPU cores in minutes (~1.6M demo tokens)."""
-    data: str = option("demo", "a prepared dataset folder, or NAME: data/NAME (demo: made here)")
-    out_dir: str = option("out", "output folder of the run", runtime=True)
+    # folder_name: '' or blanks would name the working folder
+    data: str = option("demo", "a prepared dataset folder, or NAME: data/NAME (demo: made here)",
+                       parse=common.folder_name)
+    out_dir: str = option("out", "output folder of the run", runtime=True, parse=common.folder_name)
     preset: str | None = option(None, "a paper's set-up; flags override it", choices=PRESETS,
                                 runtime=True)
     batch_size: int = option(16, "sequences per micro-step, all processes together", low=1)
@@ -323,9 +325,6 @@ def start(argv):
     # a lone "--" is dropped: `torchrun train.py -- --rd off` keeps torchrun off train.py's flags
     argv = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--"]
     explicit = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
-    for name in ("out_dir", "data"):  # checked as text: Path("") would be the working folder
-        if not explicit.get(name, "default").strip():
-            raise UsageError(f"--{name} {explicit[name]!r}: give a folder name")
     rank, world, local_rank = (int(os.environ.get(k, 1 if k == "WORLD_SIZE" else 0))
                                for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     device = pick_device(explicit.get("device", "auto"), local_rank, world)

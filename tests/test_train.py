@@ -491,8 +491,8 @@ def bad_inputs(demo, routed, tmp):
         "too long crops": ([*d, *t, "--sequence_len", "200000"], "does not fit"),
         "missing data": (["--data", tmp / "data" / "demo_typo", *t], "does not exist"),
         "blank out_dir": ([*d, "--out_dir", " "], "give a folder name"),
-        "empty out_dir": ([*d, "--out_dir", ""], "--out_dir '': give a folder name"),
-        "empty data": (["--data", "", *t], "--data '': give a folder name"),
+        "empty out_dir": ([*d, "--out_dir", ""], "--out_dir: '': give a folder name"),
+        "empty data": (["--data", "", *t], "--data: '': give a folder name"),
     }
 
 
