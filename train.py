@@ -309,7 +309,9 @@ def main(argv=None):
         run = setup(argv, stop)
         if run is not None:  # None: a finished run, nothing to add
             train(run)
-    except torch.OutOfMemoryError:
+    except RuntimeError as e:  # CUDA's OutOfMemoryError, or the CPU's (a plain RuntimeError)
+        if not isinstance(e, torch.OutOfMemoryError) and "DefaultCPUAllocator" not in str(e):
+            raise
         raise UsageError("out of memory: lower --micro_batch (the same batches in smaller forwards)"
                          ", --batch_size or --sequence_len; --resume continues last.pt") from None
     finally:
