@@ -1,9 +1,10 @@
 """
 What every script shares: its one error line, its parser, and whole-file writes. A user's mistake is
 one UsageError, printed by cli as one `error:` line, exit code 2; flags are never abbreviated
-(ArgumentParser); a folder or file flag is never empty (folder_name, file_name); every file is
-written whole or not at all (write_atomic). In one small module so that each script imports these
-rules, and nothing else, from one place.
+(ArgumentParser); a folder or file flag is never empty (folder_name, file_name); a count of tokens
+reads 2B or 500M (count); a command printed for the user pastes into a shell (command); every file
+is written whole or not at all (write_atomic). One small module, so that every script takes these
+rules from one place and prepare_data.py holds only data.
 """
 
 import argparse
@@ -13,6 +14,7 @@ import functools
 import json
 import os
 import re
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -59,6 +61,26 @@ class ArgumentParser(argparse.ArgumentParser):
         close = difflib.get_close_matches(wrong[1], known, n=1, cutoff=0.7) if wrong else []
         hint = f" (did you mean --{known[close[0]]}?)" if close else ""
         self.exit(2, f"error: {message}{hint}; see --help\n")
+
+def count(text):
+    """Token counts: '2B' -> 2_000_000_000 (also M, K, plain integers); '1M,2M' -> a list."""
+    if "," in str(text):
+        return [count(part) for part in text.split(",")]
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmb]?)\s*", str(text), re.I)
+    if not m:
+        raise ValueError(f"{text!r} is not a token count such as 2B, 500M, 64K or 10000")
+    return int(round(float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}[m[2].lower()]))
+
+def true_or_false(text):  # an argparse type= for a bool flag: True/False/1/0
+    if text.lower() not in ("true", "1", "false", "0"):
+        raise ValueError(text)
+    return text.lower() in ("true", "1")
+
+def command(script, flags, world=1):
+    """A command line that works when pasted into a shell: each argument quoted where needed."""
+    launcher = ["torchrun", f"--nproc_per_node={world}", script, "--"] if world > 1 else \
+        ["python", script]
+    return shlex.join([*launcher, *map(str, flags)])
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: a written file gets the mode any new file would (mkstemp's is 0600)

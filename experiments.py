@@ -33,7 +33,7 @@ import common
 import prepare_data
 import train
 from common import UsageError, write_atomic, write_json
-from nanoroute import VARIANTS, GPTConfig, missing_need, routing_stats, source_block, variant
+from nanoroute import VARIANTS, GPTConfig, missing_need, source_block, variant
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
 
@@ -624,9 +624,7 @@ def load_model(run_dir, ckpt="best.pt", data=None, device="cpu"):
 def route_matrix(run_dir, data=None):
     """(reads, sources, each read's mean weight per source or None): best.pt, train.py's crops."""
     model, _, val, offsets = load_model(run_dir, data=data)
-    (x, _), = train.get_batch(val, offsets[0][:8], model.config.sequence_len, torch.device("cpu"))
-    with torch.no_grad():
-        stats = routing_stats(model(x, return_routes=True)[2])
+    stats = train.routes(model, val, offsets[0][:8], torch.device("cpu"))
     reads = stats["reads"]
     return list(reads), stats["sources"], [[dict(zip(r["sources"], r["mean_weight"])).get(s)
                                              for s in stats["sources"]] for r in reads.values()]
@@ -671,11 +669,9 @@ def ablate(args, extra):
     names = args.mask.split(",") if args.mask else []
     mask, kept = chosen_mask(pools, model.config.routing_block, names, args.older_than, args.read)
 
-    @torch.no_grad()
-    def score(masked):  # train.evaluate's number: the mean loss of its forwards over the crops
+    def score(masked):  # train.evaluate's number on the run's eval crops, masked
         model.masked = masked
-        return torch.stack([model(x, y)[1].float() for rows in offsets for x, y in
-                            train.get_batch(val, rows, T, device, s["micro_batch"])]).mean().item()
+        return train.evaluate(model, val, offsets, T, device, micro_batch=s["micro_batch"])
     base, rows = score({}), []
     path = "fast (the kernel takes the −inf logits)" if model.config.fast_routing else "reference"
     print(f"{args.run_dir} ({args.ckpt}.pt, step {saved['progress']['step']}): val loss "
