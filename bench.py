@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
+import common
 import nanoroute
 import prepare_data
 import train
-from prepare_data import UsageError, write_json
+from common import UsageError, write_json
 
 SHAPES = {  # batch_size is B; sequence_len is the context and the T of the training batch
     "tiny": dict(n_layer=2, n_embd=32, n_head=2, sequence_len=32, vocab_size=256, batch_size=2),
@@ -47,7 +48,7 @@ VARIANTS = {**nanoroute.VARIANTS, "full": dict(nanoroute.VARIANTS["block"], attn
 DEFAULT_VARIANTS = "prenorm,block,full,wav,rd"
 
 def build_parser():
-    p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n")[0])
+    p = common.ArgumentParser(description=__doc__.strip().split("\n")[0])
     p.add_argument("--shape", default="s12", choices=SHAPES, help="model and batch (default s12)")
     p.add_argument("--preset", choices=train.PRESETS, help="a train.py preset's shape instead: "
                    "its model, B = its --micro_batch (or its batch), its data's vocabulary")
@@ -69,9 +70,11 @@ def build_parser():
                    "code generation, quick on a CPU)")
     p.add_argument("--profile", metavar="VARIANT", choices=VARIANTS,
                    help="the top ops of 3 training steps of VARIANT, under torch.profiler")
-    p.add_argument("--against", metavar="PATH", help="another nanoroute.py, or a folder holding "
-                   "one: its variants timed in the same rounds, as VARIANT@against")
-    p.add_argument("--json", metavar="PATH", help="every number, rewritten as they come")
+    p.add_argument("--against", type=common.file_name, metavar="PATH",
+                   help="another nanoroute.py, or a folder holding one: its variants timed in "
+                   "the same rounds, as VARIANT@against")
+    p.add_argument("--json", type=common.file_name, metavar="PATH",
+                   help="every number, rewritten as they come")
     return p
 
 # A timed model: the module, what its steps call (compiled or itself), its AdamW, --compile's counts
@@ -195,7 +198,7 @@ def cpu_name():
 
 # --- The measurements: the rounds, each model's record, the ratios, generation, profile. ---
 
-@prepare_data.cli
+@common.cli
 def main(argv=None):
     b = Bench(build_parser().parse_args(argv), argv)
     # torch._dynamo compiles at most recompile_limit versions of a function (8), counted over all

@@ -2,7 +2,7 @@
 What keeps a train.py run safe, and nothing of training (as nanochat's checkpoint_manager.py is to
 its training script): a new run never writes over a run (check_out_dir), but for what a kill in its
 first save left, and deletes only a kill's temporary files; files are written whole
-(prepare_data.write_atomic); a checkpoint is read with weights_only=True after its zip CRCs are
+(common.write_atomic); a checkpoint is read with weights_only=True after its zip CRCs are
 checked (flipped bytes would otherwise load silently); SIGINT and SIGTERM stop the loop at the end
 of a step, which saves; a resumed run is bitwise the same as an uninterrupted one (batches depend
 on the step alone; each process's RNG states are kept).
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import prepare_data
+from common import UsageError, write_atomic
 from nanoroute import GPT, GPTConfig
-from prepare_data import UsageError, write_atomic
 
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "summary.json")
 KEYS = ("model", "optimizer", "config", "settings", "data_dir", "dataset", "progress", "rng")
@@ -41,8 +41,6 @@ class Progress:
 def check_out_dir(out_dir, resume):
     """The checkpoint to resume (--resume), or None after checking that out_dir holds no run (or
     only what a run stopped in its first save left). Either way, a kill's temporary files go."""
-    if not str(out_dir).strip():
-        raise UsageError("--out_dir '': give a folder name, e.g. --out_dir out")
     if resume:
         ckpt = load(out_dir / "last.pt", f"nothing to resume in {out_dir} (no last.pt): train "
                     "without --resume first")
@@ -134,52 +132,56 @@ def open_data(ckpt, run_dir, data=None):
                          "give --data with that dataset")
     return Path(os.path.relpath(folder)) if not data else folder, meta
 
-def save(run, improved):
-    """metrics.jsonl, then best.pt (when improved), then last.pt. best.pt before last.pt: a crash
-    between the two leaves best.pt a step ahead, never behind (restore takes the lower best)."""
+def save(out_dir, state, progress, improved, device, rank=0, world=1):
+    """state (the model's and the optimizer's state dicts, config, settings, data_dir, dataset),
+    progress (a Progress, its seconds the run's so far) and each process's RNG states, written by
+    rank 0: metrics.jsonl, then best.pt (when improved), then last.pt. best.pt before last.pt: a
+    crash between the two leaves best.pt a step ahead, never behind (restore takes the lower best).
+    Under DDP every process calls it: the RNG states are gathered."""
     rng = {"cpu": torch.get_rng_state()}  # dropout's: each process's, gathered on rank 0
-    if run.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(run.device)
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
     states = [rng]
-    if run.world > 1:
-        states = [None] * run.world
+    if world > 1:
+        states = [None] * world
         dist.all_gather_object(states, rng)
-    if not run.master:
+    if rank != 0:
         return
-    data_dir = run.data_dir.resolve() if run.data_dir.is_absolute() else \
-        os.path.relpath(run.data_dir.resolve(), run.out_dir.resolve())
-    state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
-                 config=dataclasses.asdict(run.config), settings=dataclasses.asdict(run.settings),
-                 data_dir=str(data_dir), dataset=dataset_identity(run.meta),
-                 rng=[{k: v.cpu() for k, v in s.items()} for s in states],
-                 progress=dataclasses.asdict(run.progress) | dict(seconds=run.elapsed()))
+    data_dir = Path(state["data_dir"])  # relative to the run folder: both may move together
+    data_dir = data_dir.resolve() if data_dir.is_absolute() else \
+        os.path.relpath(data_dir.resolve(), Path(out_dir).resolve())
+    states = [{k: v.cpu() for k, v in s.items()} for s in states]
+    state = dict(state, data_dir=str(data_dir), rng=states, progress=dataclasses.asdict(progress))
     buffer = io.BytesIO()  # in memory first: a full disk is then a plain OSError (one line)
     torch.save(state, buffer)
-    lines = "".join(json.dumps(line) + "\n" for line in run.progress.lines)
-    write_atomic(run.out_dir / "metrics.jsonl", lines.encode())
+    lines = "".join(json.dumps(line) + "\n" for line in progress.lines)
+    write_atomic(out_dir / "metrics.jsonl", lines.encode())
     for name in ("best.pt", "last.pt") if improved else ("last.pt",):
-        write_atomic(run.out_dir / name, buffer.getbuffer())
+        write_atomic(out_dir / name, buffer.getbuffer())
 
-def restore(run, ckpt):
-    """--resume: the weights, the optimizer, the progress and each process's RNG states."""
-    path, rng = run.out_dir / "last.pt", ckpt["rng"]
-    model_from(ckpt, path, run.raw_model)
+def restore(ckpt, out_dir, model, optimizer, seed, device, rank=0, world=1):
+    """--resume: last.pt's weights and optimizer state into model and optimizer, each process's
+    RNG states (reseeded from seed if another process count wrote it); returns its Progress."""
+    path, rng = out_dir / "last.pt", ckpt["rng"]
+    model_from(ckpt, path, model)
     try:
-        run.optimizer.load_state_dict(ckpt["optimizer"])
+        optimizer.load_state_dict(ckpt["optimizer"])
     except (ValueError, KeyError) as e:
         raise UsageError(f"checkpoint {path}: its optimizer does not fit ({e})") from None
-    run.progress = p = Progress(**ckpt["progress"])
-    if (run.out_dir / "best.pt").exists():  # a step ahead of last.pt after a crash between them
-        best = load(run.out_dir / "best.pt", "")  # checked as last.pt: a damaged one is one line
+    p = Progress(**ckpt["progress"])
+    if (out_dir / "best.pt").exists():  # a step ahead of last.pt after a crash between them
+        best = load(out_dir / "best.pt", "")  # checked as last.pt: a damaged one is one line
         p.best_val_loss = min(p.best_val_loss, best["progress"]["best_val_loss"])
-    if len(rng) == run.world:
-        torch.set_rng_state(rng[run.rank]["cpu"])
-        if "cuda" in rng[run.rank] and run.device.type == "cuda":
-            torch.cuda.set_rng_state(rng[run.rank]["cuda"], run.device)
+    if len(rng) == world:
+        torch.set_rng_state(rng[rank]["cpu"])
+        if "cuda" in rng[rank] and device.type == "cuda":
+            torch.cuda.set_rng_state(rng[rank]["cuda"], device)
     else:
-        run.log(f"note: {path} was written by {len(rng)} process(es), not {run.world}: dropout is "
-                "reseeded (the batches are unaffected)")
-        torch.manual_seed(run.settings.seed + 1000 * p.step + run.rank)
+        if rank == 0:
+            print(f"note: {path} was written by {len(rng)} process(es), not {world}: dropout is "
+                  "reseeded (the batches are unaffected)", flush=True)
+        torch.manual_seed(seed + 1000 * p.step + rank)
+    return p
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -192,11 +194,12 @@ def catch_stop_signals():
             signal.signal(sig, lambda signum, frame: received.append(signum))
     return received, old
 
-def stop_signal(run):
-    """The signal to stop on (0: none); under DDP any process's, so all stop at the same step."""
-    signum = run.stop[0] if run.stop else 0
-    if run.world > 1:
-        signum = torch.tensor(signum, device=run.device)
+def stop_signal(received, device, world=1):
+    """The signal to stop on (0: none) of those received (catch_stop_signals' list); under DDP
+    any process's, so all stop at the same step."""
+    signum = received[0] if received else 0
+    if world > 1:
+        signum = torch.tensor(signum, device=device)
         dist.all_reduce(signum, op=dist.ReduceOp.MAX)
     return int(signum)
 

@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 import checkpoint
+import common
 import prepare_data
 import train
-from nanoroute import VARIANTS, GPTConfig, missing_need, routing_stats, source_block, variant
-from prepare_data import UsageError, write_atomic, write_json
+from common import UsageError, write_atomic, write_json
+from nanoroute import VARIANTS, GPTConfig, missing_need, source_block, variant
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
 
@@ -623,9 +624,7 @@ def load_model(run_dir, ckpt="best.pt", data=None, device="cpu"):
 def route_matrix(run_dir, data=None):
     """(reads, sources, each read's mean weight per source or None): best.pt, train.py's crops."""
     model, _, val, offsets = load_model(run_dir, data=data)
-    (x, _), = train.get_batch(val, offsets[0][:8], model.config.sequence_len, torch.device("cpu"))
-    with torch.no_grad():
-        stats = routing_stats(model(x, return_routes=True)[2])
+    stats = train.routes(model, val, offsets[0][:8], torch.device("cpu"))
     reads = stats["reads"]
     return list(reads), stats["sources"], [[dict(zip(r["sources"], r["mean_weight"])).get(s)
                                              for s in stats["sources"]] for r in reads.values()]
@@ -670,11 +669,9 @@ def ablate(args, extra):
     names = args.mask.split(",") if args.mask else []
     mask, kept = chosen_mask(pools, model.config.routing_block, names, args.older_than, args.read)
 
-    @torch.no_grad()
-    def score(masked):  # train.evaluate's number: the mean loss of its forwards over the crops
+    def score(masked):  # train.evaluate's number on the run's eval crops, masked
         model.masked = masked
-        return torch.stack([model(x, y)[1].float() for rows in offsets for x, y in
-                            train.get_batch(val, rows, T, device, s["micro_batch"])]).mean().item()
+        return train.evaluate(model, val, offsets, T, device, micro_batch=s["micro_batch"])
     base, rows = score({}), []
     path = "fast (the kernel takes the −inf logits)" if model.config.fast_routing else "reference"
     print(f"{args.run_dir} ({args.ckpt}.pt, step {saved['progress']['step']}): val loss "
@@ -712,7 +709,7 @@ def ablate_figure(Figure, rows, run, tag):
 # --- Command line. ---
 
 def build_parser():
-    p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    p = common.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sweep", help="a named sweep or a custom grid, train.py per run",
                        epilog="; ".join(f"{k}: {v['variants']} x seeds {v['seeds']}, depths "
@@ -720,9 +717,12 @@ def build_parser():
                        "after -- go to each run they have an effect in; `tail -f OUT/*/train.log` "
                        "follows the runs.")
     s.add_argument("name", choices=[*SWEEPS, "custom"])
-    s.add_argument("--out", help="folder of the run folders (default: runs/NAME)")
-    s.add_argument("--data", help="custom: a prepared dataset folder (its meta.json names it)")
-    s.add_argument("--data_root", default="data", help="named sweeps: folder of the datasets")
+    s.add_argument("--out", type=common.folder_name,
+                   help="folder of the run folders (default: runs/NAME)")
+    s.add_argument("--data", type=common.folder_name,
+                   help="custom: a prepared dataset folder (its meta.json names it)")
+    s.add_argument("--data_root", type=common.folder_name, default="data",
+                   help="named sweeps: folder of the datasets")
     s.add_argument("--variants", help="custom (required), or override: " + ",".join(VARIANTS))
     s.add_argument("--seeds", help="0,1,2 or 0-4 (custom: 0-2)")
     s.add_argument("--depths", help=f"n_layer values (custom: {CUSTOM['depths'][0]})")
@@ -735,13 +735,15 @@ def build_parser():
     s.add_argument("--torchrun", type=int, metavar="N", help="each run on N processes (DDP)")
     s.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     r = sub.add_parser("report", help="tables (and figures) of finished runs")
-    r.add_argument("folders", nargs="+", help="sweep --out folders or train.py run folders")
+    r.add_argument("folders", type=common.folder_name, nargs="+",
+                   help="sweep --out folders or train.py run folders")
     r.add_argument("--baseline", help="variant the others pair with (default: block, else prenorm)")
-    r.add_argument("--out", help="report.md's path (default: in the first folder)")
+    r.add_argument("--out", type=common.file_name,
+                   help="report.md's path (default: in the first folder)")
     r.add_argument("--plots", action="store_true", help="also val_loss.png (matplotlib)")
     r.add_argument("--heatmap", action="append", default=[], metavar="RUN", help="routes_RUN.png")
     a = sub.add_parser("ablate", help="Δ val loss when a run's reads may not read some sources")
-    a.add_argument("run_dir")
+    a.add_argument("run_dir", type=common.folder_name)
     a.add_argument("--mask", help="source names: emb,C0 (C0 and P take their details too)")
     a.add_argument("--older_than", type=int, metavar="K", help="mask blocks older than K blocks")
     a.add_argument("--read", help="only this read, e.g. layer3.attn (default: every read)")
@@ -749,10 +751,11 @@ def build_parser():
     a.add_argument("--ckpt", choices=("best", "last"), default="best")
     a.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps")
     for parser in (r, a):
-        parser.add_argument("--data", help="the runs' dataset folder, if it moved")
+        parser.add_argument("--data", type=common.folder_name,
+                            help="the runs' dataset folder, if it moved")
     return p
 
-@prepare_data.cli
+@common.cli
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)

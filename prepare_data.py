@@ -11,15 +11,12 @@ another dataset's; the same dataset with other options (or a changed --input) is
 
 import argparse
 import contextlib
-import difflib
-import functools
 import hashlib
 import json
 import os
 import random
 import re
 import sys
-import tempfile
 import time
 import zipfile
 import zlib
@@ -27,6 +24,8 @@ from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
+
+from common import ArgumentParser, UsageError, cli, folder_name, write_atomic, write_json
 
 FORMAT_VERSION, SPLITS = 1, ("train", "val", "test")
 EOT = "<|endoftext|>"  # story / document separator, kept as one reserved symbol
@@ -497,81 +496,6 @@ def encoder(meta, folder):
                              f"{' '.join(map(repr, missing))}; remove or replace them")
         return [i for p in pieces for i in ([index[p]] if p in index else map(index.get, p))]
     return encode
-
-# =============================================================================
-# Below this banner: what every script shares. A user's mistake is one UsageError, printed by cli as
-# one `error:` line, exit code 2; flags are never abbreviated; every file goes through write_atomic.
-# =============================================================================
-
-class UsageError(Exception):
-    """A problem the user can fix; its message says what failed and what to do."""
-
-def cli(main):
-    """main(argv=None) as a command: a UsageError or OSError is one `error:` line, exit code 2."""
-    @functools.wraps(main)
-    def run(argv=None):
-        try:
-            return main(argv)
-        except UsageError as e:
-            message = str(e)
-        except OSError as e:
-            message = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
-        except KeyboardInterrupt:
-            print("error: interrupted; the same command continues what was done", file=sys.stderr)
-            sys.exit(130)
-        print("error: " + " ".join(message.split()), file=sys.stderr)
-        sys.exit(2)
-    return run
-
-# Names a user may bring from nanoGPT or habit, and this project's flag for each ("did you mean").
-FLAG_SYNONYMS = {"learning_rate": "lr", "block_size": "sequence_len", "context_len": "sequence_len",
-                 "n_layers": "n_layer", "n_heads": "n_head", "d_model": "n_embd",
-                 "gradient_accumulation_steps": "grad_accum", "max_steps": "max_iters",
-                 "iters": "max_iters", "out": "out_dir", "init_from": "resume"}
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse without abbreviations; a bad flag is one `error:` line naming the nearest flag."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message):
-        wrong = re.search(r"unrecognized arguments: --?([\w-]+)", message)
-        parsers = [self] + [p for a in self._actions if isinstance(a, argparse._SubParsersAction)
-                            for p in a.choices.values()]
-        flags = {o[2:] for p in parsers for a in p._actions for o in a.option_strings
-                 if o.startswith("--")}
-        known = {f: f for f in flags} | {k: v for k, v in FLAG_SYNONYMS.items() if v in flags}
-        close = difflib.get_close_matches(wrong[1], known, n=1, cutoff=0.7) if wrong else []
-        hint = f" (did you mean --{known[close[0]]}?)" if close else ""
-        self.exit(2, f"error: {message}{hint}; see --help\n")
-
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # read once: a written file gets the mode any new file would (mkstemp's is 0600)
-
-def folder_name(text):  # an argparse type=: '' or blanks would name the working folder
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r}: give a folder name")
-    return text
-
-def write_atomic(path, data):
-    """Write `data` (bytes, or a function writing to a binary file) to path whole or not at all."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            data(f) if callable(data) else f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-def write_json(path, obj):
-    write_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False).encode() + b"\n")
 
 # --- Command line: a flag for every option of RUN_OPTIONS and DATASETS. ---
 @cli

@@ -17,20 +17,22 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import common
 import prepare_data
+from common import UsageError, command
 from nanoroute import routing_stats
-from prepare_data import UsageError
-from train import command, pick_device
+from train import pick_device
 
 SHADES = " ░▒▓█"  # a weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; blank: not seen
 
-@prepare_data.cli
-def main(argv=None):
-    p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n")[0])
-    p.add_argument("--out_dir", default="out", help="train.py's run folder (default: out)")
+def build_parser():
+    p = common.ArgumentParser(description=__doc__.strip().split("\n")[0])
+    p.add_argument("--out_dir", type=common.folder_name, default="out",
+                   help="train.py's run folder (default: out)")
     p.add_argument("--ckpt", default="best", choices=("best", "last"),
                    help="best.pt or last.pt (default: best)")
-    p.add_argument("--data", metavar="DIR", help="the dataset folder (default: the run's own)")
+    p.add_argument("--data", type=common.folder_name, metavar="DIR",
+                   help="the dataset folder (default: the run's own)")
     p.add_argument("--start", help="prompt text, or FILE:path to read it (UTF-8); default: a "
                    "newline for char level, <|endoftext|> for GPT-2 tokens; with --routes the "
                    "first sequence_len tokens of val")
@@ -41,7 +43,11 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1337, help="the same seed writes the same text")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--routes", action="store_true", help="how it routes over the prompt, not text")
-    a = p.parse_args(argv)
+    return p
+
+@common.cli
+def main(argv=None):
+    a = build_parser().parse_args(argv)
     if not 0 < a.temperature < math.inf:  # NaN fails too
         raise UsageError(f"--temperature {a.temperature}: must be > 0 and finite")
     for name in ("num_samples", "max_new_tokens", "top_k"):

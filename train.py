@@ -17,7 +17,6 @@ import dataclasses
 import math
 import os
 import re
-import shlex
 import signal
 import sys
 import time
@@ -31,9 +30,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import common
 import prepare_data
+from common import UsageError, command, count, write_json
 from nanoroute import GPT, VARIANTS, GPTConfig, missing_need, routing_fields, routing_stats, variant
-from prepare_data import UsageError, write_json
 
 # -----------------------------------------------------------------------------
 # Settings: every training flag is a TrainSettings field, every model flag a GPTConfig field
@@ -59,15 +59,6 @@ PRESETS = {
     "rd_m": dict(_RD, n_layer=24, n_embd=832, n_head=13, lr=3e-4),
 }
 
-def count(text):
-    """Token counts: '2B' -> 2_000_000_000 (also M, K, plain integers); '1M,2M' -> a list."""
-    if "," in str(text):
-        return [count(part) for part in text.split(",")]
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmb]?)\s*", str(text), re.I)
-    if not m:
-        raise ValueError(f"{text!r} is not a token count such as 2B, 500M, 64K or 10000")
-    return int(round(float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}[m[2].lower()]))
-
 def option(default, help, low=None, high=math.inf, parse=None, choices=None, runtime=False,
            needs=None):
     """A TrainSettings field: its --help, range [low, high) or choices, a parse for a text not of
@@ -78,8 +69,9 @@ def option(default, help, low=None, high=math.inf, parse=None, choices=None, run
 @dataclasses.dataclass
 class TrainSettings:
     """Every training flag. The defaults learn on two CPU cores in minutes (~1.6M demo tokens)."""
-    data: str = option("demo", "a prepared dataset folder, or NAME: data/NAME (demo: made here)")
-    out_dir: str = option("out", "output folder of the run", runtime=True)
+    data: str = option("demo", "a prepared dataset folder, or NAME: data/NAME (demo: made here)",
+                       parse=common.folder_name)
+    out_dir: str = option("out", "output folder of the run", runtime=True, parse=common.folder_name)
     preset: str | None = option(None, "a paper's set-up; flags override it", choices=PRESETS,
                                 runtime=True)
     batch_size: int = option(16, "sequences per micro-step, all processes together", low=1)
@@ -120,7 +112,7 @@ class TrainSettings:
 
 def build_parser():
     """One flag per field of TrainSettings, then of GPTConfig: its type, help and default."""
-    p = prepare_data.ArgumentParser(description=__doc__.strip().split("\n")[0],
+    p = common.ArgumentParser(description=__doc__.strip().split("\n")[0],
                                     epilog="Bool flags take True/False/1/0; alone they mean True.")
     for cls, title in ((TrainSettings, "training"), (GPTConfig, "model (GPTConfig's fields)")):
         group, hints = p.add_argument_group(title), typing.get_type_hints(cls)
@@ -128,17 +120,12 @@ def build_parser():
             kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)),
                         hints[f.name])
             default = MODEL_DEFAULTS.get(f.name, f.default) if cls is GPTConfig else f.default
-            parse = f.metadata.get("parse") or (true_or_false if kind is bool else kind)
+            parse = f.metadata.get("parse") or (common.true_or_false if kind is bool else kind)
             group.add_argument(
                 f"--{f.name}", type=parse, choices=f.metadata.get("choices"),
                 help=f.metadata["help"] + ("" if default is None else f" (default: {default})"),
                 **dict(nargs="?", const=True, metavar="BOOL") if kind is bool else {})
     return p
-
-def true_or_false(text):
-    if text.lower() not in ("true", "1", "false", "0"):
-        raise ValueError(text)
-    return text.lower() in ("true", "1")
 
 def resolve_settings(explicit, ckpt=None):
     """defaults < checkpoint (--resume) < preset < explicit flags (a model flag that differs from
@@ -264,7 +251,7 @@ def get_lr(step, a):
 
 @dataclasses.dataclass
 class Run:
-    """What the loop and its parts share; checkpoint.py saves and restores its progress."""
+    """What the loop and its parts share (checkpoint.save and restore take plain parts of it)."""
     settings: TrainSettings
     config: GPTConfig
     meta: dict  # the dataset's meta.json
@@ -299,14 +286,16 @@ class Run:
     def elapsed(self):  # seconds, over every invocation of the run
         return self.progress.seconds + time.time() - self.t_start
 
-@prepare_data.cli
+@common.cli
 def main(argv=None):
     stop, handlers = checkpoint.catch_stop_signals()
     try:
         run = setup(argv, stop)
         if run is not None:  # None: a finished run, nothing to add
             train(run)
-    except torch.OutOfMemoryError:
+    except RuntimeError as e:  # CUDA's OutOfMemoryError, or the CPU's (a plain RuntimeError)
+        if not isinstance(e, torch.OutOfMemoryError) and "DefaultCPUAllocator" not in str(e):
+            raise
         raise UsageError("out of memory: lower --micro_batch (the same batches in smaller forwards)"
                          ", --batch_size or --sequence_len; --resume continues last.pt") from None
     finally:
@@ -322,9 +311,6 @@ def start(argv):
     # a lone "--" is dropped: `torchrun train.py -- --rd off` keeps torchrun off train.py's flags
     argv = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--"]
     explicit = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
-    for name in ("out_dir", "data"):  # checked as text: Path("") would be the working folder
-        if not explicit.get(name, "default").strip():
-            raise UsageError(f"--{name} {explicit[name]!r}: give a folder name")
     rank, world, local_rank = (int(os.environ.get(k, 1 if k == "WORLD_SIZE" else 0))
                                for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     device = pick_device(explicit.get("device", "auto"), local_rank, world)
@@ -371,7 +357,8 @@ def setup(argv, stop):
     run = Run(a, config, meta, data_dir, out_dir, splits, raw_model, model, optimizer, device,
               pick_dtype(a.dtype, device), rank, world, stop=stop)
     if ckpt is not None:
-        checkpoint.restore(run, ckpt)
+        run.progress = checkpoint.restore(ckpt, out_dir, raw_model, optimizer, a.seed, device, rank,
+                                          world)
         run.log(f"resuming {out_dir / 'last.pt'} at step {run.progress.step}")
     else:
         torch.manual_seed(a.seed + rank)  # each process its own dropout stream
@@ -467,11 +454,14 @@ def log_step(run, loss, lr, dt):
 
 def evaluate_and_save(run, lr, crossed=()):
     """Losses on the fixed evaluation crops, routing diagnostics, an eval line, the checkpoints."""
-    p = run.progress
-    train_loss, val_loss = (evaluate(run, d, b) for d, b in zip(run.splits, run.eval_batches))
+    p, T, micro = run.progress, run.config.sequence_len, run.settings.micro_batch
+    train_loss, val_loss = (evaluate(run.model, data, batches, T, run.device, run.ctx, micro,
+                                     run.rank, run.world)
+                            for data, batches in zip(run.splits, run.eval_batches))
     if not (math.isfinite(val_loss) and math.isfinite(train_loss)):
         raise diverged(run, "validation loss", p.step)
-    stats = routes(run) if run.master else None
+    stats = routes(run.raw_model, run.splits[1], run.eval_batches[1][0][:8], run.device, run.ctx) \
+        if run.master else None  # 8 fixed val crops
     for label in crossed:
         p.milestones[label] = dict(step=p.step, tokens=p.tokens, val_loss=val_loss)
     bpc = val_loss / math.log(2) if run.meta["level"] == "char" else None
@@ -486,33 +476,41 @@ def evaluate_and_save(run, lr, crossed=()):
     improved, p.best_val_loss = val_loss < p.best_val_loss, min(p.best_val_loss, val_loss)
     if not all(param.isfinite().all() for param in run.raw_model.parameters()):
         raise diverged(run, "weights", p.step)
-    checkpoint.save(run, improved)
+    save(run, improved)
+
+def save(run, improved):
+    """checkpoint.save of what --resume needs: weights, optimizer, settings, data, progress."""
+    state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+                 config=dataclasses.asdict(run.config), settings=dataclasses.asdict(run.settings),
+                 data_dir=run.data_dir, dataset=checkpoint.dataset_identity(run.meta))
+    progress = dataclasses.replace(run.progress, seconds=run.elapsed())
+    checkpoint.save(run.out_dir, state, progress, improved, run.device, run.rank, run.world)
 
 @torch.no_grad()
-def evaluate(run, data, batches):
-    """Mean loss over fixed crops; each process takes its rows of every batch."""
-    run.model.eval()
-    T, micro, losses = run.config.sequence_len, run.settings.micro_batch, []
+def evaluate(model, data, batches, T, device, ctx=nullcontext(), micro_batch=0, rank=0, world=1):
+    """Mean loss (eval mode) of data's crops at each batch of offsets; process rank: its rows."""
+    training, losses = model.training, []
+    model.eval()
     for offsets in batches:
-        for x, y in get_batch(data, offsets[run.rank::run.world], T, run.device, micro):
-            with run.ctx:
-                losses.append(run.model(x, y)[1].float())
-    run.model.train()
+        for x, y in get_batch(data, offsets[rank::world], T, device, micro_batch):
+            with ctx:
+                losses.append(model(x, y)[1].float())
+    model.train(training)
     loss = torch.stack(losses).mean()  # equal forwards (check_settings): the mean of every crop
-    if run.world > 1:
+    if world > 1:
         dist.all_reduce(loss)
-        loss /= run.world
+        loss /= world
     return loss.item()
 
 @torch.no_grad()
-def routes(run):
-    """routing_stats of 8 fixed val crops; None for a model without routes or learned mixing."""
-    run.raw_model.eval()
-    T, offsets = run.config.sequence_len, run.eval_batches[1][0][:8]
-    (x, y), = get_batch(run.splits[1], offsets, T, run.device)
-    with run.ctx:
-        stats = routing_stats(run.raw_model(x, y, return_routes=True)[2])
-    run.raw_model.train()
+def routes(model, data, offsets, device, ctx=nullcontext()):
+    """routing_stats (eval mode) of data's crops at offsets; None: no routes or learned mixing."""
+    training = model.training
+    model.eval()
+    (x, y), = get_batch(data, offsets, model.config.sequence_len, device)
+    with ctx:
+        stats = routing_stats(model(x, y, return_routes=True)[2])
+    model.train(training)
     return stats if stats["reads"] else None
 
 def finish(run):
@@ -521,7 +519,9 @@ def finish(run):
     test_loss = None
     if meta["splits"].get("test", 0) >= T + 2:
         test = prepare_data.open_split(run.data_dir, "test", meta)
-        test_loss = evaluate(run, test, eval_offsets(len(test), T, a.batch_size, a.eval_tokens, 2))
+        batches = eval_offsets(len(test), T, a.batch_size, a.eval_tokens, 2)
+        test_loss = evaluate(run.model, test, batches, T, run.device, run.ctx, a.micro_batch,
+                             run.rank, run.world)
     last = next(line for line in reversed(p.lines) if line["type"] == "eval")
     bpc = (lambda v: v / math.log(2) if meta["level"] == "char" and v is not None else None)
     summary = dict(config=dataclasses.asdict(run.config), train=dataclasses.asdict(a),
@@ -586,19 +586,14 @@ def baseline_flags(a, config):
     out = f"{Path(a.out_dir)}_prenorm"
     return flags + ["--out_dir", out], out
 
-def command(script, flags, world=1):
-    """A command line that works when pasted into a shell: each argument quoted where needed."""
-    launcher = ["torchrun", f"--nproc_per_node={world}", script, "--"] if world > 1 else \
-        ["python", script]
-    return shlex.join([*launcher, *map(str, flags)])
-
 def stop_early(run):
     """After --stop_after or a signal: save last.pt, say how to continue; a signal exits 128 + N."""
-    signum, a, step = checkpoint.stop_signal(run), run.settings, run.progress.step
+    signum = checkpoint.stop_signal(run.stop, run.device, run.world)
+    a, step = run.settings, run.progress.step
     if not signum and not (a.stop_after is not None and a.stop_after <= step < a.max_iters):
         return False
     if run.progress.lines[-1]["type"] != "eval" or run.progress.lines[-1]["step"] != step:
-        checkpoint.save(run, improved=False)
+        save(run, improved=False)
     flags = ["--out_dir", a.out_dir, "--resume"]  # --resume takes the rest from last.pt
     for f in dataclasses.fields(TrainSettings):
         value = getattr(a, f.name)

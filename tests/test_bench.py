@@ -135,6 +135,12 @@ def test_bad_input_is_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
     assert re.search(says, err), err
 
 
+@pytest.mark.parametrize("flag", ["--json", "--against"])
+def test_an_empty_file_is_one_error_line(flag, capsys):
+    code, _, err = run(bench.main, [flag, ""], capsys)
+    assert code == 2 and err == f"error: argument {flag}: '': give a file name; see --help\n", err
+
+
 def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     def check(folder):
         return subprocess.run(["bash", ROOT / "tools" / "gpu_check.sh", "cpu", folder], text=True,

@@ -217,6 +217,22 @@ def test_bad_grid_input_is_one_error_line(demo, tmp_path, capsys):
         assert err.count("\n") == 1 and message in err, (argv, err)
 
 
+@pytest.mark.parametrize("argv, flag, kind", [
+    (["sweep", "tiny", "--out"], "--out", "folder"),
+    (["sweep", "custom", "--data"], "--data", "folder"),
+    (["sweep", "tiny", "--data_root"], "--data_root", "folder"),
+    (["report"], "folders", "folder"),
+    (["report", "runs", "--out"], "--out", "file"),
+    (["report", "runs", "--data"], "--data", "folder"),
+    (["ablate"], "run_dir", "folder"),
+    (["ablate", "runs/a", "--data"], "--data", "folder"),
+])
+def test_an_empty_path_is_one_error_line(argv, flag, kind, capsys):
+    code, out, err = run(experiments.main, [*argv, " "], capsys)
+    assert (code, out) == (2, "") and err == f"error: argument {flag}: ' ': give a {kind} name; " \
+        "see --help\n", err
+
+
 def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_path, capsys,
                                                                            monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import common
 import prepare_data as pd
 import train
+from common import UsageError
 from conftest import TINY, run
 
 SCRIPT = str(Path(pd.__file__).resolve())
@@ -153,7 +155,7 @@ def test_char_encoder_round_trip_and_unknown_characters(tmp_path):
     meta = pd.load_meta(out)
     encode, decode = pd.encoder(meta, out), pd.decoder(meta, out)
     assert decode(encode('Lily said, "Hi!"\n')) == 'Lily said, "Hi!"\n'
-    with pytest.raises(pd.UsageError, match="'€' '☃'; remove or replace them"):
+    with pytest.raises(UsageError, match="'€' '☃'; remove or replace them"):
         encode("10 € ☃")
 
 
@@ -217,7 +219,7 @@ def test_fineweb_edu_shards_split_and_gpt2_decoding(mirror, tmp_path):
     if importlib.util.find_spec("tiktoken"):  # optional: without it, one line naming it
         assert pd.encoder(meta, out)(" the cat<|endoftext|>") == [258, 32, 99, 97, 116, 50256]
     else:
-        with pytest.raises(pd.UsageError, match="pip install tiktoken"):
+        with pytest.raises(UsageError, match="pip install tiktoken"):
             pd.encoder(meta, out)
 
 
@@ -236,7 +238,7 @@ def test_textfile_splits_records_its_hash_and_is_made_anew_when_it_changes(tmp_p
     assert "already prepared" in capsys.readouterr().out
     Path("story.txt").write_bytes(b"caf\xe9")  # changed: prepared anew, which fails...
     assert "is not UTF-8" in error_line(capsys, ["textfile", "--input", "story.txt"])
-    with pytest.raises(pd.UsageError, match="not a finished dataset"):  # ...and reads unfinished
+    with pytest.raises(UsageError, match="not a finished dataset"):  # ...and reads unfinished
         pd.load_meta(out)
     Path("story.txt").write_text("another story\n", encoding="utf-8")
     pd.prepare("textfile", input="story.txt")
@@ -386,12 +388,12 @@ def test_a_run_stopped_by_a_failing_write_resumes_and_leaves_no_temporary_file(m
 def test_load_meta_names_the_command_and_the_prepared_folders_nearby(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     pd.prepare("demo", demo_mb=0.01)
-    with pytest.raises(pd.UsageError) as e:
+    with pytest.raises(UsageError) as e:
         pd.load_meta("data/demo_typo")
     assert "data/demo_typo does not exist; prepared datasets: data/demo;" in str(e.value)
     assert "python prepare_data.py DATASET --out data/demo_typo" in str(e.value)
     pd.prepare("demo", "runs/demo", demo_mb=0.01)  # the prepared folders next to it too
-    with pytest.raises(pd.UsageError, match="prepared datasets: data/demo, runs/demo;"):
+    with pytest.raises(UsageError, match="prepared datasets: data/demo, runs/demo;"):
         pd.load_meta("runs/demo_typo")
     assert pd.dataset_folder("runs") == Path("data/runs")  # a bare name: data/NAME, unless
     assert pd.dataset_folder("demo") == Path("data/demo")  # ./NAME is a prepared dataset
@@ -400,12 +402,12 @@ def test_load_meta_names_the_command_and_the_prepared_folders_nearby(tmp_path, m
     assert pd.dataset_folder("here") == Path("here")
     Path("x").mkdir()  # a job started as fineweb_edu --shards 3
     Path("x/progress.json").write_text('{"dataset": "fineweb_edu", "options": {"shards": 3}}')
-    with pytest.raises(pd.UsageError, match="run: python prepare_data.py fineweb_edu --shards 3"):
+    with pytest.raises(UsageError, match="run: python prepare_data.py fineweb_edu --shards 3"):
         pd.load_meta("x")
     meta = json.loads(Path("data/demo/meta.json").read_text())
     Path("data/demo/meta.json").write_text(json.dumps({**meta, "vocab_size": "53"}))
     fix = 'damaged .no "vocab_size" int.; prepare it again: python prepare_data.py demo --demo_mb'
-    with pytest.raises(pd.UsageError, match=fix + " 0.01 --out data/demo$"):
+    with pytest.raises(UsageError, match=fix + " 0.01 --out data/demo$"):
         pd.load_meta("data/demo")
 
 
@@ -414,17 +416,17 @@ def test_open_split_checks_the_size_and_every_token_id(tmp_path):
     val = bytearray((out / "val.bin").read_bytes())
     val[-1] = 200  # id 200 in a 51-symbol vocabulary: a file of another dataset
     (out / "val.bin").write_bytes(val)
-    with pytest.raises(pd.UsageError, match="holds token id 200, but vocab_size is 51"):
+    with pytest.raises(UsageError, match="holds token id 200, but vocab_size is 51"):
         pd.open_split(out, "val")
     val[-1] = 51  # the first id past the vocabulary
     (out / "val.bin").write_bytes(val)
-    with pytest.raises(pd.UsageError, match="holds token id 51, but vocab_size is 51"):
+    with pytest.raises(UsageError, match="holds token id 51, but vocab_size is 51"):
         pd.open_split(out, "val")
     (out / "val.bin").write_bytes(val + b"\0")  # a byte too many
-    with pytest.raises(pd.UsageError, match=f"holds {len(val) + 1} bytes, not {len(val)} tokens"):
+    with pytest.raises(UsageError, match=f"holds {len(val) + 1} bytes, not {len(val)} tokens"):
         pd.open_split(out, "val")
     (out / "val.bin").write_bytes(val[:-7])
-    with pytest.raises(pd.UsageError, match=re.escape(f"again: {fix} --demo_mb 0.01 --out {out}")):
+    with pytest.raises(UsageError, match=re.escape(f"again: {fix} --demo_mb 0.01 --out {out}")):
         pd.open_split(out, "val")
     pd.prepare("demo", out, demo_mb=0.01)  # the command it names repairs it
     assert len(pd.open_split(out, "val")) == len(val)
@@ -478,14 +480,14 @@ def test_write_atomic_gives_an_ordinary_file_and_leaves_nothing_when_stopped(tmp
                                                                             capsys):
     umask = os.umask(0)
     os.umask(umask)
-    pd.write_atomic(tmp_path / "a.json", b"{}")
+    common.write_atomic(tmp_path / "a.json", b"{}")
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file
 
     def interrupted(f):
         f.write(b"half")
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        pd.write_atomic(tmp_path / "a.json", interrupted)
+        common.write_atomic(tmp_path / "a.json", interrupted)
     assert os.listdir(tmp_path) == ["a.json"] and (tmp_path / "a.json").read_bytes() == b"{}"
     mirror.serve({"finewebedu_val_000000.bin": shard([50256, 50257]), **gpt2_files()})  # 50257:
     # one id past GPT-2's

@@ -213,3 +213,10 @@ def test_bad_input_is_one_error_line(flags, says, runs, demo, tmp_path, monkeypa
                          capsys)
     assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1, err
     assert re.search(says, err), err
+
+
+@pytest.mark.parametrize("flag", ["--out_dir", "--data"])
+def test_an_empty_folder_is_one_error_line(flag, capsys):
+    code, out, err = run(sample.main, [flag, ""], capsys)
+    assert (code, out) == (2, "") and err == f"error: argument {flag}: '': give a folder name; " \
+        "see --help\n", err

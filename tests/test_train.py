@@ -489,10 +489,12 @@ def bad_inputs(demo, routed, tmp):
         "routing without attnres": ([*d, *t, "--residual", "prenorm", "--wav", "True"],
                                     "applies only to"),
         "too long crops": ([*d, *t, "--sequence_len", "200000"], "does not fit"),
+        # its first layer asks the CPU for 12 TB: refused at once, nothing touched
+        "model too big": ([*d, *t, "--n_embd", "1000000"], "out of memory: lower --micro_batch"),
         "missing data": (["--data", tmp / "data" / "demo_typo", *t], "does not exist"),
         "blank out_dir": ([*d, "--out_dir", " "], "give a folder name"),
-        "empty out_dir": ([*d, "--out_dir", ""], "--out_dir '': give a folder name"),
-        "empty data": (["--data", "", *t], "--data '': give a folder name"),
+        "empty out_dir": ([*d, "--out_dir", ""], "--out_dir: '': give a folder name"),
+        "empty data": (["--data", "", *t], "--data: '': give a folder name"),
     }
 
 
