@@ -193,7 +193,7 @@ def train_args(argv, where):
 
 def inert(name, config):
     """Why train.py's --name has no effect in a model of config (nanoroute.missing_need)."""
-    return missing_need(NEEDS.get(name), config["residual"], config.get("wav"))
+    return missing_need(NEEDS.get(name), config)
 
 def left_out(options, variants):
     """A line per flag (--NAME) that some variants leave out, as it has no effect in them; a flag
@@ -417,8 +417,9 @@ def summarize(runs, baseline):
         rows = [make_row(k[0], k[1], by_row[k]) for k in keys]
         reached = {k: m["tokens"] for row in rows for r in row["runs"]
                    for k, m in r["milestones"].items()}
-        base = next((row for row in rows if (row["variant"], row["off"]) == (baseline, False)),
-                    None)
+        # the baseline variant's row with the fewest knobs named: block, not "block, wav_rho=2"
+        plain = [row for row in rows if (row["variant"], row["off"]) == (baseline, False)]
+        base = min(plain, key=lambda row: row["label"].count("="), default=None)
         for row in rows:
             home = by_row.get((row["variant"], row["block"], False, row["runs"][0]["home"]), {})
             row["vs"] = home.get(row["lr"]) if row["off"] else base and base["runs"]

@@ -63,14 +63,27 @@ RD_MODES = {"off": RD(), "decoupled": RD(v="attn.v"), "tied": RD(v="attn.v", tie
             "average": RD(v="attn.v", average=True),
             "frozen_v": RD(v="attn.v", frozen=("attn.v",))}
 
-def missing_need(needs, residual, wav):
-    """Why a setting marked needs= ("attnres" or "wav") has no effect under residual and wav, with
-    the flag to add, or None where it applies. GPTConfig and train.py's settings both ask it."""
-    if needs and residual != "attnres":
+def missing_need(needs, config):
+    """Why a setting marked needs= has no effect in config (a GPTConfig, or a dict of its fields:
+    a missing one at its default), with the flag to add; None where it applies. needs: "attnres"
+    (residual=attnres), or a GPTConfig field that must be off its default where it applies itself
+    ("wav", "rd"). GPTConfig, train.py's settings and experiments.py's sweeps all ask it."""
+    def value(name):
+        default = CONFIG_FIELDS[name].default
+        return config.get(name, default) if isinstance(config, dict) else getattr(config, name)
+    if needs is None:
+        return None
+    if value("residual") != "attnres":
         return "applies only to residual=attnres: add --residual attnres"
-    if needs == "wav" and not wav:
-        return "applies only with wav=True: add --wav True"
-    return None
+    if needs == "attnres":
+        return None
+    field_ = CONFIG_FIELDS[needs]
+    inner = missing_need(field_.metadata.get("needs"), config)
+    if inner or value(needs) != field_.default:
+        return inner
+    if field_.default is False:
+        return f"applies only with {needs}=True: add --{needs} True"
+    return f"applies only with {needs} other than {field_.default!r}: add --{needs} (see --help)"
 
 def setting(default, help, needs=None):
     """A config field with its help text (train.py's --help). needs="attnres" or "wav" marks a
@@ -127,7 +140,7 @@ class GPTConfig:
                 bad(f, f"must be one of {', '.join(allowed)}")
         # a routing knob where it has no effect is an error, not silently ignored (needs=)
         for f in fields(self):
-            missing = missing_need(f.metadata.get("needs"), self.residual, self.wav)
+            missing = missing_need(f.metadata.get("needs"), self)
             if missing and getattr(self, f.name) != f.default:
                 bad(f.name, missing)
         most = 2 * self.n_layer
@@ -161,6 +174,8 @@ class GPTConfig:
     @property
     def detail_bases(self):
         return WAV_BASES[self.wav_bases] if self.wav else ()
+
+CONFIG_FIELDS = {f.name: f for f in fields(GPTConfig)}
 
 def routing_fields(config_class=GPTConfig):
     """residual and every field of the depth routing (needs=): a paired baseline drops them all."""

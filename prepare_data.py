@@ -340,6 +340,9 @@ def prepare(name, out_dir=None, **options):
         sources.append(f"{o['base_url'] or official}/{Path(rel).name}")
         return _download(out, progress, o, rel, sources[-1])
     meta, splits = DATASETS[name].prepare(o, fetch)
+    if meta["level"] not in ("char", "gpt2"):  # what decoder, encoder and train.py's bpc know
+        raise ValueError(f"dataset {name} returns level {meta['level']!r}: use \"char\" "
+                         "(Unicode characters) or \"gpt2\", or teach decoder and encoder another")
     meta = {"dataset": name, **meta, "source": meta.get("source", sources), "splits": {}}
     meta["sha256"] = {}  # each split's: what tells a run's text from other text (checkpoint.py)
     dtype = np.dtype(meta["dtype"])
@@ -431,6 +434,8 @@ def load_meta(folder):
                 **({"chars": list} if meta.get("level") == "char" else {}))
     wrong = [f'no "{k}" {t.__name__}' for k, t in need.items() if type(meta.get(k)) is not t]
     wrong += [] if meta.get("dtype") in ("uint8", "uint16") else ['no "dtype" uint8 or uint16']
+    # decoder, encoder, sample.py and train.py's bpc know these two levels, and no other
+    wrong += [] if meta.get("level") in ("char", "gpt2") else ['"level" not "char" or "gpt2"']
     if wrong:
         fix = _command(folder, meta.get("dataset"), meta.get("options"))
         raise UsageError(f"{path} is damaged ({wrong[0]}); prepare it again: {fix}")
@@ -505,12 +510,16 @@ def main(argv=None):
                        + listing, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", help="dataset: " + ", ".join(DATASETS))
     p.add_argument("--out", type=folder_name, help="output folder (default: data/NAME)")
-    for owner, opts in [("", RUN_OPTIONS)] + [(n + ": ", d.options) for n, d in DATASETS.items()]:
+    owners = {}  # flag -> the datasets that take it (two datasets may share an --input)
+    for owner, opts in [("", RUN_OPTIONS)] + [(n, d.options) for n, d in DATASETS.items()]:
         for k, opt in opts.items():
-            rng = f" (default {opt.default}, {opt.low} to {opt.high})" if opt.high else ""
-            kind = str if opt.default is None else type(opt.default)
-            how = dict(action="store_true") if kind is bool else dict(type=kind)
-            p.add_argument(f"--{k}", default=None, help=owner + opt.help + rng, **how)
+            owners.setdefault(k, (opt, []))[1].append(owner)
+    for k, (opt, names) in owners.items():
+        rng = f" (default {opt.default}, {opt.low} to {opt.high})" if opt.high else ""
+        kind = str if opt.default is None else type(opt.default)
+        how = dict(action="store_true") if kind is bool else dict(type=kind)
+        owner = ", ".join(names) + ": " if any(names) else ""
+        p.add_argument(f"--{k}", default=None, help=owner + opt.help + rng, **how)
     args = p.parse_args(argv)
     options = {k: v for k, v in vars(args).items() if v is not None and k not in ("name", "out")}
     prepare(args.name, args.out, **options)

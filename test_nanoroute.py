@@ -1188,7 +1188,7 @@ INVALID = [
     (dict(dropout=1.5), "dropout=1.5"),
     (dict(dropout=1.0), "dropout=1.0: must be in [0, 1)"),
     (dict(residual="postnorm"),
-     "residual='postnorm': must be one of prenorm, rezero, layerscale, denseformer, attnres"),
+     f"residual='postnorm': must be one of {', '.join(nanoroute.RESIDUALS)}"),
     (dict(rd="both"), "rd='both': must be one of"),
     (dict(wav=True), "wav=True: applies only to residual=attnres"),
     (dict(rd="decoupled"), "rd='decoupled': applies only to residual=attnres"),
@@ -1210,6 +1210,14 @@ INVALID = [
     (dict(fast_routing=False), "fast_routing=False: applies only to residual=attnres"),
     (dict(residual="attnres", wav=True, n_layer=1), "n_layer=1: WAV needs at least 2 layers"),
 ]
+
+
+def test_needs_names_the_model_a_setting_applies_to():
+    # needs= "attnres", or a field that must be off its default (where it applies itself)
+    assert nanoroute.missing_need("rd", dict(residual="attnres", rd="decoupled")) is None
+    assert "add --rd" in nanoroute.missing_need("rd", dict(residual="attnres"))
+    assert "add --residual attnres" in nanoroute.missing_need("rd", dict(rd="decoupled"))
+    assert "add --wav True" in nanoroute.missing_need("wav", GPTConfig(residual="attnres"))
 
 
 def test_routing_fields_are_one_list_a_subclass_extends():

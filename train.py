@@ -146,7 +146,7 @@ def resolve_settings(explicit, ckpt=None):
     settings.update(given)
     for f in [*dataclasses.fields(TrainSettings), *dataclasses.fields(GPTConfig)]:
         # an explicit --residual prenorm also drops the preset's routing (its --rd, its --wav)
-        missing = missing_need(f.metadata.get("needs"), settings["residual"], settings["wav"])
+        missing = missing_need(f.metadata.get("needs"), settings)
         if missing and f.name in given and f.name not in explicit:
             settings[f.name] = f.default
     if "max_iters" in explicit:
@@ -161,10 +161,10 @@ def check_settings(a, world, model):
         if low is not None and value is not None and not low <= value < high:  # nan fails too
             span = f"in [{low}, {high:g})" if high < math.inf else f"at least {low}"
             raise UsageError(f"--{f.name} {value}: must be {span}")
-        missing = missing_need(f.metadata["needs"], model["residual"], model["wav"])
+        missing = missing_need(f.metadata["needs"], model)
         if missing and value != f.default:
-            where = [name for name in VARIANTS if missing_need(
-                f.metadata["needs"], variant(name)["residual"], variant(name)["wav"]) is None]
+            needs = f.metadata["needs"]
+            where = [name for name in VARIANTS if missing_need(needs, variant(name)) is None]
             raise UsageError(f"--{f.name} {value}: {missing} (the variants it applies to: "
                              f"{', '.join(where)})")
     try:
@@ -380,6 +380,9 @@ def describe(run):
             f" x accum {a.grad_accum} x {config.sequence_len}); lr {a.lr:g} warmup "
             f"{a.warmup_iters} cosine to {a.end_lr:g}; {run.world} process(es) on {run.device} "
             f"({torch.get_num_threads()} threads each), {str(run.dtype)[6:]}")
+    if a.warmup_iters >= a.max_iters:  # a short trial run with the default warmup
+        run.log(f"note: --warmup_iters {a.warmup_iters} >= --max_iters {a.max_iters}: the "
+                "learning rate only warms up, it never decays")
 
 def train(run):
     """The loop: steps, log lines, evaluations with checkpoints; it may stop early (stop_early)."""

@@ -493,3 +493,13 @@ def test_write_atomic_gives_an_ordinary_file_and_leaves_nothing_when_stopped(tmp
     # one id past GPT-2's
     assert "token id 50257 is not a GPT-2 token" in error_line(capsys, [
         "fineweb_edu", "--shards", 1, "--out", tmp_path / "fw"])
+
+
+def test_a_dataset_of_another_level_is_refused_before_it_is_written(tmp_path, monkeypatch):
+    # decoder, encoder and train.py's bpc know char and gpt2: "byte" would decode as code points
+    def bytes_of_text(o, fetch):
+        return dict(level="byte", dtype="uint8", vocab_size=256), dict(train=np.arange(9))
+    monkeypatch.setitem(pd.DATASETS, "bytes", pd.Dataset(bytes_of_text, "", {}))
+    with pytest.raises(ValueError, match="level 'byte'"):
+        pd.prepare("bytes", tmp_path / "bytes")
+    assert not (tmp_path / "bytes" / "meta.json").exists()
