@@ -119,6 +119,7 @@ def build_parser():
         for f in [f for f in dataclasses.fields(cls) if f.name != "vocab_size"]:  # the data's
             kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)),
                         hints[f.name])
+            # --help shows the default train.py runs with (MODEL_DEFAULTS), not GPTConfig's
             default = MODEL_DEFAULTS.get(f.name, f.default) if cls is GPTConfig else f.default
             parse = f.metadata.get("parse") or (common.true_or_false if kind is bool else kind)
             group.add_argument(
@@ -130,6 +131,7 @@ def build_parser():
 def resolve_settings(explicit, ckpt=None):
     """defaults < checkpoint (--resume) < preset < explicit flags (a model flag that differs from
     the checkpoint is an error): (TrainSettings, the model's settings, vocab_size None)."""
+    # a preset counts as given: resuming refuses one whose model differs from the run's, as a flag
     given = {**PRESETS.get(explicit.get("preset"), {}), **explicit}
     settings = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     settings.update(dataclasses.asdict(TrainSettings()), **MODEL_DEFAULTS, vocab_size=None)
@@ -138,9 +140,11 @@ def resolve_settings(explicit, ckpt=None):
             if name in given and given[name] != value:
                 raise UsageError(f"--{name} {given[name]} differs from the run's {name}={value}: "
                                  "drop it to resume the run, or start one in another --out_dir")
+        # --device, --out_dir, --compile...: how this invocation runs; never last.pt's
         runtime = {f.name for f in dataclasses.fields(TrainSettings) if f.metadata["runtime"]}
         settings.update({k: v for k, v in ckpt["settings"].items() if k not in runtime})
         settings.update(ckpt["config"])
+    # only the user's two clash: a preset's or the run's budget yields to --max_iters (below)
     if "max_iters" in explicit and "max_tokens" in explicit:
         raise UsageError("give --max_iters or --max_tokens, not both")
     settings.update(given)
@@ -161,6 +165,7 @@ def check_settings(a, world, model):
         if low is not None and value is not None and not low <= value < high:  # nan fails too
             span = f"in [{low}, {high:g})" if high < math.inf else f"at least {low}"
             raise UsageError(f"--{f.name} {value}: must be {span}")
+        # a setting off its default where the model has no use for it fails, not silently idles
         missing = missing_need(f.metadata["needs"], model)
         if missing and value != f.default:
             needs = f.metadata["needs"]
@@ -168,11 +173,13 @@ def check_settings(a, world, model):
             raise UsageError(f"--{f.name} {value}: {missing} (the variants it applies to: "
                              f"{', '.join(where)})")
     try:
+        # parsed now: a typo is a --milestones line before any data or model is built
         count(a.milestones or 0)
     except ValueError as e:
         raise UsageError(f"--milestones {a.milestones}: {e}") from None
     if a.wandb_run is not None and a.wandb_project is None:
         raise UsageError("--wandb_run needs --wandb_project NAME")
+    # equal shares in equal forwards: the mean of the forwards' losses is that of every crop
     share = a.batch_size // world
     if a.batch_size % world or (a.micro_batch and share % a.micro_batch and a.micro_batch < share):
         raise UsageError(f"--batch_size {a.batch_size} over {world} process(es), --micro_batch "
@@ -198,17 +205,20 @@ def open_data(a, ckpt, run_dir, master, given):
 def batch_offsets(seed, step, micro, n_tokens, T, rows):
     """Where a micro-batch's crops start: a function of the position in the schedule alone, the
     same for every model and any number of processes (process r of W takes rows r::W)."""
+    # seeded by position, no state to save: --resume draws the crops it would have drawn
     return np.random.default_rng([seed, step, micro]).integers(0, n_tokens - T, size=rows)
 
 EVAL_SEED = 20260501  # evaluation crops ignore --seed: every run is scored on the same text
 
 def eval_offsets(n_tokens, T, rows, eval_tokens, split):
+    # whole batches of the training batch's rows: each process's share splits as in training
     n_batches = max(1, math.ceil(eval_tokens / (rows * T)))
-    rng = np.random.default_rng([EVAL_SEED, split])
+    rng = np.random.default_rng([EVAL_SEED, split])  # split 0, 1, 2: train, val, test
     return rng.integers(0, n_tokens - T, size=(n_batches, rows))
 
 def get_batch(data, offsets, T, device, micro_batch=0):
     """The (x, y) crops at offsets, in forwards of micro_batch rows (0: one forward)."""
+    # the memmap holds uint8 or uint16 ids; the embedding and the loss want int64
     x = torch.from_numpy(np.stack([data[o:o + T] for o in offsets]).astype(np.int64))
     y = torch.from_numpy(np.stack([data[o + 1:o + 1 + T] for o in offsets]).astype(np.int64))
     if device.type == "cuda":
@@ -237,12 +247,14 @@ def pick_dtype(name, device):
     if name == "auto":
         native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
         return torch.bfloat16 if native else torch.float32
+    # no float16: it would need a GradScaler; bf16 has float32's range and needs none
     return getattr(torch, name)
 
 def get_lr(step, a):
     """Linear warmup over warmup_iters steps, then cosine decay to min_lr at the last step."""
     if step < a.warmup_iters:
-        return a.lr * (step + 1) / a.warmup_iters
+        return a.lr * (step + 1) / a.warmup_iters  # step + 1: the first step already learns
+    # max(1, ...): no division by zero when warmup fills (almost) the whole run
     progress = min(1.0, (step - a.warmup_iters) / max(1, a.max_iters - 1 - a.warmup_iters))
     return a.end_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (a.lr - a.end_lr)
 
@@ -275,6 +287,7 @@ class Run:
         self.master, self.t_start = self.rank == 0, time.time()
         bf16 = self.dtype == torch.bfloat16
         self.ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+        # drawn once: every evaluation of the run (and of a paired run) scores the same crops
         self.eval_batches = [eval_offsets(len(d), T, a.batch_size, a.eval_tokens, split)
                              for split, d in enumerate(self.splits)]
         self.milestones = [(x, count(x)) for x in a.milestones.split(",")] if a.milestones else []
@@ -299,11 +312,13 @@ def main(argv=None):
         raise UsageError("out of memory: lower --micro_batch (the same batches in smaller forwards)"
                          ", --batch_size or --sequence_len; --resume continues last.pt") from None
     finally:
+        # the caller's handlers back, even after an error: train.main may be called from Python
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
     if "RANK" in os.environ:
+        # a torchrun worker: exit at once (checkpoint.leave says why)
         checkpoint.leave(0)
 
 def start(argv):
@@ -325,8 +340,10 @@ def setup(argv, stop):
     finished run resumed with nothing to add."""
     explicit, rank, world, device = start(argv)
     out_dir = Path(explicit.get("out_dir", TrainSettings.out_dir))
+    # first: --resume's settings come from last.pt, and a new run must not write over one
     ckpt = checkpoint.check_out_dir(out_dir, explicit.get("resume", False))
     a, model_settings = resolve_settings(explicit, ckpt)
+    # every setting checked before the data is prepared or a model built: a mistake costs nothing
     check_settings(a, world, model_settings)
     data_dir, meta = open_data(a, ckpt, out_dir, rank == 0, "data" in explicit)
     try:
@@ -335,10 +352,12 @@ def setup(argv, stop):
         raise UsageError(str(e)) from None
     splits = [prepare_data.open_split(data_dir, s, meta) for s in ("train", "val")]
     T = config.sequence_len
+    # each split must hold a crop and its shifted target; the train split a whole batch's tokens
     if min(map(len, splits)) < T + 2 or a.batch_size * T > len(splits[0]):
         raise UsageError(f"--batch_size {a.batch_size} x --sequence_len {T} does not fit in "
                          f"{data_dir} (train / val: {len(splits[0])} / {len(splits[1])} tokens)")
     if a.max_tokens:
+        # rounded up: the run sees at least the budget
         a.max_iters = math.ceil(a.max_tokens / (a.batch_size * a.grad_accum * T))
     # a finished run (summary.json: only with --resume) with nothing to add: rewrite nothing
     if (out_dir / "summary.json").exists() and ckpt["progress"]["step"] >= a.max_iters:
@@ -349,6 +368,7 @@ def setup(argv, stop):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(a.seed)  # right before GPT(): paired runs share their initial weights
     raw_model = GPT(config).to(device)
+    # compile and DDP wrap raw_model below: saved state_dict keys carry no _orig_mod./module.
     optimizer = raw_model.configure_optimizers(a.weight_decay, a.lr, (a.beta1, a.beta2),
                                                device.type)
     model = torch.compile(raw_model) if a.compile else raw_model
@@ -357,6 +377,7 @@ def setup(argv, stop):
     run = Run(a, config, meta, data_dir, out_dir, splits, raw_model, model, optimizer, device,
               pick_dtype(a.dtype, device), rank, world, stop=stop)
     if ckpt is not None:
+        # also each process's RNG states: dropout continues as if the run had never stopped
         run.progress = checkpoint.restore(ckpt, out_dir, raw_model, optimizer, a.seed, device, rank,
                                           world)
         run.log(f"resuming {out_dir / 'last.pt'} at step {run.progress.step}")
@@ -413,8 +434,10 @@ def train_step(run, lr):
     coef = a.route_entropy_coef  # backward runs on cross-entropy + coef x route entropy
     for group in run.optimizer.param_groups:
         group["lr"] = lr
+    # summed on the device: one .item() (a GPU sync) per step, not one per forward
     loss = torch.zeros((), device=run.device)
     for micro in range(a.grad_accum):
+        # each process draws the whole batch and takes its rows: any process count, the same crops
         rows = batch_offsets(a.seed, run.progress.step, micro, len(data), T, a.batch_size)
         mine = get_batch(data, rows[run.rank::run.world], T, run.device, a.micro_batch)
         for i, (x, y) in enumerate(mine):
@@ -424,18 +447,20 @@ def train_step(run, lr):
                 with run.ctx:  # the routes only with a coef: they keep their weights' graph
                     _, cross_entropy, *routes = run.model(x, y, return_routes=coef != 0)
                 total = cross_entropy + coef * route_entropy(routes[0]) if coef else cross_entropy
+                # scaled: the summed gradients are those of the step's mean loss
                 (total / (len(mine) * a.grad_accum)).backward()
             loss += (cross_entropy / (len(mine) * a.grad_accum)).detach().float()  # logged
     if run.world > 1:
         dist.all_reduce(loss)
-        loss /= run.world
+        loss /= run.world  # for the log: DDP averaged the gradients already
     loss = loss.item()
     if not math.isfinite(loss):  # before the update: no checkpoint is written after this
         raise diverged(run, "loss", run.progress.step + 1)
     if a.grad_clip > 0:
+        # after DDP's all-reduce: every process clips the same gradients alike
         torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), a.grad_clip)
     run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    run.optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory until the next backward
     return loss
 
 def route_entropy(routes):
@@ -463,6 +488,7 @@ def evaluate_and_save(run, lr, crossed=()):
                             for data, batches in zip(run.splits, run.eval_batches))
     if not (math.isfinite(val_loss) and math.isfinite(train_loss)):
         raise diverged(run, "validation loss", p.step)
+    # raw_model on rank 0 alone: a DDP forward on one process could wait on the others
     stats = routes(run.raw_model, run.splits[1], run.eval_batches[1][0][:8], run.device, run.ctx) \
         if run.master else None  # 8 fixed val crops
     for label in crossed:
@@ -477,6 +503,7 @@ def evaluate_and_save(run, lr, crossed=()):
            + (f" | js_mean {js:.4f}" if js is not None else "")
            + (f" | milestone {','.join(crossed)}" if crossed else ""))
     improved, p.best_val_loss = val_loss < p.best_val_loss, min(p.best_val_loss, val_loss)
+    # checked before the save: non-finite weights never replace last.pt, the last good step
     if not all(param.isfinite().all() for param in run.raw_model.parameters()):
         raise diverged(run, "weights", p.step)
     save(run, improved)
@@ -486,7 +513,7 @@ def save(run, improved):
     state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
                  config=dataclasses.asdict(run.config), settings=dataclasses.asdict(run.settings),
                  data_dir=run.data_dir, dataset=checkpoint.dataset_identity(run.meta))
-    progress = dataclasses.replace(run.progress, seconds=run.elapsed())
+    progress = dataclasses.replace(run.progress, seconds=run.elapsed())  # the run's time so far
     checkpoint.save(run.out_dir, state, progress, improved, run.device, run.rank, run.world)
 
 @torch.no_grad()
@@ -591,10 +618,13 @@ def baseline_flags(a, config):
 
 def stop_early(run):
     """After --stop_after or a signal: save last.pt, say how to continue; a signal exits 128 + N."""
+    # a collective under DDP: every process calls it after every step, or they hang
     signum = checkpoint.stop_signal(run.stop, run.device, run.world)
     a, step = run.settings, run.progress.step
+    # at max_iters the run finishes (summary.json) instead, --stop_after or not
     if not signum and not (a.stop_after is not None and a.stop_after <= step < a.max_iters):
         return False
+    # an eval step has saved already: only another step needs its last.pt
     if run.progress.lines[-1]["type"] != "eval" or run.progress.lines[-1]["step"] != step:
         save(run, improved=False)
     flags = ["--out_dir", a.out_dir, "--resume"]  # --resume takes the rest from last.pt
@@ -616,6 +646,7 @@ def record(run, line, text):
     run.progress.lines.append(line)
     run.log(text)
     if run.wandb:
+        # numbers alone (a bool is an int to isinstance); our step is wandb's step
         run.wandb.log({f"{line['type']}/{k}": v for k, v in line.items() if k != "step" and
                        isinstance(v, (int, float)) and not isinstance(v, bool)}, step=line["step"])
 
@@ -630,7 +661,7 @@ def start_wandb(run):
     if not (a.wandb_project and run.master):
         return None
     try:
-        import wandb
+        import wandb  # optional: imported only when asked for
     except ImportError:
         raise UsageError("--wandb_project needs the wandb package: pip install wandb") from None
     return wandb.init(project=a.wandb_project, name=a.wandb_run, dir=run.out_dir,
@@ -642,7 +673,7 @@ PEAK_FLOPS = {r"\bA100\b": (312e12, 156e12), r"\bH[12]00\b(?!.*(PCIe|NVL))": (98
 def peak_flops(device, dtype):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peaks = next((v for pattern, v in PEAK_FLOPS.items() if re.search(pattern, name)), None)
-    return peaks and peaks[dtype != torch.bfloat16]
+    return peaks and peaks[dtype != torch.bfloat16]  # float32 runs in TF32
 
 if __name__ == "__main__":
     main()
