@@ -25,7 +25,9 @@ import prepare_data
 from common import UsageError, write_atomic
 from nanoroute import GPT, GPTConfig
 
+# what a run writes into its folder: any of them there means a run is there
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "summary.json")
+# every checkpoint of this train.py holds these: one missing means another version wrote it
 KEYS = ("model", "optimizer", "config", "settings", "data_dir", "dataset", "progress", "rng")
 
 @dataclasses.dataclass
@@ -50,9 +52,11 @@ def check_out_dir(out_dir, resume):
     if found and not stopped_in_first_save(out_dir):
         raise UsageError(f"{out_dir} already holds a run ({', '.join(found)}): add --resume to "
                          "continue it, or choose another --out_dir")
+    # rank 0 alone speaks: under torchrun every process runs this check
     if found and os.environ.get("RANK", "0") == "0":
         print(f"note: the run in {out_dir} stopped in its first save (step 0, no last.pt): "
               "starting it over", flush=True)
+    # made only after the checks: a refused run leaves no empty folder behind
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_temporary_files(out_dir)
     return None
@@ -61,6 +65,7 @@ def stopped_in_first_save(out_dir):
     """True if out_dir holds what a run killed in its first save leaves: no last.pt, and a
     metrics.jsonl of step 0 alone (save writes it first, so a best.pt beside it is of step 0).
     A plain run redoes all of it, so it starts over and writes over them."""
+    # a last.pt means a save finished: that run is for --resume, never written over
     if any((out_dir / name).exists() for name in ("last.pt", "summary.json")):
         return False
     try:
@@ -73,8 +78,9 @@ def remove_temporary_files(out_dir):
     """What a kill inside write_atomic leaves (.last.pt.<8 random characters>.tmp, as big as a
     checkpoint), of the run files' names alone: their writer was killed, nothing else makes them."""
     for name in RUN_FILES:
+        # mkstemp's 8 random characters: write_atomic's leftovers and, in practice, nothing else
         for tmp in out_dir.glob(f".{name}.????????.tmp"):
-            if tmp.is_file():
+            if tmp.is_file():  # never a folder of that name
                 tmp.unlink(missing_ok=True)
 
 def load(path, missing):
@@ -87,8 +93,12 @@ def load(path, missing):
                          "put the checkpoint file itself there")
     try:
         with zipfile.ZipFile(path) as z:
+            # testzip reads every member and checks its CRC: torch.load alone would load
+            # flipped bytes in a tensor without a word
             bad = z.testzip()
         bad = bad and f"CRC mismatch in {bad}"
+        # weights_only: loading runs no code; on the CPU: a checkpoint of any GPU loads
+        # anywhere, and load_state_dict copies it onto the model's device
         ckpt = None if bad else torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, a pickle that weights_only refuses, ...
         bad, ckpt = f"{type(e).__name__}: {' '.join(str(e).split())}"[:120], None
@@ -130,6 +140,8 @@ def open_data(ckpt, run_dir, data=None):
         raise UsageError(f"{folder} is not the dataset the run in {run_dir} was trained on "
                          f"({ckpt['dataset']['dataset']}, vocab {ckpt['dataset']['vocab_size']}): "
                          "give --data with that dataset")
+    # relative to the working folder, as a --data given here would be; save() records it
+    # relative to the run folder
     return Path(os.path.relpath(folder)) if not data else folder, meta
 
 def save(out_dir, state, progress, improved, device, rank=0, world=1):
@@ -145,6 +157,7 @@ def save(out_dir, state, progress, improved, device, rank=0, world=1):
     if world > 1:
         states = [None] * world
         dist.all_gather_object(states, rng)
+    # only after the gather: every process must join that collective before rank 0 writes alone
     if rank != 0:
         return
     data_dir = Path(state["data_dir"])  # relative to the run folder: both may move together
@@ -155,7 +168,10 @@ def save(out_dir, state, progress, improved, device, rank=0, world=1):
     buffer = io.BytesIO()  # in memory first: a full disk is then a plain OSError (one line)
     torch.save(state, buffer)
     lines = "".join(json.dumps(line) + "\n" for line in progress.lines)
+    # metrics.jsonl first: a kill after it leaves it ahead of last.pt, never behind, and the next
+    # save rewrites it whole from last.pt's own lines (stopped_in_first_save relies on the order)
     write_atomic(out_dir / "metrics.jsonl", lines.encode())
+    # the same bytes: best.pt is a whole checkpoint of the best step, not its weights alone
     for name in ("best.pt", "last.pt") if improved else ("last.pt",):
         write_atomic(out_dir / name, buffer.getbuffer())
 
@@ -172,14 +188,18 @@ def restore(ckpt, out_dir, model, optimizer, seed, device, rank=0, world=1):
     if (out_dir / "best.pt").exists():  # a step ahead of last.pt after a crash between them
         best = load(out_dir / "best.pt", "")  # checked as last.pt: a damaged one is one line
         p.best_val_loss = min(p.best_val_loss, best["progress"]["best_val_loss"])
+    # the same process count: each rank takes its own states back; the run goes on bitwise
     if len(rng) == world:
         torch.set_rng_state(rng[rank]["cpu"])
+        # a GPU run resumed on a CPU keeps the CPU state alone (a CPU's dropout draws from it)
         if "cuda" in rng[rank] and device.type == "cuda":
             torch.cuda.set_rng_state(rng[rank]["cuda"], device)
     else:
         if rank == 0:
             print(f"note: {path} was written by {len(rng)} process(es), not {world}: dropout is "
                   "reseeded (the batches are unaffected)", flush=True)
+        # no saved state fits: seeded by the step, so dropout never replays the first steps' masks,
+        # and by the rank, so the processes differ
         torch.manual_seed(seed + 1000 * p.step + rank)
     return p
 
@@ -191,6 +211,8 @@ def catch_stop_signals():
     received, old = [], {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig, handler in old.items():
         if handler is not signal.SIG_IGN:
+            # the handler only notes it: the loop stops at a step's end, where a save is consistent;
+            # a KeyboardInterrupt mid-step could leave the optimizer half updated
             signal.signal(sig, lambda signum, frame: received.append(signum))
     return received, old
 
@@ -199,7 +221,9 @@ def stop_signal(received, device, world=1):
     any process's, so all stop at the same step."""
     signum = received[0] if received else 0
     if world > 1:
+        # on the device: NCCL reduces GPU tensors only
         signum = torch.tensor(signum, device=device)
+        # MAX: a signal to any one process stops every process at this same step
         dist.all_reduce(signum, op=dist.ReduceOp.MAX)
     return int(signum)
 
@@ -210,6 +234,7 @@ def leave(code):
         sys.exit(code)
     if dist.is_initialized():
         dist.destroy_process_group()
+    # os._exit skips Python's flushing: the last lines must not be lost
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
