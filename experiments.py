@@ -35,6 +35,7 @@ import train
 from common import UsageError, write_atomic, write_json
 from nanoroute import VARIANTS, GPTConfig, missing_need, source_block, variant
 
+# an absolute path: a sweep runs from any working folder
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
 
 # The tiny and controls sweeps: 4 layers x 64, 300 steps of 1,024 characters, milestones at evals
@@ -78,6 +79,7 @@ def plan(a, extra=()):
     rates = listed(a.lrs, "--lrs", lambda x: [float(x)] * (float(x) > 0), "rates like 1e-3,2e-3")
     grid = sweep_grid(a, variants)
     presets, variants = grid.get("presets", {}), variants or grid["variants"].split()
+    # every check before any run starts: a bad flag never fails the 40th run of a sweep
     taken = check_train_flags(extra, presets, rates)
     settings = set_values(a.set, taken)
     # the flags after -- and each --set's values: {--NAME: [value, ...]}, each where it applies
@@ -85,6 +87,7 @@ def plan(a, extra=()):
     notes = left_out(options, variants)
     depths, seeds, rates = depths or grid["depths"], seeds or grid["seeds"], rates or [None]
     size = [grid["datasets"], depths, seeds, variants, rates, *settings.values()]
+    # counted before the grid is built: a typo must not allocate a million runs
     if (count := math.prod(map(len, size))) > MAX_RUNS:
         raise UsageError(f"sweep {a.name}: {count} runs, more than {MAX_RUNS}: give fewer "
                          "--seeds, --depths, --variants, --lrs or --set values")
@@ -93,8 +96,10 @@ def plan(a, extra=()):
         if presets and depth not in presets:
             raise UsageError(f"--depths {depth}: sweep {a.name} has presets for depths "
                              f"{', '.join(map(str, presets))} only (the preset sets the width)")
+        # one block for every AttnRes variant at this depth: no Δ is also one of block size
         m = sweep_block(variants, depth, a.attnres_block)
         folder = grid.get("folder") or f"{a.data_root}/{dataset}"
+        # seed-major: a sweep stopped early leaves each seed's runs side by side, ready to pair
         for seed, v, lr in itertools.product(seeds, variants, rates):
             block = m if VARIANTS[v]["residual"] == "attnres" else None
             # a flag with no effect in this variant is left out: it runs once, not once per value
@@ -104,11 +109,13 @@ def plan(a, extra=()):
                 run = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
                 run += "".join(f"_{k}{x}" for k, x in swept.items())  # block_L4_s0_wav_rho2
                 run = f"{dataset}/{run}" if len(grid["datasets"]) > 1 else run
+                # the preset sets width and schedule; train.py lets every other flag override it
                 args = ["--preset", presets[depth]] if presets else []
                 args += ["--data", folder, "--n_layer", str(depth), "--seed", str(seed)]
                 # every field a variant may set: a preset's wav=True never leaks into block
                 args += [s for k, value in variant(v).items() for s in (f"--{k}", str(value))]
                 args += [] if block is None else ["--attnres_block", str(block)]
+                # argparse keeps a flag's last value: yours (after --, --set) beat the grid's
                 args += [*shlex.split(grid["flags"]), *itertools.chain(*chosen.items())]
                 args += ["--lr", f"{lr:g}"] if lr else []
                 runs.append(dict(name=run, dir=Path(a.out or f"runs/{a.name}") / run, variant=v,
@@ -139,6 +146,7 @@ def listed(text, flag, parse, example=f"integers like 0,1,2 or 0-4, at most {MAX
     """A comma-separated flag as distinct values, parse(part) giving each part's ([]: refused)."""
     if text is None:
         return None
+    # a part that fails to parse, gives [] or repeats a value: one error line naming the flag
     with contextlib.suppress(ValueError):
         parts = [parse(part.strip()) for part in text.split(",")]
         values = [v for part in parts for v in part]
@@ -163,6 +171,7 @@ def check_train_flags(extra, presets, lrs):
     refused |= dict.fromkeys(["-h", "--help"], "the flags after -- are train.py's: train.py -h")
     for flag in [f for f in refused if f in {*flag_dict(extra), *extra}]:
         raise UsageError(f"{flag} after --: {refused[flag]}")
+    # train.py's own parser, now: a typo fails before the first run, not in each run
     train_args(list(extra), "after --")
     return refused | dict.fromkeys(flag_dict(extra), "give it after -- or in --set, not both")
 
@@ -178,6 +187,7 @@ def set_values(given, taken):
         values = listed(texts, f"--set {name}", lambda text: [
             train_args([f"--{name}={text}"], f"--set {item}")[name]], f"values of --{name}")
         values.sort(key=lambda value: value != DEFAULTS[name])  # stable: else the first given
+        # %g text: 1e-3 and 0.001 are one value, one run folder name
         settings[f"--{name}"] = [f"{x:g}" if isinstance(x, float) else str(x) for x in values]
     return settings
 
@@ -185,6 +195,7 @@ def train_args(argv, where):
     """{name: value} of argv as train.py parses it; its parser's one `error:` line becomes ours."""
     err = io.StringIO()
     try:
+        # argparse prints its error (and --help) and exits: caught here to become one line of ours
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             return vars(train.build_parser().parse_args(argv))
     except SystemExit:
@@ -233,6 +244,7 @@ def job_slots(jobs, per_run=1, extra=()):
         raise UsageError(f"--jobs {jobs}: must be at least 1")
     if jobs == 1:
         return [{}]
+    # GPUs: each run its own (per_run for --torchrun), so runs never share one GPU's memory
     if flag_dict(extra).get("--device", "cuda") != "cpu" and torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
@@ -240,6 +252,7 @@ def job_slots(jobs, per_run=1, extra=()):
             raise UsageError(f"--jobs {jobs}: {len(gpus)} visible GPU(s); lower --jobs")
         return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per_run:(i + 1) * per_run])}
                 for i in range(jobs)]
+    # CPUs: the cores this process may use, shared out; threads beyond them wait on each other
     cores = str(max(1, len(os.sched_getaffinity(0)) // (jobs * per_run)))
     return [{} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": cores}] * jobs
 
@@ -261,6 +274,7 @@ def pending(runs, launcher):
                           "(use another --out to run these)")
             print(f"skip {d}: finished")
             continue
+        # an interrupted run continues from its last.pt: the same command resumes the sweep
         resume = ["--resume"] if (d / "last.pt").exists() else []
         todo.append((run, [*launcher, *run["args"], "--out_dir", str(d), *resume]))
     return todo
@@ -291,10 +305,12 @@ def start(run, cmd, label, slot):  # run.json, then train.py writing to train.lo
     d.mkdir(parents=True, exist_ok=True)
     keys = ("variant", "dataset", "depth", "seed", "lr", "attnres_block", "set", "set_base",
             "sweep", "args")
+    # run.json first: report knows the run's variant and --set values even if it fails at once
     write_json(d / "run.json", {k: run[k] for k in keys} | dict(command=shell(cmd, env)))
     print(f"{label}: started" + " (resuming from last.pt)" * ("--resume" in cmd)
           + "".join(f" {k}={v}" for k, v in env.items()), flush=True)
     with open(d / "train.log", "ab") as log:  # unbuffered: `tail -f` shows each line as printed
+        # no stdin: a run never waits on the terminal the sweep runs in
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env={"PYTHONUNBUFFERED": "1", **os.environ, **env})
 
@@ -305,6 +321,7 @@ def ended(run, code, label, seconds):  # how a run ended; its last error line if
         return print(f"{label}: done in {seconds:.0f} s, val loss {val:.4f}", flush=True)
     log = (run["dir"] / "train.log").read_text(errors="replace")
     lines = [s for s in log.splitlines() if s.strip()] or ["(no output)"]
+    # train.py's `error:` line, or a traceback's last line: what the sweep's summary shows
     error = next((s for s in reversed(lines) if "error" in s.lower()), lines[-1])
     print(f"{label}: FAILED (exit {code}): {error}", flush=True)
     return error
@@ -351,6 +368,7 @@ def find_runs(folders):
     """(runs, notes): each folder is a run itself or holds runs; unreadable ones become notes."""
     runs, notes = [], []
     for folder in map(Path, folders):
+        # run.json alone: a sweep's run not finished yet; summary.json alone: a train.py run by hand
         for d in sorted({p.parent for f in ("run.json", "summary.json") for p in folder.rglob(f)}):
             given = d == folder or len(folders) > 1  # a run folder, or several folders: as given
             try:
@@ -376,10 +394,15 @@ def read_run(d, name):
         knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
                  and not inert(k, config) and x != DEFAULTS[k]}
         row, home = [repr(sorted({**knobs, **swept, **at}.items())) for at in ({}, base)]
+        # what makes a group: every other setting (data, width, schedule...), as sorted text:
+        # hashable, and equal exactly when two runs were set up alike
         setup = tuple(sorted((k, repr(x)) for k, x in both.items()
                              if k not in {*NOT_SETUP, *swept} and not NEEDS.get(k)))
         block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
+        # no run.json (train.py by hand): the first variant its config matches, else its residual
         fits = [v for v in VARIANTS if variant(v).items() <= config.items()] + [config["residual"]]
+        # off: a --set value off its baseline; such a row pairs with `home`, its own variant at the
+        # baselines (summarize)
         run.update(variant=run["variant"] or fits[0], dataset=summary["dataset"],
                    depth=config["n_layer"], seed=settings["seed"], lr=settings["lr"], block=block,
                    final=float(summary["final"]["val_loss"]), level=summary["level"], setup=setup,
@@ -395,10 +418,14 @@ def mean_std(values):  # (mean, sample std, ddof=1): std None for one value, bot
 
 def paired(runs, base_runs, value):
     """value(run) - value(baseline run of the same seed value): {mean, std, wins, ties, n}."""
+    # by seed: a run pairs only with the baseline's run of its own seed (the same batches, the
+    # same seed before the init); a seed without a partner drops out, and n counts the pairs
     base = {r["seed"]: value(r) for r in base_runs}
+    # None: a milestone that run never reached; left out of the pairs, never counted as 0
     diffs = [value(r) - base[r["seed"]] for r in runs
              if value(r) is not None and base.get(r["seed"]) is not None]
     mean, std = mean_std(diffs)
+    # wins: the seeds where the run's loss is lower; a tie is no win (ties counts them)
     return dict(mean=mean, std=std, wins=sum(d < 0 for d in diffs),
                 ties=sum(d == 0 for d in diffs), n=len(diffs))
 
@@ -408,23 +435,31 @@ def summarize(runs, baseline):
     variant at the baselines and at its lr, any other with the baseline variant's row."""
     groups, rank = {}, {v: i for i, v in enumerate(VARIANTS)}
     for r in runs:
+        # a group: one dataset, depth and setup; inside it, only the rows (variant, knobs) differ
         rows = groups.setdefault((str(r["dataset"]), r["depth"], r["setup"]), {})
         key = (r["variant"], r["block"], r["off"], r["row"])
+        # by lr: make_row keeps the rate of the row's lowest mean and lists the others
         rows.setdefault(key, {}).setdefault(r["lr"], []).append(r)
     out = []
     for (dataset, depth, setup), by_row in sorted(groups.items()):
+        # in VARIANTS' order; a variant this version does not know comes last
         keys = sorted(by_row, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1] or 0, *k[2:]))
         rows = [make_row(k[0], k[1], by_row[k]) for k in keys]
+        # every milestone a run of the group crossed, in token order below
         reached = {k: m["tokens"] for row in rows for r in row["runs"]
                    for k, m in r["milestones"].items()}
         # the baseline variant's row with the fewest knobs named: block, not "block, wav_rho=2"
         plain = [row for row in rows if (row["variant"], row["off"]) == (baseline, False)]
         base = min(plain, key=lambda row: row["label"].count("="), default=None)
         for row in rows:
+            # a row off its --set baselines pairs with its own variant at the baselines, same lr
+            # (home); any other row with the baseline variant's row, at the baseline's best lr
             home = by_row.get((row["variant"], row["block"], False, row["runs"][0]["home"]), {})
             row["vs"] = home.get(row["lr"]) if row["off"] else base and base["runs"]
+            # the baseline is not paired with itself: a Δ of 0 by construction is no result
             vs = row["vs"] if row is not base else None
             row["delta"] = vs and paired(row["runs"], vs, lambda r: r["final"])
+            # k=k: each lambda keeps its own milestone (a plain closure would see the loop's last k)
             at = {k: lambda r, k=k: r["milestones"].get(k, {}).get("val_loss") for k in reached}
             row["at"] = {k: (mean_std(map(val, row["runs"])), vs and paired(row["runs"], vs, val))
                          for k, val in at.items()}
@@ -435,6 +470,7 @@ def summarize(runs, baseline):
 def make_row(name, block, by_lr):
     """A row: the variant's runs at the lr of the lowest mean final val loss over seeds."""
     means = {lr: statistics.fmean(r["final"] for r in rs) for lr, rs in by_lr.items()}
+    # each row at its own best rate: a variant is not judged at a rate tuned for another
     lr = min(means, key=means.get)
     runs = sorted(by_lr[lr], key=lambda r: r["seed"])
     # the variant, its knobs and --set values; off their baselines, the values its Δ is against
@@ -445,9 +481,11 @@ def make_row(name, block, by_lr):
     side = {min(means): ("lowest", "below"), max(means): ("highest", "above")}.get(lr)
     edge = f"lr {lr:g} is the {side[0]} of the grid for {label}: the best rate may be " \
         f"{side[1]} it; extend --lrs" if side and len(means) > 1 else None
+    # two runs of one seed in one row: a paired Δ could take either, so refuse to guess
     for a, b in [(a, b) for a, b in zip(runs, runs[1:]) if a["seed"] == b["seed"]]:
         raise UsageError(f"runs {a['name']} and {b['name']} are both {name}, seed {a['seed']}, lr "
                          f"{lr:g} in one setup: neither pairs clearly; report one at a time")
+    # char level: bits per character (nats / ln 2); GPT-2 tokens: perplexity
     to_metric = (lambda v: v / math.log(2)) if runs[0]["level"] == "char" else math.exp
     return dict(variant=name, block=block, lr=lr, runs=runs, val=mean_std(r["final"] for r in runs),
                 label=label, off=runs[0]["off"], edge=edge,
@@ -493,6 +531,7 @@ def markdown(folders, runs, groups, baseline, notes):
     for g, title in zip(groups, titles(groups)):
         char, marks = g["level"] == "char", g["milestones"]
         lines += [f"## {title}", ""]
+        # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
         if len({row["block"] for row in g["rows"]} - {None}) > 1:
             lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]
         lines += [f"(no finished {baseline} run here: no paired differences)", ""] * (not g["base"])
@@ -528,6 +567,7 @@ def report(args, extra):
         raise UsageError(f"no runs in {' '.join(args.folders)} (no run.json or summary.json): "
                          "give a sweep's --out folder or a train.py --out_dir")
     variants = {r["variant"] for r in runs if r["summary"]}
+    # block first: WAV and RD modify Block AttnRes, so a Δ against it is their own effect
     baseline = args.baseline or next((v for v in ("block", "prenorm") if v in variants),
                                      min(variants, default=None))
     if variants and baseline not in variants:
@@ -536,6 +576,7 @@ def report(args, extra):
     # the checkpoints first: a wrong --heatmap is one line, with or without matplotlib
     heatmaps = {name: route_matrix(next((r["dir"] for r in runs if r["name"] == name), Path(name)),
                                    args.data) for name in args.heatmap}
+    # finished runs alone: an unfinished run's loss is of an earlier step, not comparable
     groups = summarize([r for r in runs if r["summary"]], baseline)
     text = markdown(args.folders, runs, groups, baseline, notes)
     out = Path(args.out or Path(args.folders[0]) / "report.md")
@@ -554,6 +595,7 @@ def report(args, extra):
 def save_figures(folder, figures):
     """Each {FILE: (draw, *args)}: draw(Figure, *args) as the PNG folder/FILE."""
     try:
+        # Figure, not pyplot: no display or global state needed; matplotlib stays optional
         from matplotlib.figure import Figure
     except ImportError:
         return print(NO_MATPLOTLIB)
@@ -569,7 +611,9 @@ def val_loss_figure(Figure, groups, baseline):
                         gridspec_kw=dict(height_ratios=[3, 2]))
     for g, title, ax, dax in zip(groups, titles(groups), axes[0], axes[1]):
         for row in g["rows"]:
+            # lower panel: each run minus its same-seed partner, at the token counts both reached
             base = {r["seed"]: r["curve"] for r in row["vs"] or []}
+            # a variant's colour from its place in VARIANTS: the same in every figure
             shade = colormaps["tab20"](([*VARIANTS, row["variant"]].index(row["variant"])) % 20)
             curves = [r["curve"] for r in row["runs"]]
             band(ax, curves, shade, f"{row['label']} (lr {row['lr']:g}, {len(curves)})")
@@ -586,12 +630,14 @@ def val_loss_figure(Figure, groups, baseline):
 
 def band(ax, curves, shade, label=None):
     """Mean line and min–max band over curves ({tokens: value}), at the tokens all reached."""
+    # the tokens every curve reached: a run cut short does not bend the mean or the band
     if curves and (tokens := sorted(set.intersection(*map(set, curves)))):
         y = np.array([[c[t] for t in tokens] for c in curves])
         ax.plot(tokens, y.mean(0), color=shade, label=label, marker="o" * (len(tokens) < 3))
         ax.fill_between(tokens, y.min(0), y.max(0), color=shade, alpha=0.2, linewidth=0)
 
 def routes_figure(Figure, name, reads, sources, matrix):
+    # NaN, masked below: a source not in a read's pool is blank, not a weight of 0
     w = np.array([[np.nan if x is None else x for x in row] for row in matrix], dtype=float)
     fig = Figure(figsize=(2.6 + 0.8 * len(sources), 1.6 + 0.34 * len(reads)), layout="constrained")
     ax = fig.subplots()
@@ -620,11 +666,13 @@ def load_model(run_dir, ckpt="best.pt", data=None, device="cpu"):
     folder, meta = checkpoint.open_data(saved, run_dir, data)  # one line if moved or another
     val, s = prepare_data.open_split(folder, "val", meta), saved["settings"]
     T = model.config.sequence_len
+    # split 1: the val crops train.py scored this run on: the base loss compares with its evals
     return model, saved, val, train.eval_offsets(len(val), T, s["batch_size"], s["eval_tokens"], 1)
 
 def route_matrix(run_dir, data=None):
     """(reads, sources, each read's mean weight per source or None): best.pt, train.py's crops."""
     model, _, val, offsets = load_model(run_dir, data=data)
+    # the same 8 val crops as train.py's routing diagnostics, on best.pt's weights
     stats = train.routes(model, val, offsets[0][:8], torch.device("cpu"))
     reads = stats["reads"]
     return list(reads), stats["sources"], [[dict(zip(r["sources"], r["mean_weight"])).get(s)
@@ -639,10 +687,13 @@ def chosen_mask(pools, m, names=(), older_than=None, only=None):
                          f"{sorted(known)}; the reads {', '.join(map(str, pools))}")
     mask, kept = {}, []
     for read, pool in pools.items():
+        # age in blocks: the reader's block minus the completed block's index
         age = {src: read.sublayer // m - source_block(src) for src in pool if src[0] == "C"}
         hidden = {src for src in pool if src in names or src.partition(".")[0] in names
                   or (older_than is not None and age.get(src, -1) > older_than)}
         if hidden and only in (None, str(read)):
+            # a read may not hide every source (its softmax would have nothing to read): it keeps
+            # them all and is listed
             mask.update({read: hidden} if len(hidden) < len(pool) else {})
             kept += [str(read)] * (len(hidden) == len(pool))
     if not mask:
@@ -679,6 +730,8 @@ def ablate(args, extra):
           f"{base:.4f} on its eval crops; routing path {path}; random: {args.draws} draws")
     masks = [(str(r), {r: h}) for r, h in mask.items()] + [("all", mask)] * (len(mask) > 1)
     for label, masked in masks:
+        # the control: as many sources hidden at random (seeds 0..draws-1): a Δ beyond theirs is
+        # about which sources, not how many
         control = [score(random_mask(masked, pools, seed)) - base for seed in range(args.draws)]
         rows.append(dict(read=label, delta=score(masked) - base, random=control,
                          random_mean_std=mean_std(control),
