@@ -40,6 +40,7 @@ SHAPES = {  # batch_size is B; sequence_len is the context and the T of the trai
     "gpu12": dict(n_layer=12, n_embd=768, n_head=12, sequence_len=1024, vocab_size=50304,
                   batch_size=16),
 }
+# a shape's GPTConfig fields; batch_size is the bench's own
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "sequence_len", "vocab_size")
 # Also timed: Full AttnRes, the reference read (what the fast kernel saves), learned WAV bases
 VARIANTS = {**nanoroute.VARIANTS, "full": dict(nanoroute.VARIANTS["block"], attnres_block=1),
@@ -87,24 +88,30 @@ class Bench:
         self.args, self.against = args, load_against(args.against) if args.against else None
         self.variants = names(args.variants, "--variants")
         self.gen_variants = names(args.gen_variants or args.variants, "--gen_variants")
+        # every variant's config checked before a model is built: a shape one refuses fails now
         self.shape = check_flags(args, self.variants + self.gen_variants)
         self.device = train.pick_device(args.device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             torch.cuda.set_device(self.device)  # cuda:1 too: synchronize and memory follow it
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        # CUDA runs asynchronously: a timer without a sync measures the launch, not the work
         self.sync = torch.cuda.synchronize if self.cuda else lambda: None
         if args.threads:
             torch.set_num_threads(args.threads)
         self.dtype = train.pick_dtype("auto", self.device)  # as train.py's --dtype auto
         bf16 = self.dtype == torch.bfloat16
+        # disabled, not absent, in float32: `with b.amp` reads the same either way
         self.amp = torch.autocast(self.device.type, self.dtype, enabled=bf16)
         self.B, self.T = self.shape["batch_size"], self.shape["sequence_len"]
+        # each variant beside its --against twin in every round: their ratio is paired too
         versions = ("", "@against") if self.against else ("",)
         self.names = [name + v for name in self.variants for v in versions]  # timing order
         self.iters = args.iters or (20 if self.cuda else 10)
         self.n_new = min(256, self.T) if args.gen_tokens is None else args.gen_tokens
         self.peak = train.peak_flops(self.device, self.dtype)  # None: MFU unknown
+        # one fixed batch of random tokens: every variant steps on the same input, with no dataset;
+        # its own generator leaves the global seed to build()
         data = torch.randint(self.shape["vocab_size"], (self.B, self.T + 1),
                              generator=torch.Generator().manual_seed(1)).to(self.device)
         self.x, self.y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -128,6 +135,7 @@ class Bench:
         if self.args.json:
             write_json(self.args.json, self.out)
 
+    # a sync on each side: the previous step's kernels stay out, all of this one's are in
     def timed(self, fn):
         self.sync()
         t0 = time.perf_counter()
@@ -148,6 +156,7 @@ def check_flags(args, variants):
     for name, low in dict(lows, warmup=0, gen_tokens=0).items():
         if getattr(args, name) is not None and getattr(args, name) < low:
             raise UsageError(f"--{name} {getattr(args, name)}: must be at least {low}")
+    # exclude_tags=(): every registered backend, the debugging ones too
     backends = torch._dynamo.list_backends(exclude_tags=())
     if args.compile and args.compile_backend not in backends:
         raise UsageError(f"--compile_backend {args.compile_backend}: not a torch.compile "
@@ -155,10 +164,12 @@ def check_flags(args, variants):
     base = SHAPES[args.shape]
     if args.preset:  # its model; B, the sequences one GPU runs per forward; its data's vocabulary
         preset = train.PRESETS[args.preset]
+        # fineweb_edu is GPT-2 tokens; the WAV presets' character data fit in 256
         vocab = prepare_data.GPT2_VOCAB if preset["data"] == "fineweb_edu" else 256
         base = dict({k: preset[k] for k in MODEL_FIELDS[:-1]}, vocab_size=vocab,
                     batch_size=preset.get("micro_batch") or preset["batch_size"])
     shape = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}
+    # each variant once, in order: it may be in --variants and --gen_variants
     for name in dict.fromkeys(variants):
         try:
             nanoroute.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS}, **VARIANTS[name])
@@ -180,6 +191,7 @@ def load_against(path):
         raise UsageError(f"--against {path}: no such file; give another version's nanoroute.py "
                          "(git show main:nanoroute.py > /tmp/main_nanoroute.py)")
     try:
+        # under its own module name: both versions live side by side in this process
         spec = importlib.util.spec_from_file_location("nanoroute_against", file)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -210,6 +222,8 @@ def main(argv=None):
         # each model's first step (with --compile, it compiles), then round-robin, A B C A B C ...
         for r in range(1 + b.args.warmup + b.iters):
             for name, m in models.items():
+                # round 0 is each model's first step (--compile: it compiles), then the warm-up
+                # rounds: neither is timed
                 dt, _ = b.timed(lambda: b.step(m))
                 if r > b.args.warmup:
                     times[name].append(dt)
@@ -220,6 +234,7 @@ def main(argv=None):
                           + (f", {graphs} graph(s) compiled" if m.counts else ""), flush=True)
                     b.save()
             if r > b.args.warmup:
+                # saved each round: a bench stopped midway keeps every round so far
                 b.out["rounds_ms"] = {name: [1e3 * t for t in ts] for name, ts in times.items()}
                 b.save()
         for name, m in models.items():
@@ -231,6 +246,7 @@ def main(argv=None):
             b.out["generation"] = time_generation(b, models)
         if b.args.profile:
             profile(b, models.get(b.args.profile) or build(b, b.args.profile))
+    # a --json of a bench cut short says so: complete stays False
     b.out["complete"] = True
     b.save()
 
@@ -247,6 +263,7 @@ def build(b, name):
         raise UsageError(f"{name}: the --against version cannot build it: {type(e).__name__}: "
                          f"{' '.join(str(e).split())}") from None
     model.to(b.device)
+    # train.py's AdamW: its step is timed and its state is part of the memory
     opt = model.configure_optimizers(0.1, 1e-3, device_type=b.device.type)
     if not b.args.compile:
         return Model(model, model, opt)
@@ -265,10 +282,12 @@ def build(b, name):
 
 def record(b, name, m, times):
     median, first = statistics.median(times), b.out["first_steps"][name]["first_step_s"]
+    # the median: a step the machine slowed moves it least
     r = dict(ms_median=1e3 * median, ms_min=1e3 * min(times), ms_all=[1e3 * t for t in times],
              tokens_per_s=b.B * b.T / median, params=m.model.get_num_params(), first_step_s=first)
     if m.counts:  # every step ran the model's own graphs, or it fell back
         r.update(compiled=m.counts["calls"] >= 1 + b.args.warmup + b.iters, **m.counts)
+        # the first step less a steady one: about the time compiling took
         r["compile_s"] = max(0.0, first - median) if r["compiled"] else None
     r["memory"] = memory_parts(b, m)
     r["memory_bytes"] = sum(r["memory"].values())
@@ -284,10 +303,13 @@ def memory_parts(b, m):
     parts = dict(params=sum(params.values()), adamw=adamw)
     if b.cuda:  # the allocator's statistics are kept on the host: no synchronize needed
         torch.cuda.reset_peak_memory_stats(b.device)
+        # the peak above what was resident before: the step's activations and temporaries
         before = torch.cuda.memory_allocated(b.device)
         b.timed(lambda: b.step(m))
         return dict(parts, step_peak=torch.cuda.max_memory_allocated(b.device) - before)
+    # a CPU has no allocator peak to read: the parts are summed instead (print_training says so)
     grads = sum(p.numel() * p.element_size() for p in m.model.parameters() if p.requires_grad)
+    # parameters and buffers are counted above or not at all, never as saved tensors
     exclude = set(params) | {t.untyped_storage().data_ptr() for t in m.model.buffers()}
     # the eager model: saved-tensor hooks do not see inside compiled graphs
     return dict(parts, grads=grads, saved=saved_bytes(m.model, b.x, b.y, b.amp, exclude))
@@ -301,6 +323,7 @@ def saved_bytes(model, x, y, amp, exclude):
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
         _, loss = model(x, y)
+    # alive at the forward's end: what the graph holds for backward, not the temporaries
     alive = [t.untyped_storage() for t in (r() for r in saved) if t is not None]
     del loss  # frees the graph
     return sum({s.data_ptr(): s.nbytes() for s in alive if s.data_ptr() not in exclude}.values())
@@ -308,6 +331,7 @@ def saved_bytes(model, x, y, amp, exclude):
 def paired_ratio(times, base):
     """Round i over the baseline's round i (side by side: drift cancels): median [quartiles]."""
     ratios = [t / b for t, b in zip(times, base)]
+    # one round: no quartiles; its ratio stands for all three
     if len(ratios) == 1:
         return ratios * 3
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
@@ -317,6 +341,7 @@ def add_ratios(b, times):
     res = b.out["variants"]
     for name, r in res.items():
         version = "@against" if name.endswith("@against") else ""
+        # each version against its own baselines: --against's rows use its own prenorm and block
         for base in ("prenorm", "block"):
             ref = res.get(base + version)
             r[f"ratio_{base}"] = ref and r["ms_median"] / ref["ms_median"]
@@ -382,6 +407,7 @@ def time_generation(b, models):
         print(f"\nnote: --gen_tokens {b.n_new} > sequence_len {b.T}: past the context both "
               "re-encode the last sequence_len tokens at every step")
     gen = {v: (models[v] if v in models else build(b, v)).model.eval() for v in b.gen_variants}
+    # one token of id 0: the time does not depend on what the text says
     prompt = torch.zeros((1, 1), dtype=torch.long, device=b.device)
     ways = dict(kv=lambda m, n: m.generate(prompt, n, top_k=1),
                 recompute=lambda m, n: generate_recompute(m, prompt, n))
@@ -396,6 +422,7 @@ def time_generation(b, models):
     out, rows = {}, []
     for v in gen:
         kv, full = (statistics.median(times[v, w]) for w in ways)
+        # greedy both ways: a correct KV cache gives the very same tokens
         same = torch.equal(tokens[v, "kv"], tokens[v, "recompute"])
         out[v] = dict(kv_ms=1e3 * kv, recompute_ms=1e3 * full, speedup=full / kv,
                       kv_tokens_per_s=b.n_new / kv, same_tokens=same)
@@ -409,6 +436,8 @@ def time_generation(b, models):
 def profile(b, m):
     kinds = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * b.cuda
     sort_by = "self_device_time_total" if b.cuda else "self_cpu_time_total"
+    # train mode again after generation's eval(); a step outside the profile takes the
+    # first call's costs out of it
     m.model.train()
     b.step(m)
     with torch.profiler.profile(activities=kinds) as prof:
