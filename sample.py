@@ -58,15 +58,19 @@ def main(argv=None):
     device = pick_device(a.device)
     path, train_it = Path(a.out_dir) / f"{a.ckpt}.pt", command("train.py", ["--out_dir", a.out_dir])
     ckpt = checkpoint.load(path, f"no checkpoint at {path}: train one with {train_it}")
+    # eval(): no dropout while it writes
     model = checkpoint.model_from(ckpt, path).to(device).eval()
+    # the run's own dataset: its vocabulary turns text into ids and back
     data_dir, meta = checkpoint.open_data(ckpt, a.out_dir, a.data)
     ids = prompt_ids(a, meta, data_dir, model.config.sequence_len)
     idx, decode = torch.tensor([ids], device=device), prepare_data.decoder(meta, data_dir)
     if a.routes:
         return show_routes(model, idx, path, decode(ids))
+    # right before sampling: the same seed and flags write the same text
     torch.manual_seed(a.seed)
     t0 = time.time()
     try:
+        # every sample in one batch: the prompt is expanded (a view), not copied
         out = model.generate(idx.expand(a.num_samples, -1), a.max_new_tokens, a.temperature,
                              a.top_k)
     except RuntimeError as e:  # CUDA's OutOfMemoryError, or the CPU's "can't allocate memory"
@@ -79,6 +83,7 @@ def main(argv=None):
     for row in out.tolist():
         print(decode(row[shown:]) + "\n" + "-" * 40)
     n = a.num_samples * a.max_new_tokens
+    # on stderr: stdout holds the text alone, ready to redirect
     print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
 
 def prompt_ids(a, meta, data_dir, sequence_len):
@@ -91,6 +96,7 @@ def prompt_ids(a, meta, data_dir, sequence_len):
                 raise UsageError(f"--start {a.start}: cannot read it as UTF-8 text ({e})") from None
         ids = prepare_data.encoder(meta, data_dir)(text)
     elif a.routes:
+        # --routes without --start: real text, one the model did not train on
         ids = prepare_data.open_split(data_dir, "val", meta)[:sequence_len].tolist()
     elif meta["level"] == "gpt2":
         ids = [prepare_data.GPT2_EOT]
@@ -101,12 +107,14 @@ def prompt_ids(a, meta, data_dir, sequence_len):
     if len(ids) > sequence_len:
         print(f"note: the prompt is {len(ids)} tokens, longer than sequence_len={sequence_len}: "
               f"using its last {sequence_len}", file=sys.stderr)
+    # the last tokens: the text continues from the prompt's end
     return ids[-sequence_len:]
 
 def cell(weight, distribution):  # a share in percent, "█100", or a learned weight, "-0.25"
     return f"{shade(weight)}{round(100 * weight):>3}" if distribution else f"{weight:.2f}"
 
 def shade(weight):
+    # never blank: blank means a source the read does not see; a weight of 0 was seen
     return SHADES[min(4, max(1, math.ceil(weight * 4)))]
 
 @torch.no_grad()
@@ -140,6 +148,7 @@ def show_routes(model, idx, path, prompt):
         print(f"  {'mean':<8} {stats['js_mean']:.4f}")
 
 def heatmap(sources, reads, head=None):  # head None: the mean over route heads, and entropies
+    # short source names keep a row of many sources within a terminal's width
     short = [s.replace(".phase", ".ph").replace(".split", ".sp") for s in sources]
     width, name_width = 1 + max(5, *map(len, short)), 2 + max(map(len, reads))
     print(" " * name_width + "".join(f"{s:>{width}}" for s in short) + "      H" * (head is None))
