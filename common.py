@@ -30,11 +30,15 @@ def cli(main):
             return main(argv)
         except UsageError as e:
             message = str(e)
+        # a full disk, a permission, a missing file: the user's to fix; other errors are bugs
+        # and keep their traceback
         except OSError as e:
             message = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+        # Ctrl-C: one line, no traceback; 130 = 128 + SIGINT, as a shell reports it
         except KeyboardInterrupt:
             print("error: interrupted; the same command continues what was done", file=sys.stderr)
             sys.exit(130)
+        # one line even when the message holds newlines
         print("error: " + " ".join(message.split()), file=sys.stderr)
         sys.exit(2)
     return run
@@ -49,14 +53,17 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse without abbreviations; a bad flag is one `error:` line naming the nearest flag."""
 
     def __init__(self, *args, **kwargs):
+        # no abbreviations: --warm for --warmup_iters would break once another flag starts alike
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         wrong = re.search(r"unrecognized arguments: --?([\w-]+)", message)
+        # the subcommands' flags too (experiments.py): the hint may name any of them
         parsers = [self] + [p for a in self._actions if isinstance(a, argparse._SubParsersAction)
                             for p in a.choices.values()]
         flags = {o[2:] for p in parsers for a in p._actions for o in a.option_strings
                  if o.startswith("--")}
+        # a synonym counts only where its flag exists in this parser
         known = {f: f for f in flags} | {k: v for k, v in FLAG_SYNONYMS.items() if v in flags}
         close = difflib.get_close_matches(wrong[1], known, n=1, cutoff=0.7) if wrong else []
         hint = f" (did you mean --{known[close[0]]}?)" if close else ""
@@ -69,6 +76,7 @@ def count(text):
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmb]?)\s*", str(text), re.I)
     if not m:
         raise ValueError(f"{text!r} is not a token count such as 2B, 500M, 64K or 10000")
+    # round, not int: 2.01 x 1e3 is 2009.999... in floating point
     return int(round(float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}[m[2].lower()]))
 
 def true_or_false(text):  # an argparse type= for a bool flag: True/False/1/0
@@ -78,6 +86,7 @@ def true_or_false(text):  # an argparse type= for a bool flag: True/False/1/0
 
 def command(script, flags, world=1):
     """A command line that works when pasted into a shell: each argument quoted where needed."""
+    # --: torchrun's own flags end there (train.py drops it)
     launcher = ["torchrun", f"--nproc_per_node={world}", script, "--"] if world > 1 else \
         ["python", script]
     return shlex.join([*launcher, *map(str, flags)])
@@ -98,14 +107,17 @@ def file_name(text):  # folder_name's twin for a file flag: '' or blanks would n
 def write_atomic(path, data):
     """Write `data` (bytes, or a function writing to a binary file) to path whole or not at all."""
     path = Path(path)
+    # in the target's folder: os.replace is atomic within one file system only
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             data(f) if callable(data) else f.write(data)
             f.flush()
+            # on disk before the rename: a crash never leaves the new name on missing data
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
+    # BaseException: a Ctrl-C mid-write removes the temporary file too
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
