@@ -86,7 +86,7 @@ def true_or_false(text):  # an argparse type= for a bool flag: True/False/1/0
 
 def command(script, flags, world=1):
     """A command line that works when pasted into a shell: each argument quoted where needed."""
-    # --: torchrun's own flags end there (train.py drops it)
+    # --: keeps torchrun off the script's flags (train.py drops it)
     launcher = ["torchrun", f"--nproc_per_node={world}", script, "--"] if world > 1 else \
         ["python", script]
     return shlex.join([*launcher, *map(str, flags)])
