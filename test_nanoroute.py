@@ -1204,6 +1204,8 @@ INVALID = [
     (dict(residual="attnres", wav=True, wav_bases="haar"),
      "wav_bases='haar': must be one of phase, split, both"),
     (dict(residual="attnres", wav_rho=2.0), "wav_rho=2.0: applies only with wav=True"),
+    (dict(residual="attnres", wav_readout_details=True),
+     "wav_readout_details=True: applies only with wav=True"),
     (dict(residual="attnres", wav_learned_bases=True),
      "wav_learned_bases=True: applies only with wav=True"),
     (dict(wav_learned_bases=True), "wav_learned_bases=True: applies only to residual=attnres"),

@@ -545,17 +545,20 @@ def test_explicit_flags_beat_a_preset_and_its_baseline_keeps_all_but_the_routing
     assert model["residual"] == "prenorm" and not model["wav"] and a.lr == 0.01
     assert a.max_iters == train.PRESETS["wav12"]["max_iters"]  # the preset's other settings stay
     nanoroute.GPTConfig(**dict(model, vocab_size=256))  # a model train.py builds: PreNorm
-    a, model = train.resolve_settings({"preset": "wav12"})
-    flags, _ = train.baseline_flags(a, nanoroute.GPTConfig(**dict(model, vocab_size=256)))
-    flags = list(map(str, flags))
-    assert "--preset" not in flags and flags[:2] == ["--residual", "prenorm"]
-    given = {k: v for k, v in vars(train.build_parser().parse_args(flags)).items() if v is not None}
-    b, baseline = train.resolve_settings(given)
-    skip = {*nanoroute.routing_fields(), *nanoroute.routing_fields(train.TrainSettings),
-            "out_dir", "preset"}  # all else as the preset's run
-    assert {k: v for k, v in {**dataclasses.asdict(a), **model}.items() if k not in skip} == \
-        {k: v for k, v in {**dataclasses.asdict(b), **baseline}.items() if k not in skip}
-    assert baseline["residual"] == "prenorm" and not baseline["wav"]
+    # the baseline of a preset's run, and of a run whose flags are GPTConfig's own defaults (not
+    # train.py's small model): run as printed, each is the same run without the routing
+    for explicit in ({"preset": "wav12"}, {"n_layer": 6, "n_head": 6, "n_embd": 384}):
+        a, model = train.resolve_settings(explicit)
+        flags, _ = train.baseline_flags(a, nanoroute.GPTConfig(**dict(model, vocab_size=256)))
+        flags = list(map(str, flags))
+        assert "--preset" not in flags and flags[:2] == ["--residual", "prenorm"]
+        parsed = vars(train.build_parser().parse_args(flags))
+        b, baseline = train.resolve_settings({k: v for k, v in parsed.items() if v is not None})
+        skip = {*nanoroute.routing_fields(), *nanoroute.routing_fields(train.TrainSettings),
+                "out_dir", "preset"}  # all else as the routed run
+        assert {k: v for k, v in {**dataclasses.asdict(a), **model}.items() if k not in skip} == \
+            {k: v for k, v in {**dataclasses.asdict(b), **baseline}.items() if k not in skip}
+        assert baseline["residual"] == "prenorm" and not baseline["wav"]
 
 
 def test_best_is_the_lowest_val_loss_and_survives_a_crash_between_the_two_files(demo, tmp_path,
