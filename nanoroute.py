@@ -86,8 +86,9 @@ def missing_need(needs, config):
     return f"applies only with {needs} other than {field_.default!r}: add --{needs} (see --help)"
 
 def setting(default, help, needs=None):
-    """A config field with its help text (train.py's --help). needs="attnres" or "wav" marks a
-    field of the depth routing: an error unless residual=attnres (and wav=True)."""
+    """A config field with its help text (train.py's --help). needs="attnres", or the field it
+    needs off its default ("wav"), marks a field of the depth routing: set where missing_need
+    says it has no effect, it is an error."""
     return field(default=default, metadata=dict(help=help, needs=needs))
 
 @dataclass
