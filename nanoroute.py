@@ -26,6 +26,7 @@ References:
 import contextlib
 import functools
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -718,11 +719,27 @@ class GPT(DepthRouting, nn.Module):
 # -----------------------------------------------------------------------------
 # Routing diagnostics
 
+# What a source's name says, for legends: a letter and a number (C<i>: block i), or a word
+SOURCE_KINDS = {"emb": "embedding", "C": "completed block i", "P": "partial block",
+                "L": "layer i's output"}
+
 def source_block(name):
-    """The routing block a source comes from, by its name: -1 for emb, b for C<b> and its details,
-    inf for the partial block P (pool order; a read in block b sees C<j> of age b - j)."""
+    """The routing block a source comes from, by its name: -1 for emb, b for C<b> and its details
+    (L<b> too), inf for the partial block P and any other name (pool order; a read in block b sees
+    C<j> of age b - j)."""
     block = name.partition(".")[0]
-    return -1 if block == "emb" else math.inf if block == "P" else int(block[1:])
+    numbered = re.fullmatch(r"[A-Za-z]+(\d+)", block)
+    return -1 if block == "emb" else int(numbered[1]) if numbered else math.inf
+
+def source_legend(sources):
+    """"emb: embedding, C<i>: completed block i, ..." for the kinds of name in `sources`."""
+    kinds = {}  # "C<i>": "C", "emb": "emb", in pool order
+    for source in sources:
+        block = source.partition(".")[0]
+        kind = re.sub(r"\d+$", "", block)
+        kinds[f"{kind}<i>" if kind != block else block] = kind
+    return ", ".join(f"{label}: {SOURCE_KINDS.get(kind, 'named by the model')}"
+                     for label, kind in kinds.items())
 
 def js_divergence(p, q):
     """Jensen-Shannon divergence (nats, ≤ ln 2) of two routes (S, ...), mean over the rest."""

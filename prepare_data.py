@@ -314,6 +314,9 @@ DATASETS = {
 }
 
 # --- The API train.py and sample.py use. ---
+# The levels decoder and encoder know (and train.py's bpc: char level), and no other
+LEVELS = ("char", "gpt2")
+
 def prepare(name, out_dir=None, **options):
     """Prepare dataset `name` into out_dir (default data/NAME) by the rules of the top."""
     o, recorded = _options(name, options)
@@ -340,9 +343,9 @@ def prepare(name, out_dir=None, **options):
         sources.append(f"{o['base_url'] or official}/{Path(rel).name}")
         return _download(out, progress, o, rel, sources[-1])
     meta, splits = DATASETS[name].prepare(o, fetch)
-    if meta["level"] not in ("char", "gpt2"):  # what decoder, encoder and train.py's bpc know
+    if meta["level"] not in LEVELS:
         raise ValueError(f"dataset {name} returns level {meta['level']!r}: use \"char\" "
-                         "(Unicode characters) or \"gpt2\", or teach decoder and encoder another")
+                         "(Unicode characters) or \"gpt2\", or add one to LEVELS, decoder, encoder")
     meta = {"dataset": name, **meta, "source": meta.get("source", sources), "splits": {}}
     meta["sha256"] = {}  # each split's: what tells a run's text from other text (checkpoint.py)
     dtype = np.dtype(meta["dtype"])
@@ -434,8 +437,7 @@ def load_meta(folder):
                 **({"chars": list} if meta.get("level") == "char" else {}))
     wrong = [f'no "{k}" {t.__name__}' for k, t in need.items() if type(meta.get(k)) is not t]
     wrong += [] if meta.get("dtype") in ("uint8", "uint16") else ['no "dtype" uint8 or uint16']
-    # decoder, encoder, sample.py and train.py's bpc know these two levels, and no other
-    wrong += [] if meta.get("level") in ("char", "gpt2") else ['"level" not "char" or "gpt2"']
+    wrong += [] if meta.get("level") in LEVELS else [f'"level" not one of {", ".join(LEVELS)}']
     if wrong:
         fix = _command(folder, meta.get("dataset"), meta.get("options"))
         raise UsageError(f"{path} is damaged ({wrong[0]}); prepare it again: {fix}")

@@ -20,7 +20,7 @@ import checkpoint
 import common
 import prepare_data
 from common import UsageError, command
-from nanoroute import routing_stats
+from nanoroute import routing_stats, source_legend
 from train import pick_device
 
 SHADES = " ░▒▓█"  # a weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; blank: not seen
@@ -124,16 +124,17 @@ def show_routes(model, idx, path, prompt):
     stats = routing_stats(model(idx, return_routes=True)[2])
     if not stats["reads"]:
         raise UsageError(f"{path} is a residual={model.config.residual} model: it has no depth "
-                         "routing or learned mixing weights to show (--routes needs a --residual "
-                         "attnres or denseformer run)")
+                         "routing or learned mixing weights to show (--routes needs a model that "
+                         "records routes: --residual attnres, or one that mixes with learned "
+                         "weights)")
     snippet = prompt if len(prompt) <= 60 else "..." + prompt[-57:]
     print(f"depth routing of {path} over a {idx.size(1)}-token prompt: {snippet!r}")
+    print(f"sources: {source_legend(stats['sources'])}")
     if any(r["entropy"] is not None for r in stats["reads"].values()):
         print(f"mean weight per source in %: shade {SHADES[1]} <=25 {SHADES[2]} <=50 {SHADES[3]} "
               f"<=75 {SHADES[4]} >75, blank: not seen by that read; H: entropy of the read (nats)")
     if any(r["entropy"] is None for r in stats["reads"].values()):
-        print("learned weights (no H): as they are, any real numbers, not a distribution; emb: "
-              "the embedding, L<i>: layer i's output")
+        print("learned weights (no H): as they are, any real numbers, not a distribution")
     heatmap(stats["sources"], stats["reads"])
     heads = model.config.route_heads
     for k in range(heads if heads > 1 else 0):  # MHAR: head k reads with slice k of the width

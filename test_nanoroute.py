@@ -1214,6 +1214,17 @@ INVALID = [
 ]
 
 
+def test_sources_of_any_name_sort_and_have_a_legend():
+    # a new variant may record routes over sources named its own way ("stream", "A0"): the
+    # diagnostics sort them after the blocks and say so, instead of failing on the name
+    w = torch.full((4, 1, 1, 1), 0.25)
+    fake = [dict(read=nanoroute.Read(0, "mix"), name="layer0.mix", weights=w,
+                 sources=["stream", "C1", "emb", "A0"])]
+    assert routing_stats(fake)["sources"] == ["emb", "A0", "C1", "stream"]
+    assert nanoroute.source_legend(["emb", "C0", "C0.phase", "C1", "P", "stream"]) == \
+        "emb: embedding, C<i>: completed block i, P: partial block, stream: named by the model"
+
+
 def test_needs_names_the_model_a_setting_applies_to():
     # needs= "attnres", or a field that must be off its default (where it applies itself)
     assert nanoroute.missing_need("rd", dict(residual="attnres", rd="decoupled")) is None

@@ -33,7 +33,8 @@ import checkpoint
 import common
 import prepare_data
 from common import UsageError, command, count, write_json
-from nanoroute import GPT, VARIANTS, GPTConfig, missing_need, routing_fields, routing_stats, variant
+from nanoroute import (GPT, VARIANTS, GPTConfig, missing_need, routing_fields, routing_stats,
+                       source_legend, variant)
 
 # -----------------------------------------------------------------------------
 # Settings: every training flag is a TrainSettings field, every model flag a GPTConfig field
@@ -572,8 +573,7 @@ def finish(run):
 
 def routing_summary(stats, top=3):
     """The sources each read leans on most (mean weight over 8 val crops and route heads)."""
-    lines = ["routing (mean weight per source, 8 val crops; emb: embedding, C<i>: completed "
-             "block i, P: partial block, L<i>: layer i's output)"]
+    lines = [f"routing (mean weight per source, 8 val crops; {source_legend(stats['sources'])})"]
     for name, read in stats["reads"].items():
         ranked = sorted(zip(read["mean_weight"], read["sources"]), reverse=True)[:top]
         lines.append(f"  {name:<14}" + "  ".join(f"{s} {w:.2f}" for w, s in ranked)

@@ -93,7 +93,8 @@ def test_routes_view(runs, demo, tmp_path, capsys):
     routed, heads = runs
     lines = sample_text(capsys, routed, "--routes", "--start", "Once upon").splitlines()
     assert lines[0] == f"depth routing of {routed / 'best.pt'} over a 9-token prompt: 'Once upon'"
-    assert lines[2].split() == ["emb", "C0", "P", "P.ph", "P.sp", "H"]  # the readout: no details
+    assert lines[1] == "sources: emb: embedding, C<i>: completed block i, P: partial block"
+    assert lines[3].split() == ["emb", "C0", "P", "P.ph", "P.sp", "H"]  # the readout: no details
     rows = {line.split()[0]: line for line in lines if line.startswith(("layer", "readout"))}
     assert list(rows) == ["layer0.attn", "layer0.attn.v", "layer0.mlp", "layer1.attn",
                           "layer1.attn.v", "layer1.mlp", "readout"]
@@ -141,8 +142,9 @@ def test_routes_view_of_learned_mixing_weights_and_of_a_model_with_none(demo, tm
         ckpt["model"][f"dwa_weights.{j}"] = torch.tensor(weights)
     torch.save(ckpt, tmp_path / "best.pt")
     lines = sample_text(capsys, tmp_path, "--routes", "--data", demo).splitlines()
-    assert lines[2].split() == ["emb", "L0", "L1", "H"]
-    assert [line.split() for line in lines[3:]] == [["layer0.dwa", "-1.00", "2.00"],
+    assert lines[1] == "sources: emb: embedding, L<i>: layer i's output"
+    assert lines[3].split() == ["emb", "L0", "L1", "H"]
+    assert [line.split() for line in lines[4:]] == [["layer0.dwa", "-1.00", "2.00"],
                                                     ["layer1.dwa", "0.50", "-0.25", "1.50"]]
     code, out, err = run(sample.main, ["--out_dir", tmp_path / "prenorm", "--routes"], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1
