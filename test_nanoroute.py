@@ -1283,6 +1283,8 @@ def test_kernel_constants_are_built_once_per_device():
     a = nanoroute._constant(((1.0, -1.0),), torch.device("cpu"))  # CPU's copy; meta gets its own
     assert nanoroute._constant(((1.0, -1.0),), torch.device("cpu")) is a  # reused
     assert nanoroute._constant(((1.0, -1.0),), torch.device("meta")).device.type == "meta"
+    with torch.inference_mode():  # first built in an eval: a later training step may save it
+        assert not nanoroute._constant(((2.0, -3.0),), torch.device("cpu")).is_inference()
 
 
 def test_embedding_dropout_is_on_in_training_only():

@@ -507,6 +507,22 @@ def test_bad_input_is_one_error_line_and_exit_2(demo, routed, tmp_path, capsys, 
         assert not list(tmp_path.glob("*/last.pt")) and not list(tmp_path.glob("*.pt")), case
 
 
+def test_the_route_entropy_is_the_mean_over_reads_of_several_sources_each_once():
+    torch.manual_seed(0)
+    tiny = dict(vocab_size=23, sequence_len=16, n_layer=2, n_head=2, n_embd=16, residual="attnres")
+    off, tied = (nanoroute.GPT(nanoroute.GPTConfig(**tiny, rd=rd)) for rd in ("off", "tied"))
+    with torch.no_grad():
+        for p, q in zip(off.parameters(), tied.parameters()):  # the same parameters: tied is off
+            p.normal_()
+            q.copy_(p)
+    idx = torch.randint(0, 23, (2, 12))
+    routes = off(idx, return_routes=True)[2]
+    several = [r["weights"] for r in routes if len(r["sources"]) > 1]  # not layer0.attn (e alone)
+    want = sum(-torch.xlogy(w, w).sum(0).mean() for w in several) / len(several)
+    torch.testing.assert_close(train.route_entropy(routes), want)
+    torch.testing.assert_close(train.route_entropy(tied(idx, return_routes=True)[2]), want)
+
+
 def test_bool_flags_take_true_false_1_0_and_alone_mean_true():
     for text, value in [("True", True), ("1", True), ("false", False), ("0", False)]:
         assert train.build_parser().parse_args(["--route_static", text]).route_static is value
