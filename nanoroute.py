@@ -724,9 +724,8 @@ SOURCE_KINDS = {"emb": "embedding", "C": "completed block i", "P": "partial bloc
                 "L": "layer i's output"}
 
 def source_block(name):
-    """The routing block a source comes from, by its name: -1 for emb, b for C<b> and its details
-    (L<b> too), inf for the partial block P and any other name (pool order; a read in block b sees
-    C<j> of age b - j)."""
+    """The block a source comes from, by its name: -1 for emb, b for C<b> (L<b>) and its details,
+    inf for P and any other name (pool order; a read in block b sees C<j> of age b - j)."""
     block = name.partition(".")[0]
     numbered = re.fullmatch(r"[A-Za-z]+(\d+)", block)
     return -1 if block == "emb" else int(numbered[1]) if numbered else math.inf
