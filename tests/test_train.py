@@ -334,6 +334,9 @@ def test_a_finished_run_resumed_with_nothing_to_add_rewrites_nothing(routed, tmp
     code, printed, _ = run(train.main, ["--out_dir", out, "--resume"], capsys)
     assert code == 0 and printed.count("\n") == 1 and "finished run (step 4" in printed
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
+    # a larger budget in tokens continues it (8 x 32 tokens a step: 6 steps)
+    assert run(train.main, ["--out_dir", out, "--resume", "--max_tokens", 6 * 256], capsys)[0] == 0
+    assert json.loads((out / "summary.json").read_text())["step"] == 6
 
 
 def test_resume_refuses_another_model_or_dataset(demo, routed, tmp_path, capsys):
