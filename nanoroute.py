@@ -158,9 +158,8 @@ class GPTConfig:
         if self.wav and self.n_layer < 2:
             bad("n_layer", "WAV needs at least 2 layers (one routing block of 4 sublayers)")
         rd = RD_MODES[self.rd]
-        if any(role != "attn" and not role.startswith("attn.") for role in rd.roles):
-            bad("rd", f"RD_MODES[{self.rd!r}] reads {rd.roles}: attention's reads are \"attn\" "
-                "or \"attn.<name>\"")
+        if any(role.partition(".")[0] != "attn" for role in rd.roles):
+            bad("rd", f"RD_MODES[{self.rd!r}] reads {rd.roles}: attention reads attn, attn.<name>")
         if set(rd.frozen) - set(rd.roles) or (rd.average or rd.tied) and len(rd.roles) < 2:
             bad("rd", f"RD_MODES[{self.rd!r}] = {rd}: frozen names roles it does not read, or "
                 "average/tied is given without a second read (it would be rd=off)")
@@ -470,11 +469,10 @@ class DepthRouting:
         return query, bias
 
     def block_reads(self, pool, first, sublayers, cache, previous):
-        """The kernel's reads before `sublayers` (a routing block that starts at sublayer `first`,
-        or the readout), each over the pool and the block's own sources, which a read sees from
-        the block's second sublayer on; None where read() takes the reference path: with
-        fast_routing=False, and in generation with a KV cache (choice: one token at a time has
-        nothing to batch). previous: the last block's, whose key norms the kernel reuses."""
+        """The kernel's reads before `sublayers` (a block that starts at sublayer `first`, or the
+        readout), over the pool and the block's own sources, seen from its second sublayer on;
+        None where read() takes the reference path: fast_routing=False, and generation with a KV
+        cache (choice: one token at a time has nothing to batch). previous: the last block's."""
         if not self.config.fast_routing or (cache is not None and not torch.is_grad_enabled()):
             return None
         details = sublayers[0] < 2 * self.config.n_layer or self.config.wav_readout_details
@@ -506,10 +504,11 @@ class DepthRouting:
         names = [s.name for s in sources]
         tied = rd.tied and read.role == rd.q
         for role in rd.roles if tied else (read.role,):
+            named = read._replace(role=role)
             feeds = rd.feeds(role) if role.startswith("attn") else ""
             # not detached: a loss written on the routes trains the routing (docs/routing.md)
-            routes.append(dict(read=read._replace(role=role), name=str(read._replace(role=role)),
-                               sources=names, weights=weights, feeds=feeds))
+            routes.append(dict(read=named, name=str(named), sources=names, weights=weights,
+                               feeds=feeds))
         return h
 
     def sublayer_inputs(self, l, h):
@@ -686,8 +685,7 @@ class GPT(DepthRouting, nn.Module):
         """Sample max_new_tokens tokens after idx (B, T) with a KV cache. Past sequence_len tokens
         the context is the last sequence_len tokens, re-encoded at each step: exact, slower."""
         if not 0 < temperature < math.inf:  # NaN fails too
-            raise ValueError(f"temperature={temperature!r}: must be > 0 and finite (top_k=1 is "
-                             "greedy)")
+            raise ValueError(f"temperature={temperature!r}: must be > 0 and finite")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k!r}: must be >= 1, or None for no cut-off")
         # within float32's range: 1e-46 would be 0 there, 1e39 inf (0 / 0, -inf / inf: NaN)
@@ -724,8 +722,8 @@ SOURCE_KINDS = {"emb": "embedding", "C": "completed block i", "P": "partial bloc
                 "L": "layer i's output"}
 
 def source_block(name):
-    """The block a source comes from, by its name: -1 for emb, b for C<b> (L<b>) and its details,
-    inf for P and any other name (pool order; a read in block b sees C<j> of age b - j)."""
+    """The block of a source, by its name: -1 for emb, b for C<b> (L<b>) and its details, inf for P
+    and any other name (pool order; a read in block b sees C<j> of age b - j)."""
     block = name.partition(".")[0]
     numbered = re.fullmatch(r"[A-Za-z]+(\d+)", block)
     return -1 if block == "emb" else int(numbered[1]) if numbered else math.inf
@@ -1010,19 +1008,21 @@ class PartialMerge(torch.autograd.Function):
     def forward(ctx, mix, lse, query, bias, inv_rms, scale, coeffs, *terms):
         h, a, dots, term_dots = merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms)
         ctx.save_for_backward(query, inv_rms, scale, coeffs, dots, a, h, term_dots, *terms)
+        ctx.set_materialize_grads(False)  # da is None unless a loss reads the weights: no work
         return h, a
 
     @staticmethod
     def backward(ctx, dh, da):
         query, inv_rms, scale, coeffs, dots, a, h, term_dots, *stored = ctx.saved_tensors
         with float32(h):  # float32 also when backward() is called under autocast
-            dh, q = dh.float(), query.float()
+            dh = torch.zeros_like(h) if dh is None else dh.float()  # a loss on the weights alone
+            q = query.float()
             terms = [t.float() for t in stored]
             # ⟨dh, term_k⟩ (K, B, T), then dlogit (P, B, T)
             term_grads = torch.stack([torch.linalg.vecdot(dh, t) for t in terms])
             dlogit = a[1:] * (_per_source(coeffs, term_grads) * scale - torch.linalg.vecdot(dh, h))
-            # a loss on the weights a: the softmax's own backward, a·(da − Σ a·da)
-            dlogit += a[1:] * (da[1:].float() - (a * da.float()).sum(0))
+            if da is not None:  # a loss on the weights a: the softmax's backward, a·(da − Σ a·da)
+                dlogit += a[1:] * (da[1:].float() - (a * da.float()).sum(0))
             c = dlogit * inv_rms * scale  # through the dot product
             norm_term = dlogit * dots * inv_rms.pow(3) * scale.square() / h.size(-1)  # the key norm
             c_k, a_k = _per_term(coeffs, c), _per_term(coeffs, a[1:] * scale)

@@ -1439,7 +1439,7 @@ def test_extension_rd_mode_reading_a_new_role(monkeypatch, fast, device):
     main = [r["entropy_norm"] for n, r in stats["reads"].items() if not n.endswith((".k", ".v"))]
     assert stats["entropy_norm_mean"] == pytest.approx(sum(main[1:]) / len(main[1:]))  # not e's
     monkeypatch.setitem(nanoroute.RD_MODES, "bad", nanoroute.RD(v="mlp.v"))
-    with pytest.raises(ValueError, match="attention's reads are"):
+    with pytest.raises(ValueError, match="attention reads attn, attn.<name>"):
         make_model(residual="attnres", rd="bad")
 
 

@@ -102,7 +102,8 @@ def test_routes_view(runs, demo, tmp_path, capsys):
     assert len(cells(rows["readout"])) == 2 and len(cells(rows["layer1.mlp"])) == 4
     for name, row in rows.items():  # percentages of one read add up to 100 (each rounded)
         assert abs(sum(int(p) for _, p in cells(row)) - 100) <= 2, name
-        assert re.search(r"  \d\.\d\d$", row), name  # its entropy
+        assert re.search(r"  \d\.\d\d$", row), name  # its entropy, in nats: at most ln(sources)
+        assert float(row.split()[-1]) <= math.log(len(cells(row))) + 0.005, name
     js = lines[next(i for i, line in enumerate(lines) if "JS divergence" in line) + 1:]
     assert [line.split()[0] for line in js] == ["layer1", "mean"]  # layer 0 reads e alone
     val = prepare_data.open_split(demo, "val")[:32]  # the default prompt: the start of val
