@@ -137,13 +137,15 @@ def test_report_of_several_folders_and_of_run_folders_themselves(tmp_path, capsy
 
 def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(tmp_path, capsys):
     finals = {("block", 1e-3): [2.0, 2.2], ("block", 2e-3): [1.9, 2.1], ("block", 4e-3): [2.3, 2.4],
-              ("rd", 1e-3): [1.8, 2.0], ("rd", 2e-3): [2.0, 2.0]}
+              ("rd", 1e-3): [1.8, 2.0], ("rd", 2e-3): [2.0, 2.0],
+              # the mean picks 2e-3 (inside the grid), the median would pick 1e-3
+              ("wav", 1e-3): [1.0, 1.0, 4.0], ("wav", 2e-3): [1.5, 1.5, 1.5], ("wav", 4e-3): [3.0] * 3}
     for (variant, lr), vals in finals.items():
         for seed, val in enumerate(vals):
             hand_run(tmp_path, f"{variant}_L4_s{seed}_lr{lr:g}", variant, seed, val, lr=lr)
     group, = report(tmp_path)
     rows = {row["variant"]: row for row in group["rows"]}
-    assert (rows["block"]["lr"], rows["rd"]["lr"]) == (2e-3, 1e-3)
+    assert (rows["block"]["lr"], rows["rd"]["lr"], rows["wav"]["lr"]) == (2e-3, 1e-3, 2e-3)
     assert rows["rd"]["delta"] == pytest.approx(dict(mean=-0.1, std=0.0, wins=2, ties=0, n=2))
     assert list(rows["rd"]["others"]) == [2e-3] and rows["rd"]["others"][2e-3] == (2.0, 2)
     code, out, _ = run(experiments.main, ["report", tmp_path], capsys)
@@ -201,6 +203,8 @@ def test_bad_grid_input_is_one_error_line(demo, tmp_path, capsys):
         ([*custom, "--variants", "block", "--jobs", "0"], "--jobs 0: must be at least 1"),
         ([*custom, "--variants", "block", "--seeds", "0-100000000"], "0-4, at most 1000"),
         ([*custom, "--variants", "block,wav", "--seeds", "0-999"], "2000 runs, more than 1000"),
+        ([*custom, "--variants", "block", "--seeds", "0-499", "--set", "warmup_iters=1,2,3"],
+         "1500 runs, more than 1000"),  # --set values multiply the runs too
         ([*custom, "--variants", "wav", "--set", "wav_rh=2"], "(did you mean --wav_rho?)"),
         ([*custom, "--variants", "wav", "--set", "wav_rho=x"], "invalid float value: 'x'"),
         ([*custom, "--variants", "wav", "--set", "seed=1,2"], "--set seed=1,2: the sweep sets"),
