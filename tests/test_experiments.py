@@ -163,6 +163,21 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(tmp_path, capsys):
     assert [experiments.flag_dict(r["args"])["--lr"] for r in runs] == ["0.001", "0.002"]
 
 
+def test_a_set_value_pairs_with_its_baseline_value_at_its_own_lr(tmp_path):
+    for lr, at_base, at_five in [(1e-3, [2.0, 2.2], [1.9, 2.0]), (2e-3, [1.5, 1.7], [1.6, 1.9])]:
+        for seed in (0, 1):
+            for value, finals in (("20", at_base), ("5", at_five)):
+                d = hand_run(tmp_path, f"block_s{seed}_lr{lr:g}_w{value}", "block", seed,
+                             finals[seed], lr=lr, warmup_iters=int(value))
+                (d / "run.json").write_text(json.dumps(dict(
+                    variant="block", seed=seed, args=[], set={"warmup_iters": value},
+                    set_base={"warmup_iters": "20"})))
+    group, = report(tmp_path)
+    five, = [row for row in group["rows"] if row["off"]]
+    assert five["lr"] == 2e-3  # paired with warmup_iters=20 at 2e-3, not at the other rate
+    assert five["delta"] == pytest.approx(dict(mean=0.15, std=0.0707107, wins=0, ties=0, n=2))
+
+
 def test_a_run_whose_files_cannot_be_read_is_left_out_with_a_note(tmp_path, capsys):
     hand_run(tmp_path, "block_L4_s0", "block", 0, 2.0)
     (hand_run(tmp_path, "rd_L4_s0", "rd", 0, 1.9) / "summary.json").write_text("{not json")
