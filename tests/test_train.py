@@ -554,7 +554,8 @@ def test_the_baseline_of_a_token_budget_and_of_a_named_wandb_run():
     b, model = train.resolve_settings(given)  # the printed command is a run train.py accepts
     assert b.max_tokens == a.max_tokens and model["residual"] == "prenorm"
     stats = dict(reads={"readout": dict(sources=["emb", "C0", "C1", "P"],
-                                        mean_weight=[0.2, 0.5, 0.1, 0.2])}, js_mean=None)
+                                        mean_weight=[0.2, 0.5, 0.1, 0.2])}, js_mean=None,
+                 sources=["emb", "C0", "C1", "P"])  # as routing_stats gives them
     assert train.routing_summary(stats).splitlines()[1].split() == \
         ["readout", "C0", "0.50", "emb", "0.20", "P", "0.20", "..."]  # the heaviest first
 
