@@ -168,6 +168,8 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
 
 def test_models_start_paired_memory_counts_no_buffer_and_a_fallback_is_said(tmp_path, capsys,
                                                                              monkeypatch):
+    no_gen = TINY[:TINY.index("--gen_tokens")]  # its default: min(256, sequence_len)
+    assert bench.Bench(bench.build_parser().parse_args(no_gen), []).n_new == 32
     b = bench.Bench(bench.build_parser().parse_args([*TINY, "--iters", "2"]), [])
     torch.manual_seed(123)  # whatever the random state: every model starts from the same seed
     prenorm, block = bench.build(b, "prenorm"), (torch.rand(3), bench.build(b, "block"))[1]
