@@ -411,8 +411,9 @@ def test_load_meta_names_the_command_and_the_prepared_folders_nearby(tmp_path, m
         pd.load_meta("data/demo")
 
 
-def test_open_split_checks_the_size_and_every_token_id(tmp_path):
+def test_open_split_checks_the_size_and_every_token_id(tmp_path, monkeypatch):
     out, fix = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01), "python prepare_data.py demo"
+    monkeypatch.setattr(pd, "CHUNK", 64)  # read in chunks: the bad id below is past the first
     val = bytearray((out / "val.bin").read_bytes())
     val[-1] = 200  # id 200 in a 51-symbol vocabulary: a file of another dataset
     (out / "val.bin").write_bytes(val)
