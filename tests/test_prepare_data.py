@@ -360,6 +360,10 @@ def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(tmp_path,
     before = files_in(mine)
     assert "give a new or empty folder" in error_line(capsys, ["demo", "--out", mine])
     assert files_in(mine) == before
+    dotted = tmp_path / "dotted"  # hidden files only (.git, .env): not empty either
+    (dotted / ".git").mkdir(parents=True)
+    assert "give a new or empty folder" in error_line(capsys, ["demo", "--out", dotted])
+    assert [p.name for p in dotted.iterdir()] == [".git"]
     demo = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01)
     before = files_in(demo)
     assert "holds the demo dataset" in error_line(capsys, ["text8", "--out", demo])
