@@ -139,7 +139,8 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(tmp_path, capsys):
     finals = {("block", 1e-3): [2.0, 2.2], ("block", 2e-3): [1.9, 2.1], ("block", 4e-3): [2.3, 2.4],
               ("rd", 1e-3): [1.8, 2.0], ("rd", 2e-3): [2.0, 2.0],
               # the mean picks 2e-3 (inside the grid), the median would pick 1e-3
-              ("wav", 1e-3): [1.0, 1.0, 4.0], ("wav", 2e-3): [1.5, 1.5, 1.5], ("wav", 4e-3): [3.0] * 3}
+              ("wav", 1e-3): [1.0, 1.0, 4.0], ("wav", 2e-3): [1.5, 1.5, 1.5],
+              ("wav", 4e-3): [3.0] * 3}
     for (variant, lr), vals in finals.items():
         for seed, val in enumerate(vals):
             hand_run(tmp_path, f"{variant}_L4_s{seed}_lr{lr:g}", variant, seed, val, lr=lr)
