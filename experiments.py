@@ -109,15 +109,8 @@ def plan(a, extra=()):
                 run = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
                 run += "".join(f"_{k}{x}" for k, x in swept.items())  # block_L4_s0_wav_rho2
                 run = f"{dataset}/{run}" if len(grid["datasets"]) > 1 else run
-                # the preset sets width and schedule; train.py lets every other flag override it
-                args = ["--preset", presets[depth]] if presets else []
-                args += ["--data", folder, "--n_layer", str(depth), "--seed", str(seed)]
-                # every field a variant may set: a preset's wav=True never leaks into block
-                args += [s for k, value in variant(v).items() for s in (f"--{k}", str(value))]
-                args += [] if block is None else ["--attnres_block", str(block)]
-                # argparse keeps a flag's last value: yours (after --, --set) beat the grid's
-                args += [*shlex.split(grid["flags"]), *itertools.chain(*chosen.items())]
-                args += ["--lr", f"{lr:g}"] if lr else []
+                preset = presets[depth] if presets else None
+                args = run_args(preset, folder, depth, seed, v, block, grid["flags"], chosen, lr)
                 runs.append(dict(name=run, dir=Path(a.out or f"runs/{a.name}") / run, variant=v,
                                  dataset=dataset, depth=depth, seed=seed, lr=lr, sweep=a.name,
                                  attnres_block=block, args=args, env=grid.get("env", {}),
@@ -141,6 +134,18 @@ def sweep_grid(a, variants):
         raise UsageError(f"--data {a.data}: only sweep custom takes a data folder; sweep {a.name} "
                          f"reads {', '.join(SWEEPS[a.name]['datasets'])} from --data_root")
     return SWEEPS[a.name]
+
+def run_args(preset, folder, depth, seed, name, block, grid_flags, chosen, lr):
+    """train.py's flags for one run of a sweep: chosen holds the --set and after -- values."""
+    # the preset sets width and schedule; train.py lets every other flag override it
+    args = ["--preset", preset] if preset else []
+    args += ["--data", folder, "--n_layer", str(depth), "--seed", str(seed)]
+    # every field a variant may set: a preset's wav=True never leaks into block
+    args += [s for k, value in variant(name).items() for s in (f"--{k}", str(value))]
+    args += [] if block is None else ["--attnres_block", str(block)]
+    # argparse keeps a flag's last value: yours (after --, --set) beat the grid's
+    args += [*shlex.split(grid_flags), *itertools.chain(*chosen.items())]
+    return args + (["--lr", f"{lr:g}"] if lr else [])
 
 def listed(text, flag, parse, example=f"integers like 0,1,2 or 0-4, at most {MAX_RUNS}"):
     """A comma-separated flag as distinct values, parse(part) giving each part's ([]: refused)."""

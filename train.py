@@ -360,11 +360,7 @@ def setup(argv, stop):
     if a.max_tokens:
         # rounded up: the run sees at least the budget
         a.max_iters = math.ceil(a.max_tokens / (a.batch_size * a.grad_accum * T))
-    # a finished run (summary.json: only with --resume) with nothing to add: rewrite nothing
-    if (out_dir / "summary.json").exists() and ckpt["progress"]["step"] >= a.max_iters:
-        if rank == 0:
-            print(f"{out_dir} holds a finished run (step {ckpt['progress']['step']}, --max_iters "
-                  f"{a.max_iters}): nothing to add; a larger --max_iters continues it", flush=True)
+    if finished(out_dir, ckpt, a.max_iters, rank):
         return None
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(a.seed)  # right before GPT(): paired runs share their initial weights
@@ -387,6 +383,16 @@ def setup(argv, stop):
     describe(run)
     run.wandb = start_wandb(run)
     return run
+
+def finished(out_dir, ckpt, max_iters, rank):
+    """A finished run (summary.json: only with --resume) with nothing to add: say so, and the
+    caller rewrites nothing."""
+    if not (out_dir / "summary.json").exists() or ckpt["progress"]["step"] < max_iters:
+        return False
+    if rank == 0:
+        print(f"{out_dir} holds a finished run (step {ckpt['progress']['step']}, --max_iters "
+              f"{max_iters}): nothing to add; a larger --max_iters continues it", flush=True)
+    return True
 
 def describe(run):
     """What the run trains: the data, the model, the schedule and where it runs."""
