@@ -482,8 +482,9 @@ class DepthRouting:
         rows = self.block_coefficients(first, sublayers[-1] - first)[:len(partial)]
         match = functools.partial(matching_scale, rho=self.config.wav_rho)
         routes = {read: self.route(read, s) for read, s in sources.items()}
+        capacity = 1 + len(partial) * (2 * self.config.n_layer // self.config.routing_block)
         return BlockReads(routes, [(s.name, s.value) for s in pool], rows, match, previous,
-                          sources, self.config.route_heads)
+                          sources, self.config.route_heads, capacity)
 
     def read(self, read, pool, block, first, kernel, routes):
         """SPEC: the read `read` over the pool and the sources of its block (the updates `block`
@@ -801,76 +802,92 @@ class BlockReads:
     P_r block sources it sees (0 or P); completed: [(key, value (B, T, d))]; coefficients: P rows
     of n numbers, or a (P, n) tensor (learned: its gradient is computed): block source p = s_p ·
     Σ_i c_pi·u_i, s_0 = 1, s_p = match(mean_square(source 0), mean_square(source p)) without
-    gradient; previous: the last block's BlockReads (its key norms are reused); sources: {read:
-    the caller's list of its sources}, returned with each read; heads: H > 1 splits every read
-    into H reads, head k's query zero outside the k-th slice of the width, and the read's h is
-    each head's slice of its own h."""
+    gradient; previous: the last block's BlockReads (its buffer of sources is reused); sources:
+    {read: the caller's list of its sources}, returned with each read; heads: H route heads, head
+    k's logits from the k-th slice of w and of the keys (normed over the whole width) and its mix
+    over the k-th slice of the values; capacity: how many completed sources a forward will have."""
 
-    def __init__(self, routes, completed, coefficients, match, previous, sources, heads=1):
-        if heads > 1:
-            routes = {(read, k): (q * mask, bias) for read, (q, bias) in routes.items()
-                      for k, mask in enumerate(_head_masks(heads, q))}
+    def __init__(self, routes, completed, coefficients, match, previous, sources, heads=1,
+                 capacity=1):
         self.routes, self.coefficients, self.match = routes, coefficients, match
         self.sources, self.heads = sources, heads
         self.learned = isinstance(coefficients, torch.Tensor)
         # running sums of the block's sources, unless the one source is the one term (Block AttnRes)
         self.summed = self.learned or len(coefficients) > 1 or \
             any(c != 1 for row in coefficients for c in row)
-        # key -> (value, inv_rms)
-        self.norms = dict(previous.norms) if isinstance(previous, BlockReads) else {}
-        values, inv_rms = [v for _, v in completed], [self._inv_rms(k, v) for k, v in completed]
-        S, names = len(values), list(routes)
+        self._store(completed, previous, capacity)
+        # phase 1 reads the buffer's first S slots; a slot this block does not read gets logit −inf
+        self.slots = [self.slot[key] for key, _ in completed]
+        S, names = max(self.slots) + 1, list(routes)
         queries = torch.stack([routes[r][0] for r in names])
-        biases = torch.stack([routes[r][1][:S] for r in names])
+        biases = torch.stack([routes[r][1][:len(completed)] for r in names])
+        if self.slots != list(range(S)):
+            column = dict(zip(self.slots, biases.unbind(1)))
+            hidden = biases.new_full(biases.shape[:1], -math.inf)
+            biases = torch.stack([column.get(s, hidden) for s in range(S)], 1)
+        V, inv_rms = self.buffer[:S], self.inv_rms[:S]  # views: no copy of the sources
         if torch.is_grad_enabled():
-            out = CompletedReads.apply(queries, biases, *values, *inv_rms)
+            out = CompletedReads.apply(queries, biases, V, inv_rms, heads, *self.owners[:S])
             mix, lse, p = out[:len(names)], out[len(names):-1], out[-1]
         else:  # eval: the same math without the autograd.Function (torch.compile rejects it there)
-            mix, lse, p, _, _ = completed_reads(queries, biases, values, inv_rms)
-            mix, lse = mix.unbind(2), lse.unbind(2)
-        self.phase1 = {name: (mix[r], lse[r], p[..., r]) for r, name in enumerate(names)}
+            mix, lse, p, _ = completed_reads(queries, biases, V, inv_rms, heads)
+            mix, lse = mix.unbind(3), lse.unbind(2)
+        self.phase1 = {name: (mix[r], lse[r], p[..., r, :]) for r, name in enumerate(names)}
         self.pieces, self.sums, self.seen, self.state = {}, None, 0, None
 
-    def _inv_rms(self, key, value):
-        """rsqrt(mean(v²)+ε) of a completed source (with its graph), once per forward: every
-        read's key norm is then RMSNorm(v)·w = (v·w)·inv_rms (SPEC: Two-phase computation)."""
-        cached = self.norms.get(key)
-        if cached is None or cached[0] is not value:
-            cached = self.norms[key] = (value, torch.rsqrt(mean_square(value) + EPS))
-        return cached[1]
+    def _store(self, completed, previous, capacity):
+        """Writes each completed source once a forward into a slot of one float32 buffer (slots,
+        B, T, d), with its inv_rms = rsqrt(mean(v²)+ε), so that every block's phase 1 reads a view
+        of the buffer, not a stack of the pool. A value new under its key (an override of
+        complete) takes a new slot; more sources than `capacity` grow the buffer (a copy)."""
+        if isinstance(previous, BlockReads):
+            self.buffer, self.inv_rms = previous.buffer, previous.inv_rms
+            self.slot, self.owners = dict(previous.slot), list(previous.owners)
+        else:
+            v = completed[0][1]
+            self.buffer = v.new_empty((capacity, *v.shape), dtype=torch.float32)
+            self.inv_rms = v.new_empty((capacity, *v.shape[:-1]), dtype=torch.float32)
+            self.slot, self.owners = {}, []
+        for key, value in completed:
+            if key in self.slot and self.owners[self.slot[key]] is value:
+                continue
+            n = len(self.owners)
+            if n == self.buffer.size(0):
+                self.buffer = torch.cat([self.buffer, torch.empty_like(self.buffer)])
+                self.inv_rms = torch.cat([self.inv_rms, torch.empty_like(self.inv_rms)])
+            # slot n is new: the views of slots < n that earlier blocks saved for backward are
+            # unchanged, so their version need not change (it would fail their backward)
+            with torch.no_grad(), _same_version(self.buffer), _same_version(self.inv_rms):
+                self.buffer[n] = value
+                self.inv_rms[n] = torch.rsqrt(mean_square(value) + EPS)
+            self.slot[key] = n
+            self.owners.append(value)
 
     def __call__(self, name, block, keep_weights=False):
         """h (B, T, d) of read `name` over the completed sources and those of `block` (its updates
         so far, one more per sublayer); its weights (S + P_r, B, T, H) if keep_weights; sources."""
-        if self.heads == 1:
-            h, weights = self._read(name, block, keep_weights)
-            return h, weights[..., None] if keep_weights else None, self.sources[name]
-        parts = [self._read((name, k), block, keep_weights) for k in range(self.heads)]
-        h = torch.cat([h.unflatten(-1, (self.heads, -1))[..., k, :]
-                       for k, (h, _) in enumerate(parts)], -1)
-        weights = torch.stack([w for _, w in parts], -1) if keep_weights else None
-        return h, weights, self.sources[name]
-
-    def _read(self, name, block, keep_weights):
         mix, lse, p = self.phase1[name]
         query, bias = self.routes[name]
-        S = p.size(2)
+        S = len(self.slots)
+        if keep_weights:  # the weights of this read's completed sources, in its order
+            p = p if self.slots == list(range(S)) else torch.stack([p[s] for s in self.slots])
         if bias.size(0) == S:  # no block source; a copy: a view would keep all of phase 1 alive
-            return mix.contiguous(), p.permute(2, 0, 1) if keep_weights else None
+            return mix.flatten(-2).clone(), p if keep_weights else None, self.sources[name]
         terms, coeffs, inv_rms, scale = self._block_state(block)
-        args = (mix, lse, query, bias[S:], inv_rms, scale, coeffs)
+        args = (mix, lse, query, bias[S:], inv_rms[..., None], scale[..., None], coeffs)
         if torch.is_grad_enabled():
             h, a = PartialMerge.apply(*args, *terms)
         else:
             h, a = merge_partial(*args, terms)[:2]
-        return h, torch.cat([a[0] * p.permute(2, 0, 1), a[1:]]) if keep_weights else None
+        weights = torch.cat([a[0] * p, a[1:]]) if keep_weights else None
+        return h, weights, self.sources[name]
 
     def _block_state(self, block):
         """The block's sources as PartialMerge takes them: terms, their coefficients (P, K) (None:
-        the one source is the one term), inv_rms and detached scale (P, B, T). Updates with equal
-        fixed coefficient columns are summed into one term (WAV's two bases: at most 4 a block;
-        without WAV 1: a sublayer leaves one tensor for the backward); learned coefficients keep
-        one term per update."""
+        the one source is the one term), inv_rms and detached scale (P, B, T). Updates with
+        equal fixed coefficient columns are summed into one term (WAV's two bases: at most 4 a
+        block; without WAV 1: a sublayer leaves one tensor for the backward); learned coefficients
+        keep one term per update."""
         if self.state is None or self.seen != len(block):
             for i in range(self.seen, len(block)):
                 self._absorb(i, block[i])
@@ -901,9 +918,7 @@ class BlockReads:
             term = column.float()[:, None, None, None] * u  # (P, B, T, d)
             self.sums = term if self.sums is None else self.sums + term
 
-def _head_masks(heads, query):  # (H, d): row k is 1 on the k-th slice of the width, else 0
-    eye = torch.eye(heads, device=query.device, dtype=query.dtype)
-    return eye.repeat_interleave(query.size(-1) // heads, dim=1)
+_same_version = torch.autograd._unsafe_preserve_version_counter
 
 _CONSTANTS = {}  # (values, device) -> tensor
 
@@ -919,35 +934,48 @@ def _constant(values, device):
             _CONSTANTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
     return _CONSTANTS[key]
 
-def completed_reads(queries, biases, values, inv_rms):
-    """Phase 1's forward: queries (R, d), biases (R, S), S sources (B, T, d), their inv_rms (B, T).
-    Returns mix (B, T, R, d), lse (B, T, R), p (B, T, S, R), inv_rms (B, T, S), dots vᵀw."""
-    with float32(values[0]):
-        V = torch.stack(values, dim=2).float()  # (B, T, S, d)
-        inv_rms = torch.stack(inv_rms, dim=2)  # (B, T, S)
-        dots = V @ queries.float().t()  # (B, T, S, R); choice: TF32 allowed on CUDA (SPEC: Choices)
-        logits = dots * inv_rms[..., None] + biases.float().t()
-        # (B, T, R); finite when every completed source is masked (−inf): p = 0, not NaN
-        lse = logits.logsumexp(2).clamp(min=torch.finfo(torch.float32).min)
-        p = (logits - lse[:, :, None]).exp()
-        mix = p.transpose(2, 3) @ V  # (B, T, R, S) @ (B, T, S, d) -> (B, T, R, d)
-    return mix, lse, p, inv_rms, dots
+def _by_head(queries, heads):  # (R, d) -> (d, R·H): column (r, k) is w_r on slice k, else 0
+    if heads == 1:
+        return queries.t()
+    mask = torch.eye(heads, device=queries.device).repeat_interleave(queries.size(1) // heads, 1)
+    return (queries[:, None] * mask).flatten(0, 1).t()
+
+def _slices(V, heads):  # (S, B, T, d) -> (B·T·H, S, d/H): each token's head slices, a view
+    return V.reshape(V.size(0), -1, V.size(-1) // heads).transpose(0, 1)
+
+def _by_token(p):  # (S, B, T, R, H) -> (B·T·H, R, S): each token and head's weights
+    return p.permute(1, 2, 4, 3, 0).contiguous().flatten(0, 2)  # a view: a slow path on a CPU
+
+def completed_reads(queries, biases, V, inv_rms, heads=1):
+    """Phase 1's forward: queries (R, d), biases (R, S), the sources V (S, B, T, d) and their
+    inv_rms (S, B, T). Returns mix (B, T, H, R, d/H), lse (B, T, R, H), p (S, B, T, R, H) and the
+    dots (S, B, T, R, H), head k's slice of vᵀw."""
+    with float32(V):
+        W = _by_head(queries.float(), heads)
+        # one matmul over every source and token; choice: TF32 allowed on CUDA (SPEC: Choices)
+        dots = (V.reshape(-1, V.size(-1)) @ W).view(*V.shape[:-1], -1, heads)
+        logits = dots * inv_rms[..., None, None] + biases.float().t()[:, None, None, :, None]
+        # finite when every completed source is masked (−inf): p = 0, not NaN
+        lse = logits.logsumexp(0).clamp(min=torch.finfo(torch.float32).min)
+        p = (logits - lse).exp()
+        mix = torch.bmm(_by_token(p), _slices(V, heads))  # (B·T·H, R, d/H)
+    return mix.view(*V.shape[1:3], heads, *mix.shape[1:]), lse, p, dots
 
 def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
-    """Phase 2's forward: a read's summary (mix, lse), query (d,) and P partial sources scale_p ·
-    Σ_k coeffs[p, k]·terms_k: bias (P,), inv_rms and detached scale (P, B, T), coeffs (P, K)
-    (None: the source is its one term), terms (B, T, d). Returns h (B, T, d), a (1+P, B, T),
-    dots ṽ_pᵀw (P, B, T) and the terms' dots t_kᵀw (K, B, T)."""
+    """Phase 2's forward: a read's summary mix (B, T, H, d/H), lse (B, T, H), its query (d,), and
+    P partial sources scale_p · Σ_k coeffs[p, k]·terms_k: bias (P,), inv_rms and detached scale
+    (P, B, T, 1), coeffs (P, K) (None: the source is its one term), terms (B, T, d). Returns h
+    (B, T, d), a (1+P, B, T, H), dots ṽ_pᵀw (P, B, T, H), the terms' dots t_kᵀw (K, B, T, H)."""
     with float32(mix):
-        q = query.float()
+        q = query.float().view(mix.size(-2), -1)  # (H, d/H)
         # vecdot, not v @ q: a per-token dot product is one fused pass, v @ q 2x slower on a CPU
-        term_dots = torch.stack([torch.linalg.vecdot(t.float(), q) for t in terms])
+        term_dots = torch.stack([torch.linalg.vecdot(t.float().view(mix.shape), q) for t in terms])
         dots = _per_source(coeffs, term_dots) * scale
-        a = torch.cat([lse[None], dots * inv_rms + bias.float()[:, None, None]]).softmax(0)
+        a = torch.cat([lse[None], dots * inv_rms + bias.float()[:, None, None, None]]).softmax(0)
         h = a[0][..., None] * mix
         for t, w in zip(terms, _per_term(coeffs, a[1:] * scale)):  # each term's weight in h
-            h.addcmul_(w[..., None], t.float())
-    return h, a, dots, term_dots
+            h.addcmul_(w[..., None], t.float().view(mix.shape))
+    return h.flatten(-2), a, dots, term_dots
 
 def _per_source(coeffs, x):  # Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)
     return x if coeffs is None else \
@@ -959,46 +987,68 @@ def _per_term(coeffs, x):  # Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -
 
 class CompletedReads(torch.autograd.Function):
     """Phase 1 with a batched backward (one gradient per source, not one per read). Read r returns
-    mix_r (B, T, d), normalised over the completed sources, and lse_r (B, T), which phase 2 treats
-    as one source with logit lse_r; and p (B, T, S, R), recomputed in the backward from vᵀw:
+    mix_r (B, T, H, d/H), normalised over the completed sources, and lse_r (B, T, H), which phase
+    2 treats as one source with logit lse_r; and p (S, B, T, R, H), recomputed in the backward
+    from the dots vᵀw. The sources come as the buffer V (not differentiable) and as the values
+    that own its slots (their gradients); per head k, on its slice of the width:
         dlogit_rs = p_rs (g_rs − Σ_s' p_rs' g_rs' + dlse_r),  g_rs = ⟨dmix_r, v_s⟩ + dp_rs
-        dv_s = Σ_r p_rs dmix_r + dlogit_rs·inv_rms_s·w_r,  dw_r = Σ dlogit_rs·inv_rms_s·v_s,
-        dinv_rms_s = Σ_r dlogit_rs·(v_s·w_r),  dbias_rs = Σ dlogit_rs."""
+        dv_s = Σ_r p_rs dmix_r + dlogit_rs·inv_rms_s·w_r − Σ_r dlogit_rs·(v_sᵀw_r)·inv_rms_s³/d·v_s
+        dw_r = Σ dlogit_rs·inv_rms_s·v_s,  dbias_rs = Σ dlogit_rs."""
 
     @staticmethod
-    def forward(ctx, queries, biases, *values_and_inv_rms):
-        S = len(values_and_inv_rms) // 2
-        values = values_and_inv_rms[:S]
-        mix, lse, p, inv_rms, dots = completed_reads(queries, biases, values,
-                                                     values_and_inv_rms[S:])
-        ctx.save_for_backward(queries, biases, inv_rms, dots, lse, *values)
-        return (*mix.unbind(2), *lse.unbind(2), p)
+    def forward(ctx, queries, biases, V, inv_rms, heads, *owners):
+        mix, lse, p, dots = completed_reads(queries, biases, V, inv_rms, heads)
+        ctx.save_for_backward(queries, biases, V, inv_rms, dots, lse)
+        ctx.heads = heads
+        return (*mix.unbind(3), *lse.unbind(2), p)
 
     @staticmethod
     def backward(ctx, *grads):
-        queries, biases, inv_rms, dots, lse, *values = ctx.saved_tensors
+        queries, biases, V, inv_rms, dots, lse = ctx.saved_tensors
+        H, R, (S, B, T, d) = ctx.heads, queries.size(0), V.shape
         with float32(queries):  # float32 also when backward() is called under autocast
-            R, Q = queries.size(0), queries.float()
-            p = (dots * inv_rms[..., None] + biases.float().t() - lse[:, :, None]).exp()
-            dmix = torch.stack(grads[:R], dim=2).float()  # (B, T, R, d)
-            dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R)
-            V = torch.stack(values, dim=2).float()  # (B, T, S, d)
-            # (B, T, S, R): ⟨dmix_r, v_s⟩, plus dp_rs, the gradient of a loss on the weights
-            g = (dmix @ V.transpose(2, 3)).transpose(2, 3) + grads[2 * R].float()
-            dlogits = p * (g - (p * g).sum(2, keepdim=True) + dlse[:, :, None])
-            c = dlogits * inv_rms[..., None]
-            dV = p @ dmix + c @ Q  # (B, T, S, d)
-            dQ = c.flatten(0, 2).t() @ V.flatten(0, 2)  # (R, d)
-            dinv_rms = (dlogits * dots).sum(-1)  # (B, T, S)
-            dbiases = dlogits.sum((0, 1)).t()  # (R, S)
-        dvalues = (t.to(v.dtype) for t, v in zip(dV.unbind(2), values))
-        return dQ.to(queries.dtype), dbiases, *dvalues, *dinv_rms.unbind(2)
+            Q = queries.float()
+            p = (dots * inv_rms[..., None, None] + biases.float().t()[:, None, None, :, None]
+                 - lse).exp()
+            dmix = torch.stack(grads[:R], dim=3).float().flatten(0, 2)  # (B·T·H, R, d/H)
+            dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R, H)
+            # g (S, B, T, R, H): ⟨dmix_r, v_s⟩ per head, plus dp, the gradient of a loss on p
+            g = torch.bmm(dmix, _slices(V, H).transpose(1, 2)).view(B, T, H, R, S)
+            g = g.permute(4, 0, 1, 3, 2) + grads[2 * R].float()
+            dlogits = p * (g - (p * g).sum(0) + dlse)
+            c = dlogits * inv_rms[..., None, None]
+            # through the key norm: inv_rms = (mean(v²) + ε)^(−1/2), ∂inv_rms/∂v = −inv_rms³·v/d
+            norm = (dlogits * dots).sum((3, 4)) * inv_rms.pow(3) / -d  # (S, B, T)
+            # a few sources at a time: a CPU allocator pages each tensor over 32 MiB in anew
+            step, dV = max(1, 2 ** 22 // V[0].numel()), []
+            for s in range(0, S, step):
+                chunk = slice(s, s + step)
+                dV += _source_grads(p[chunk], c[chunk], norm[chunk], V[chunk], dmix, Q)
+            # dw_r's slice k: the (r, k, k) block of (R, H, H, d/H)
+            dW = (c.reshape(-1, R * H).t() @ V.reshape(-1, d)).view(R, H, H, -1)
+            dqueries = dW.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(R, d)
+            dbiases = dlogits.sum((1, 2, 4)).t()  # (R, S)
+        return dqueries.to(queries.dtype), dbiases, None, None, None, *dV
+
+def _source_grads(p, c, norm, V, dmix, queries):
+    """dv_s of C sources V (C, B, T, d), each (B, T, d): through the mix (p (C, B, T, R, H), dmix
+    (B·T·H, R, d/H)) and the dot products (c (C, B, T, R, H), queries (R, d)) in one matmul per
+    token and head, [p c] @ [dmix; w], then through the key norm (C, B, T)."""
+    C, B, T, R, H = p.shape
+    lhs = torch.cat([p, c], 3).permute(1, 2, 4, 0, 3).flatten(0, 2)  # (B·T·H, C, 2R)
+    w = queries.view(R, H, -1).transpose(0, 1).expand(B * T, H, R, -1)  # w_r's slices
+    rhs = torch.cat([dmix.view(B * T, H, R, -1), w], 2).flatten(0, 1)  # (B·T·H, 2R, d/H)
+    dV = torch.bmm(lhs, rhs).view(B, T, H, C, -1)
+    V = V.view(C, B, T, H, -1).permute(1, 2, 3, 0, 4)  # as dV, a view
+    dV.addcmul_(norm.permute(1, 2, 0)[:, :, None, :, None], V)
+    return [dV[:, :, :, s].reshape(B, T, -1) for s in range(C)]
 
 class PartialMerge(torch.autograd.Function):
     """Phase 2 with a hand-written backward: a softmax over [lse, the partial sources' logits].
     The sources are combinations of the terms with detached scales and inv_rms: never built, no
     graph nodes, and the backward keeps only the terms (shared by the block's reads), h and P×B×T
-    numbers. With ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k, inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
+    numbers. With ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k, inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2),
+    per head on its slice of the width (the norm's term sums the heads: it is over the width):
         dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩ + da_p − Σ_j a_j da_j),  dmix = a_0 dh,
         dlse = −Σ_p dlogit_p (softmax gradients sum to zero: no copy of mix is needed),
         dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p,
@@ -1016,35 +1066,44 @@ class PartialMerge(torch.autograd.Function):
         query, inv_rms, scale, coeffs, dots, a, h, term_dots, *stored = ctx.saved_tensors
         with float32(h):  # float32 also when backward() is called under autocast
             dh = torch.zeros_like(h) if dh is None else dh.float()  # a loss on the weights alone
-            q = query.float()
+            heads = (*h.shape[:-1], a.size(-1), -1)  # (B, T, H, d/H): a view of (B, T, d)
+            q = query.float().view(heads[-2:])
             terms = [t.float() for t in stored]
-            # ⟨dh, term_k⟩ (K, B, T), then dlogit (P, B, T)
-            term_grads = torch.stack([torch.linalg.vecdot(dh, t) for t in terms])
-            dlogit = a[1:] * (_per_source(coeffs, term_grads) * scale - torch.linalg.vecdot(dh, h))
+            # ⟨dh, term_k⟩ (K, B, T, H), then dlogit (P, B, T, H)
+            term_grads = torch.stack([torch.linalg.vecdot(dh.view(heads), t.view(heads))
+                                      for t in terms])
+            dlogit = a[1:] * (_per_source(coeffs, term_grads) * scale
+                              - torch.linalg.vecdot(dh.view(heads), h.view(heads)))
             if da is not None:  # a loss on the weights a: the softmax's backward, a·(da − Σ a·da)
                 dlogit += a[1:] * (da[1:].float() - (a * da.float()).sum(0))
             c = dlogit * inv_rms * scale  # through the dot product
-            norm_term = dlogit * dots * inv_rms.pow(3) * scale.square() / h.size(-1)  # the key norm
+            # the key norm (P, B, T, 1)
+            norm_term = (dlogit * dots).sum(-1, keepdim=True) * inv_rms.pow(3) * scale.square()
+            norm_term = norm_term / h.size(-1)
             c_k, a_k = _per_term(coeffs, c), _per_term(coeffs, a[1:] * scale)
             # −Σ_p c_pk·norm_term_p·v_p = Σ_j M_kj·term_j, M_kj = −Σ_p c_pk·c_pj·norm_term_p
             C = None if coeffs is None else coeffs.float()
             M = -norm_term[:, None] if C is None else \
-                -_per_term(C, C[:, :, None, None] * norm_term[:, None])
-            dquery = sum(c_k[k].flatten() @ t.flatten(0, 1) for k, t in enumerate(terms))
+                -_per_term(C, C[:, :, None, None, None] * norm_term[:, None])
+            dquery = sum(torch.einsum("bth,bthe->he", c_k[k], t.view(heads))
+                         for k, t in enumerate(terms)).flatten()
             dterms = []
             for k in range(len(terms)):
-                dt = torch.addcmul(c_k[k][..., None] * q, a_k[k][..., None], dh)
+                dt = torch.addcmul(c_k[k][..., None] * q, a_k[k][..., None], dh.view(heads))
+                dt = dt.flatten(-2)
                 for j, t in enumerate(terms):
-                    dt.addcmul_(M[k, j][..., None], t)
+                    dt.addcmul_(M[k, j], t)
                 dterms.append(dt)
-            dmix, dlse, dbias = a[0][..., None] * dh, -dlogit.sum(0), dlogit.sum((1, 2))
+            dmix, dlse, dbias = a[0][..., None] * dh.view(heads), -dlogit.sum(0), \
+                dlogit.sum((1, 2, 3))
             dcoeffs = None
             if ctx.needs_input_grad[6]:
                 # ⟨dv_p, t_k⟩ = s_p a_p ⟨dh, t_k⟩ + c_p ⟨w, t_k⟩ − norm_p Σ_j c_pj ⟨t_j, t_k⟩
                 gram = torch.stack([torch.stack([torch.linalg.vecdot(t, u) for u in terms])
                                     for t in terms])
-                dcoeffs = (torch.einsum("pbt,kbt->pk", a[1:] * scale, term_grads)
-                           + torch.einsum("pbt,kbt->pk", c, term_dots)
-                           - torch.einsum("pbt,pj,jkbt->pk", norm_term, C, gram)).to(coeffs.dtype)
+                dcoeffs = (torch.einsum("pbth,kbth->pk", a[1:] * scale, term_grads)
+                           + torch.einsum("pbth,kbth->pk", c, term_dots)
+                           - torch.einsum("pbt,pj,jkbt->pk", norm_term[..., 0], C, gram))
+                dcoeffs = dcoeffs.to(coeffs.dtype)
         return dmix, dlse, dquery.to(query.dtype), dbias, None, None, dcoeffs, \
             *(dt.to(t.dtype) for dt, t in zip(dterms, stored))

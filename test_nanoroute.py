@@ -1165,11 +1165,13 @@ def test_routing_math_ignores_bf16_autocast():
     sigma, scale = torch.tensor([[1.0, 1.0], [1.0, -1.0]]), torch.rand(2, 2, 5, generator=g) + 0.5
 
     def run():
-        mix, lse, *_ = nanoroute.completed_reads(queries, biases, values, rinv)
+        mix, lse, *_ = nanoroute.completed_reads(queries, biases, torch.stack(values),
+                                                 torch.stack(rinv))
         return (nanoroute.mean_square(values[0]),
                 *nanoroute.depth_read(queries[0], biases[0], values), mix, lse,
-                *nanoroute.merge_partial(mix[:, :, 0], lse[..., 0], queries[1], biases[1, :2],
-                                         torch.stack(rinv[:2]), scale, sigma, values[:2]))
+                *nanoroute.merge_partial(mix[..., 0, :], lse[:, :, 0], queries[1], biases[1, :2],
+                                         torch.stack(rinv[:2])[..., None], scale[..., None],
+                                         sigma, values[:2]))
     plain = run()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         auto = run()
