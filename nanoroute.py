@@ -482,7 +482,12 @@ class DepthRouting:
         rows = self.block_coefficients(first, sublayers[-1] - first)[:len(partial)]
         match = functools.partial(matching_scale, rho=self.config.wav_rho)
         routes = {read: self.route(read, s) for read, s in sources.items()}
-        capacity = 1 + len(partial) * (2 * self.config.n_layer // self.config.routing_block)
+        # the buffer's slots: the sources that the last sublayer reads, then those of a last full
+        # block, which only the readout reads (its state alone, unless wav_readout_details)
+        n_sub, m = 2 * self.config.n_layer, self.config.routing_block
+        per_block = 1 + len(self.bases)
+        last = per_block if self.config.wav_readout_details else 1
+        capacity = 1 + per_block * ((n_sub - 1) // m) + last * (n_sub % m == 0)
         return BlockReads(routes, [(s.name, s.value) for s in pool], rows, match, previous,
                           sources, self.config.route_heads, capacity)
 
@@ -794,27 +799,23 @@ def routing_stats(routes):
 
 class BlockReads:
     """The reads of one routing block, two-phase (SPEC: Two-phase computation). Phase 1 (here):
-    every read over the completed sources in one batched pass, one read of each source instead of
-    one per read. Phase 2 (per call): an online softmax merges a read's phase-1 summary with the
-    block's own sources, linear combinations of the block's updates that are never built.
+    every read over the completed sources in one batched pass over a buffer that holds each source
+    once. Phase 2 (per call): an online softmax merges a read's phase-1 summary with the block's
+    own sources, linear combinations of the block's updates that are never built.
 
     routes: {read: (query (d,), bias (S + P_r,))}, the bias over the S completed sources, then the
     P_r block sources it sees (0 or P); completed: [(key, value (B, T, d))]; coefficients: P rows
     of n numbers, or a (P, n) tensor (learned: its gradient is computed): block source p = s_p ·
     Σ_i c_pi·u_i, s_0 = 1, s_p = match(mean_square(source 0), mean_square(source p)) without
-    gradient; previous: the last block's BlockReads (its buffer of sources is reused); sources:
-    {read: the caller's list of its sources}, returned with each read; heads: H route heads, head
-    k's logits from the k-th slice of w and of the keys (normed over the whole width) and its mix
-    over the k-th slice of the values; capacity: how many completed sources a forward will have."""
+    gradient; previous: the last block's (its buffer is reused); sources: {read: its sources},
+    returned with each read; heads: H route heads, each on its slice of the width (SPEC: Multi-head
+    reads); capacity: the buffer's slots, the completed sources of a forward."""
 
     def __init__(self, routes, completed, coefficients, match, previous, sources, heads=1,
                  capacity=1):
         self.routes, self.coefficients, self.match = routes, coefficients, match
         self.sources, self.heads = sources, heads
         self.learned = isinstance(coefficients, torch.Tensor)
-        # running sums of the block's sources, unless the one source is the one term (Block AttnRes)
-        self.summed = self.learned or len(coefficients) > 1 or \
-            any(c != 1 for row in coefficients for c in row)
         self._store(completed, previous, capacity)
         # phase 1 reads the buffer's first S slots; a slot this block does not read gets logit −inf
         self.slots = [self.slot[key] for key, _ in completed]
@@ -833,13 +834,12 @@ class BlockReads:
             mix, lse, p, _ = completed_reads(queries, biases, V, inv_rms, heads)
             mix, lse = mix.unbind(3), lse.unbind(2)
         self.phase1 = {name: (mix[r], lse[r], p[..., r, :]) for r, name in enumerate(names)}
-        self.pieces, self.sums, self.seen, self.state = {}, None, 0, None
+        self.pieces, self.seen, self.state = {}, 0, None
 
     def _store(self, completed, previous, capacity):
-        """Writes each completed source once a forward into a slot of one float32 buffer (slots,
-        B, T, d), with its inv_rms = rsqrt(mean(v²)+ε), so that every block's phase 1 reads a view
-        of the buffer, not a stack of the pool. A value new under its key (an override of
-        complete) takes a new slot; more sources than `capacity` grow the buffer (a copy)."""
+        """Writes each new completed source once a forward into a slot of one float32 buffer
+        (slots, B, T, d), with its inv_rms = rsqrt(mean(v²)+ε): phase 1 reads a view of it, no
+        stack. A new value under a known key (an override of complete) takes a slot of its own."""
         if isinstance(previous, BlockReads):
             self.buffer, self.inv_rms = previous.buffer, previous.inv_rms
             self.slot, self.owners = dict(previous.slot), list(previous.owners)
@@ -852,7 +852,7 @@ class BlockReads:
             if key in self.slot and self.owners[self.slot[key]] is value:
                 continue
             n = len(self.owners)
-            if n == self.buffer.size(0):
+            if n == self.buffer.size(0):  # more sources than `capacity`: a copy, twice as large
                 self.buffer = torch.cat([self.buffer, torch.empty_like(self.buffer)])
                 self.inv_rms = torch.cat([self.inv_rms, torch.empty_like(self.inv_rms)])
             # slot n is new: the views of slots < n that earlier blocks saved for backward are
@@ -889,8 +889,9 @@ class BlockReads:
         block; without WAV 1: a sublayer leaves one tensor for the backward); learned coefficients
         keep one term per update."""
         if self.state is None or self.seen != len(block):
-            for i in range(self.seen, len(block)):
-                self._absorb(i, block[i])
+            for i in range(self.seen, len(block)):  # update i joins its piece
+                key = i if self.learned else tuple(row[i] for row in self.coefficients)
+                self.pieces[key] = self.pieces[key] + block[i] if key in self.pieces else block[i]
             self.seen = len(block)
             terms = tuple(self.pieces.values())
             if self.learned:
@@ -900,23 +901,14 @@ class BlockReads:
                 coeffs = _constant(tuple(zip(*keys)), terms[0].device)  # (P, K)
                 if coeffs.shape == (1, 1) and keys[0] == (1,):  # the one source is the one term
                     coeffs = None
-            with torch.no_grad():  # SPEC: WAV stability 2, mean squares and scales without gradient
-                ms = mean_square(self.sums) if self.summed else mean_square(terms[0])[None]
+            # SPEC: WAV stability 2, mean squares and scales without gradient (and in float32)
+            with torch.no_grad(), float32(terms[0]):
+                stacked = torch.stack(terms) if len(terms) > 1 else terms[0][None]  # (K, B, T, d)
+                ms = mean_square(_per_source(coeffs, stacked))  # the sources' (P, B, T)
                 scale = torch.cat([torch.ones_like(ms[:1]), self.match(ms[0], ms[1:])])  # (P, B, T)
                 inv_rms = torch.rsqrt(scale.square() * ms + EPS)  # mean((s·v)²) = s²·mean(v²)
             self.state = terms, coeffs, inv_rms, scale
         return self.state
-
-    def _absorb(self, i, u):
-        """Update i joins its piece (with gradient) and the block's running sums (without)."""
-        key = i if self.learned else tuple(row[i] for row in self.coefficients)
-        self.pieces[key] = self.pieces[key] + u if key in self.pieces else u
-        if not self.summed:
-            return
-        with torch.no_grad():
-            column = self.coefficients[:, i] if self.learned else _constant(key, u.device)
-            term = column.float()[:, None, None, None] * u  # (P, B, T, d)
-            self.sums = term if self.sums is None else self.sums + term
 
 _same_version = torch.autograd._unsafe_preserve_version_counter
 
