@@ -805,11 +805,9 @@ class BlockReads:
 
     routes: {read: (query (d,), bias (S + P_r,))}, the bias over the S completed sources, then the
     P_r block sources it sees (0 or P); completed: [(key, value (B, T, d))]; coefficients: P rows
-    of n numbers, or a (P, n) tensor (learned: its gradient is computed): block source p = s_p ·
-    Σ_i c_pi·u_i, s_0 = 1, s_p = match(mean_square(source 0), mean_square(source p)) without
-    gradient; previous: the last block's (its buffer is reused); sources: {read: its sources},
-    returned with each read; heads: H route heads, each on its slice of the width (SPEC: Multi-head
-    reads); capacity: the buffer's slots, the completed sources of a forward."""
+    of n numbers, or a (P, n) tensor (learned), and match: the block's sources (_block_state);
+    previous: the last block's (its buffer is reused); sources: {read: its sources}, returned with
+    each read; heads: H route heads (SPEC: Multi-head reads); capacity: the buffer's slots."""
 
     def __init__(self, routes, completed, coefficients, match, previous, sources, heads=1,
                  capacity=1):
@@ -883,11 +881,10 @@ class BlockReads:
         return h, weights, self.sources[name]
 
     def _block_state(self, block):
-        """The block's sources as PartialMerge takes them: terms, their coefficients (P, K) (None:
-        the one source is the one term), inv_rms and detached scale (P, B, T). Updates with
-        equal fixed coefficient columns are summed into one term (WAV's two bases: at most 4 a
-        block; without WAV 1: a sublayer leaves one tensor for the backward); learned coefficients
-        keep one term per update."""
+        """The block's sources p = s_p·Σ_i c_pi·u_i (s_0 = 1, s_p = match(mean squares), without
+        gradient) as PartialMerge takes them: terms, their coefficients (P, K) (None: the one source
+        is the one term), inv_rms and scale (P, B, T). Updates with equal fixed coefficients are
+        summed into one term (WAV: at most 4 a block); learned coefficients keep one per update."""
         if self.state is None or self.seen != len(block):
             for i in range(self.seen, len(block)):  # update i joins its piece
                 key = i if self.learned else tuple(row[i] for row in self.coefficients)
@@ -915,9 +912,8 @@ _same_version = torch.autograd._unsafe_preserve_version_counter
 _CONSTANTS = {}  # (values, device) -> tensor
 
 def _constant(values, device):
-    """A small float32 tensor of fixed values on `device`, built once per values and device: a
-    copy from the host to a GPU at every read would wait for the GPU's queue to drain. A compiled
-    graph holds it as a constant instead. Never an inference tensor (autograd may save it)."""
+    """A small float32 tensor of fixed values on `device`, built once: a copy from the host to a
+    GPU at every read would wait for its queue to drain (compiled: a constant of the graph)."""
     if torch.compiler.is_compiling():
         return torch.tensor(values, dtype=torch.float32, device=device)
     key = (values, str(device))
@@ -935,9 +931,6 @@ def _by_head(queries, heads):  # (R, d) -> (d, R·H): column (r, k) is w_r on sl
 def _slices(V, heads):  # (S, B, T, d) -> (B·T·H, S, d/H): each token's head slices, a view
     return V.reshape(V.size(0), -1, V.size(-1) // heads).transpose(0, 1)
 
-def _by_token(p):  # (S, B, T, R, H) -> (B·T·H, R, S): each token and head's weights
-    return p.permute(1, 2, 4, 3, 0).contiguous().flatten(0, 2)  # a view: a slow path on a CPU
-
 def completed_reads(queries, biases, V, inv_rms, heads=1):
     """Phase 1's forward: queries (R, d), biases (R, S), the sources V (S, B, T, d) and their
     inv_rms (S, B, T). Returns mix (B, T, H, R, d/H), lse (B, T, R, H), p (S, B, T, R, H) and the
@@ -950,7 +943,8 @@ def completed_reads(queries, biases, V, inv_rms, heads=1):
         # finite when every completed source is masked (−inf): p = 0, not NaN
         lse = logits.logsumexp(0).clamp(min=torch.finfo(torch.float32).min)
         p = (logits - lse).exp()
-        mix = torch.bmm(_by_token(p), _slices(V, heads))  # (B·T·H, R, d/H)
+        # (B·T·H, R, S) @ (B·T·H, S, d/H); a view of p, not contiguous, takes a slow path on a CPU
+        mix = torch.bmm(p.permute(1, 2, 4, 3, 0).contiguous().flatten(0, 2), _slices(V, heads))
     return mix.view(*V.shape[1:3], heads, *mix.shape[1:]), lse, p, dots
 
 def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
@@ -1037,10 +1031,10 @@ def _source_grads(p, c, norm, V, dmix, queries):
 
 class PartialMerge(torch.autograd.Function):
     """Phase 2 with a hand-written backward: a softmax over [lse, the partial sources' logits].
-    The sources are combinations of the terms with detached scales and inv_rms: never built, no
-    graph nodes, and the backward keeps only the terms (shared by the block's reads), h and P×B×T
-    numbers. With ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k, inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2),
-    per head on its slice of the width (the norm's term sums the heads: it is over the width):
+    The sources, combinations of the terms with detached scales and inv_rms, are never built: the
+    backward keeps the terms (shared by the block's reads), h and P×B×T numbers. Per head, on its
+    slice of the width (the key norm's term sums the heads: the norm is over the whole width), with
+    ṽ_p = s_p·v_p, v_p = Σ_k c_pk·term_k, inv_rms_p = (s_p²·mean(v_p²) + ε)^(−1/2):
         dlogit_p = a_p (⟨dh, ṽ_p⟩ − ⟨dh, h⟩ + da_p − Σ_j a_j da_j),  dmix = a_0 dh,
         dlse = −Σ_p dlogit_p (softmax gradients sum to zero: no copy of mix is needed),
         dv_p = s_p (a_p dh + dlogit_p·inv_rms_p·w) − dlogit_p·(ṽ_p·w)·inv_rms_p³·s_p²/d · v_p,
