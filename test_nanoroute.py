@@ -271,7 +271,8 @@ def test_routed_inputs_equal_reference(mode, fast):
 
 
 def assert_routed_model_equals_reference(overrides, fast):
-    """Logits, every read's sources and weights, and every sublayer's input, against the loops."""
+    """Logits, every read's sources and weights, and every sublayer's input, against the loops;
+    returns the reference's reads."""
     model, idx = randomise_routing(make_model(**overrides, fast_routing=fast)), tokens()
     seen, hooks = capture_sublayer_inputs(model)
     logits, _, routes = model(idx, return_routes=True)
@@ -290,29 +291,20 @@ def assert_routed_model_equals_reference(overrides, fast):
     for got, want in zip(seen, ref_inputs):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    return ref_reads
 
 
 # WAV with a short last block, or a routing block not dividing 2*n_layer, equals the reference
+@pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("n_layer,block,bases", [(3, 4, "split"), (4, 6, "split"), (5, 4, "both"),
                                                  (5, 6, "split"), (5, 8, "split")])
-def test_wav_split_basis_with_a_short_last_block_equals_reference(n_layer, block, bases):
+def test_wav_split_basis_with_a_short_last_block_equals_reference(n_layer, block, bases, fast):
     # the split basis signs by place in the *full* block (SPEC): a short last block is the hard case
     assert (2 * n_layer) % block  # every shape here ends on a partial block
-    for fast in (True, False):
-        model = randomise_routing(make_model(
-            residual="attnres", wav=True, wav_bases=bases, n_layer=n_layer, attnres_block=block,
-            wav_readout_details=True, fast_routing=fast))
-        idx = tokens(T=6)
-        logits, _, routes = model(idx, return_routes=True)
-        with torch.no_grad():
-            ref_logits, ref_reads, _ = reference_forward(model, idx)
-        assert {r["name"] for r in routes} == set(ref_reads)
-        for r in routes:
-            names, w = ref_reads[r["name"]]
-            assert r["sources"] == names, (fast, r["name"])
-            torch.testing.assert_close(r["weights"], w, atol=1e-5, rtol=1e-5)
-        assert any(n.endswith(".split") for n in ref_reads["readout"][0])  # readout sees details
-        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    reads = assert_routed_model_equals_reference(dict(
+        residual="attnres", wav=True, wav_bases=bases, n_layer=n_layer, attnres_block=block,
+        wav_readout_details=True), fast)
+    assert any(n.endswith(".split") for n in reads["readout"][0])  # readout sees details
 
 def test_pool_names_and_short_last_block():
     model = make_model(residual="attnres", wav=True, attnres_block=4)  # 6 sublayers: 4 + 2
