@@ -58,7 +58,7 @@ def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(demo, 
     assert lines[1]["tok_per_s"] is None and lines[2]["tok_per_s"] > 0  # step 1 warms up
     assert [x["milestone"] for x in lines if x["type"] == "eval"] == [None, "512", "1K"]
     done, last = summary(out), lines[-1]
-    assert done["final"]["val_loss"] == last["val_loss"] and summary["step"] == 4
+    assert done["final"]["val_loss"] == last["val_loss"] and done["step"] == 4
     assert done["final"]["val_bpc"] == pytest.approx(last["val_loss"] / math.log(2))
     assert done["milestones"]["1K"]["val_loss"] == last["val_loss"]
     assert done["best_val_loss"] == min(x["val_loss"] for x in lines if x["type"] == "eval")
@@ -442,47 +442,40 @@ def test_peak_flops_of_known_gpus_only(monkeypatch):
     assert train.peak_flops(torch.device("cpu"), torch.float32) is None
 
 
-def bad_inputs(demo, routed, tmp):
-    """{case: (argv, words the error line holds)}."""
-    d, t = ["--data", demo], ["--out_dir", tmp / "x", "--device", "cpu"]
-    return {
-        "unknown flag": ([*d, *t, "--learning_rate", "1"], "did you mean --lr?"),
-        "abbreviated flag": ([*d, *t, "--max_iter", "3"], "unrecognized arguments: --max_iter"),
-        "bad bool": ([*d, *t, "--wav", "maybe"], "--wav: invalid true_or_false value"),
-        "vocab_size is the data's": ([*d, *t, "--vocab_size", "9"],
-                                     "unrecognized arguments: --vocab_size"),
-        "negative lr": ([*d, *t, "--lr", "-1"], "--lr -1.0: must be at least 0"),
-        "nan lr": ([*d, *t, "--lr", "nan"], "--lr nan: must be at least 0"),
-        "beta at 1": ([*d, *t, "--beta2", "1"], "--beta2 1.0: must be in [0, 1)"),
-        "zero steps": ([*d, *t, "--max_iters", "0"], "--max_iters 0: must be at least 1"),
-        "bad token count": ([*d, *t, "--max_tokens", "2X"], "--max_tokens: invalid count value"),
-        "bad milestone": ([*d, *t, "--milestones", "1M,xyz"], "is not a token count"),
-        "steps and tokens": ([*d, *t, "--max_iters", "3", "--max_tokens", "1M"], "not both"),
-        "wandb run alone": ([*d, *t, "--wandb_run", "a"], "--wandb_run needs --wandb_project"),
-        "micro batch": ([*d, *t, "--batch_size", "8", "--micro_batch", "3"], "divides its share"),
-        "bad device": ([*d, *t, "--device", "tpu"], "choose auto, cpu, cuda, cuda:N or mps"),
-        "no cuda": ([*d, *t[:2], "--device", "cuda"], "not available here"),
-        "unknown preset": ([*d, *t, "--preset", "rd_x"], "invalid choice: 'rd_x'"),
-        "invalid model": ([*d, *t, "--n_embd", "30"], "n_head=4: must divide n_embd=30"),
-        "routing without attnres": ([*d, *t, "--residual", "prenorm", "--wav", "True"],
-                                    "applies only to"),
-        "too long crops": ([*d, *t, "--sequence_len", "200000"], "does not fit"),
-        # its first layer asks the CPU for 12 TB: refused at once, nothing touched
-        "model too big": ([*d, *t, "--n_embd", "1000000"], "out of memory: lower --micro_batch"),
-        "missing data": (["--data", tmp / "data" / "demo_typo", *t], "does not exist"),
-        "blank out_dir": ([*d, "--out_dir", " "], "give a folder name"),
-        "empty out_dir": ([*d, "--out_dir", ""], "--out_dir: '': give a folder name"),
-        "empty data": (["--data", "", *t], "--data: '': give a folder name"),
-    }
-
-
-def test_bad_input_is_one_error_line_and_exit_2(demo, routed, tmp_path, capsys, monkeypatch):
+# each after --data DEMO --out_dir TMP/x --device cpu: a flag given twice, the last counts
+@pytest.mark.parametrize("argv, words", [
+    (["--learning_rate", "1"], "did you mean --lr?"),  # unknown flag
+    (["--max_iter", "3"], "unrecognized arguments: --max_iter"),  # abbreviated flag
+    (["--wav", "maybe"], "--wav: invalid true_or_false value"),
+    (["--vocab_size", "9"], "unrecognized arguments: --vocab_size"),  # the data's
+    (["--lr", "-1"], "--lr -1.0: must be at least 0"),
+    (["--lr", "nan"], "--lr nan: must be at least 0"),
+    (["--beta2", "1"], "--beta2 1.0: must be in [0, 1)"),
+    (["--max_iters", "0"], "--max_iters 0: must be at least 1"),
+    (["--max_tokens", "2X"], "--max_tokens: invalid count value"),
+    (["--milestones", "1M,xyz"], "is not a token count"),
+    (["--max_iters", "3", "--max_tokens", "1M"], "not both"),
+    (["--wandb_run", "a"], "--wandb_run needs --wandb_project"),
+    (["--batch_size", "8", "--micro_batch", "3"], "divides its share"),
+    (["--device", "tpu"], "choose auto, cpu, cuda, cuda:N or mps"),
+    (["--device", "cuda"], "not available here"),
+    (["--preset", "rd_x"], "invalid choice: 'rd_x'"),
+    (["--n_embd", "30"], "n_head=4: must divide n_embd=30"),
+    (["--residual", "prenorm", "--wav", "True"], "applies only to"),  # routing without attnres
+    (["--sequence_len", "200000"], "does not fit"),
+    # its first layer asks the CPU for 12 TB: refused at once, nothing touched
+    (["--n_embd", "1000000"], "out of memory: lower --micro_batch"),
+    (["--data", "{tmp}/data/demo_typo"], "does not exist"),
+    (["--out_dir", " "], "give a folder name"),
+    (["--out_dir", ""], "--out_dir: '': give a folder name"),
+    (["--data", ""], "--data: '': give a folder name"),
+])
+def test_bad_input_is_one_error_line_and_exit_2(argv, words, demo, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # --out_dir '' must not read as the working folder
-    for case, (argv, words) in bad_inputs(demo, routed, tmp_path).items():
-        code, out, err = run(train.main, argv, capsys)
-        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (case, err)
-        assert words in err, (case, err)
-        assert not list(tmp_path.glob("*/last.pt")) and not list(tmp_path.glob("*.pt")), case
+    given = ["--data", demo, "--out_dir", tmp_path / "x", "--device", "cpu"]
+    err = error_line(train.main, [*given, *(a.format(tmp=tmp_path) for a in argv)], capsys)
+    assert words in err, err
+    assert not list(tmp_path.glob("*/last.pt")) and not list(tmp_path.glob("*.pt"))
 
 
 def test_the_route_entropy_is_the_mean_over_reads_of_several_sources_each_once():
