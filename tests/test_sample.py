@@ -129,7 +129,8 @@ def test_routes_view(runs, demo, tmp_path, capsys):
                           if line.startswith("readout"))
     assert len(mean) == 3 and max(head1) <= 34 < max(head0)  # over emb, C0, C1
     assert all(abs(m - (a + b) / 2) <= 1 for m, a, b in zip(mean, head0, head1))
-    assert [sample.shade(w) for w in (0, .25, .26, .5, .51, .75, .76, 1)] == list("░░▒▒▓▓██")
+    shades = [sample.shade(w) for w in (0, .25, .26, .5, .51, .75, .76, 1)]
+    assert shades == list("░░▒▒▓▓██")
 
 
 def test_routes_view_of_learned_mixing_weights_and_of_a_model_with_none(demo, tmp_path, capsys):
