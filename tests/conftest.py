@@ -1,6 +1,7 @@
 """Fixtures the scripts' tests share: a tiny demo dataset, one thread, running a script's main."""
 
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -42,5 +43,43 @@ def run(main, argv, capsys=None):
     return code, out, err
 
 
+def error_line(main, argv, capsys):
+    """main(argv) must fail with exit code 2 and one `error: ` line; returns that line."""
+    code, _, err = run(main, argv, capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (code, err)
+    return err
+
+
 def metrics(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_times(lines):  # what a resumed run must repeat exactly: all but the clock
+    drop = ("elapsed_s", "tok_per_s", "ms_per_step", "mfu")
+    return [{k: v for k, v in line.items() if k not in drop} for line in lines]
+
+
+def summary(out_dir):
+    return json.loads((Path(out_dir) / "summary.json").read_text())
+
+
+def weights(out_dir, name="last.pt"):
+    return torch.load(Path(out_dir) / name, weights_only=True)
+
+
+def same_weights(a, b, name="last.pt"):
+    """The model weights of name in run folders a and b are bitwise equal."""
+    a, b = weights(a, name)["model"], weights(b, name)["model"]
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def flip_a_stored_byte(path):
+    """One byte inside a stored tensor flipped: the checkpoint still loads, only a CRC tells."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 16)
+    header = info.header_offset  # 30 bytes, then the name and the extra field, then the data
+    start = header + 30 + int.from_bytes(data[header + 26:header + 28], "little") + \
+        int.from_bytes(data[header + 28:header + 30], "little")
+    data[start + 8] ^= 0xFF
+    path.write_bytes(data)

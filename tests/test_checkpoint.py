@@ -4,21 +4,16 @@ run, with the uninterrupted run's result; what a run reads is checked first."""
 import os
 import shutil
 import tempfile
-import zipfile
 
 import torch
 
 import checkpoint
 import train
-from conftest import TINY, metrics, run
+from conftest import TINY, error_line, flip_a_stored_byte, metrics, run, same_weights, \
+    without_times
 
 FLAGS = ["--max_iters", 2, "--eval_interval", 1, "--device", "cpu"]  # saves at steps 0, 1, 2
 NOT_MINE = ".last.pt.notmine.tmp"  # a name write_atomic never makes (7 characters, not 8)
-
-
-def without_times(lines):  # what a resumed run must repeat exactly: all but the clock
-    drop = ("elapsed_s", "tok_per_s", "ms_per_step", "mfu")
-    return [{k: v for k, v in line.items() if k not in drop} for line in lines]
 
 
 def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, monkeypatch,
@@ -51,9 +46,7 @@ def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, m
         assert code == 0, (i, err)
         assert [p.name for p in state.glob(".*")] == [NOT_MINE], i  # its own leftovers alone go
         assert without_times(metrics(state)) == without_times(metrics(whole)), i
-        for name in ("best.pt", "last.pt"):
-            a, b = (torch.load(d / name, weights_only=True)["model"] for d in (whole, state))
-            assert all(torch.equal(a[k], b[k]) for k in a), (i, name)
+        assert same_weights(whole, state, "best.pt") and same_weights(whole, state), i
 
 
 def test_a_run_past_its_first_save_is_never_started_over(demo, tmp_path, capsys):
@@ -62,21 +55,9 @@ def test_a_run_past_its_first_save_is_never_started_over(demo, tmp_path, capsys)
     for name in ("last.pt", "summary.json"):  # a user kept best.pt and the metrics of the run
         (out / name).unlink()
     best = (out / "best.pt").read_bytes()
-    code, _, err = run(train.main, ["--data", demo, "--out_dir", out, *TINY, *FLAGS], capsys)
-    assert code == 2 and "already holds a run (best.pt, metrics.jsonl)" in err
+    err = error_line(train.main, ["--data", demo, "--out_dir", out, *TINY, *FLAGS], capsys)
+    assert "already holds a run (best.pt, metrics.jsonl)" in err
     assert (out / "best.pt").read_bytes() == best
-
-
-def flip_a_stored_byte(path):
-    """One byte inside a stored tensor flipped: the checkpoint still loads, only a CRC tells."""
-    data = bytearray(path.read_bytes())
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 16)
-    header = info.header_offset  # 30 bytes, then the name and the extra field, then the data
-    start = header + 30 + int.from_bytes(data[header + 26:header + 28], "little") + \
-        int.from_bytes(data[header + 28:header + 30], "little")
-    data[start + 8] ^= 0xFF
-    path.write_bytes(data)
 
 
 def test_resume_checks_best_pt_and_reads_only_a_file(demo, tmp_path, capsys):
@@ -84,11 +65,11 @@ def test_resume_checks_best_pt_and_reads_only_a_file(demo, tmp_path, capsys):
     assert run(train.main, ["--data", demo, "--out_dir", out, *TINY, *FLAGS])[0] == 0
     flip_a_stored_byte(out / "best.pt")
     torch.load(out / "best.pt", weights_only=True)  # the damage a bare torch.load does not see
-    code, _, err = run(train.main, ["--out_dir", out, "--resume", "--max_iters", 3], capsys)
-    assert code == 2 and err.count("\n") == 1 and "best.pt is damaged (CRC" in err, err
+    err = error_line(train.main, ["--out_dir", out, "--resume", "--max_iters", 3], capsys)
+    assert "best.pt is damaged (CRC" in err, err
     (out / "last.pt").unlink()
     for make in (lambda p: p.symlink_to("/dev/zero"), os.mkdir, os.mkfifo):
         make(out / "last.pt")
-        code, _, err = run(train.main, ["--out_dir", out, "--resume"], capsys)
-        assert code == 2 and err.count("\n") == 1 and "last.pt is not a file" in err, err
+        assert "last.pt is not a file" in error_line(train.main, ["--out_dir", out, "--resume"],
+                                                     capsys)
         shutil.rmtree(out / "last.pt") if (out / "last.pt").is_dir() else (out / "last.pt").unlink()

@@ -22,7 +22,7 @@ import common
 import prepare_data as pd
 import train
 from common import UsageError
-from conftest import TINY, run
+from conftest import TINY, error_line, run
 
 SCRIPT = str(Path(pd.__file__).resolve())
 
@@ -105,15 +105,6 @@ def gpt2_files():
     vocab.update({"he": 256, "Ġt": 257, "Ġthe": 258, pd.EOT: 50256})
     bpe = "#version: 0.2\nh e\nĠ t\nĠt he\n"
     return {"encoder.json": json.dumps(vocab).encode(), "vocab.bpe": bpe.encode()}
-
-
-def error_line(capsys, argv):
-    """main(argv) must fail with one `error:` line and exit code 2; returns that line."""
-    with pytest.raises(SystemExit) as e:
-        pd.main([str(a) for a in argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 def files_in(folder):
@@ -237,7 +228,7 @@ def test_textfile_splits_records_its_hash_and_is_made_anew_when_it_changes(tmp_p
     pd.prepare("textfile", input="story.txt")
     assert "already prepared" in capsys.readouterr().out
     Path("story.txt").write_bytes(b"caf\xe9")  # changed: prepared anew, which fails...
-    assert "is not UTF-8" in error_line(capsys, ["textfile", "--input", "story.txt"])
+    assert "is not UTF-8" in error_line(pd.main, ["textfile", "--input", "story.txt"], capsys)
     with pytest.raises(UsageError, match="not a finished dataset"):  # ...and reads unfinished
         pd.load_meta(out)
     Path("story.txt").write_text("another story\n", encoding="utf-8")
@@ -277,7 +268,7 @@ def test_a_server_ignoring_range_restarts_from_zero(mirror, tmp_path, capsys):
     text, zipped = text8_zip()
     mirror.serve({"text8.zip": zipped})
     mirror.cut_once.add("text8.zip")
-    line = error_line(capsys, ["text8", "--out", tmp_path, "--retries", 0])
+    line = error_line(pd.main, ["text8", "--out", tmp_path, "--retries", 0], capsys)
     assert "failed after 1 tries" in line and "it resumes" in line
     part = tmp_path / "downloads" / "text8.zip.part"
     assert 0 < part.stat().st_size < len(zipped)
@@ -289,10 +280,10 @@ def test_a_server_ignoring_range_restarts_from_zero(mirror, tmp_path, capsys):
 
 def test_retries_print_a_line_each_then_fail_as_one_line(mirror, tmp_path, capsys):
     mirror.status["text8.zip"] = 503
-    line = error_line(capsys, ["text8", "--out", tmp_path / "a", "--retries", 2])
+    line = error_line(pd.main, ["text8", "--out", tmp_path / "a", "--retries", 2], capsys)
     assert "failed after 3 tries (HTTP 503)" in line and "re-run" in line and len(mirror.log) == 3
     mirror.status["text8.zip"] = 404
-    line = error_line(capsys, ["text8", "--out", tmp_path / "b"])
+    line = error_line(pd.main, ["text8", "--out", tmp_path / "b"], capsys)
     assert f"HTTP 404 Not Found for {mirror.url}/text8.zip" in line and "--base_url" in line
 
 
@@ -317,7 +308,7 @@ def test_each_retry_says_so_and_waits_twice_as_long(mirror, tmp_path, monkeypatc
     (b"", "an empty file")])
 def test_a_mirror_page_gzip_body_or_empty_file_is_refused(mirror, tmp_path, capsys, served, why):
     mirror.serve({TS_TRAIN: served, TS_VALID: b"Once upon a time"})
-    line = error_line(capsys, ["tinystories", "--out", tmp_path])
+    line = error_line(pd.main, ["tinystories", "--out", tmp_path], capsys)
     assert f"TinyStoriesV2-GPT4-train.txt from {mirror.url}" in line and why in line
     assert "deleted: re-run" in line and list(files_in(tmp_path)) == ["progress.json"]
 
@@ -326,10 +317,10 @@ def test_an_official_file_of_another_size_or_hash_is_refused_by_its_name(mirror,
     _, zipped = text8_zip()
     mirror.serve({"text8.zip": zipped, **gpt2_files()})
     pd.OFFICIAL["text8.zip"] = (len(zipped) + 1, None)
-    line = error_line(capsys, ["text8", "--out", tmp_path / "t8"])
+    line = error_line(pd.main, ["text8", "--out", tmp_path / "t8"], capsys)
     assert f"{len(zipped)} bytes, expected {len(zipped) + 1}" in line
     pd.OFFICIAL["encoder.json"] = (None, "0" * 64)
-    line = error_line(capsys, ["fineweb_edu", "--out", tmp_path / "fw"])
+    line = error_line(pd.main, ["fineweb_edu", "--out", tmp_path / "fw"], capsys)
     assert "encoder.json" in line and "SHA-256 is not the official file's" in line
     assert list(files_in(tmp_path / "fw")) == ["progress.json"]
 
@@ -340,7 +331,7 @@ def test_a_text8_zip_of_other_text_is_refused_by_its_ids_and_downloaded_again(mi
     with zipfile.ZipFile(other, "w") as z:
         z.writestr("text8", "Other text, 2 digits and CAPITALS.")
     mirror.serve({"text8.zip": other.getvalue()})
-    line = error_line(capsys, ["text8", "--out", tmp_path])
+    line = error_line(pd.main, ["text8", "--out", tmp_path], capsys)
     assert "holds token id 255, but vocab_size is 27" in line
     assert sorted(files_in(tmp_path)) == ["progress.json", "test.bin", "train.bin", "val.bin"]
     text, zipped = text8_zip()
@@ -358,15 +349,15 @@ def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(tmp_path,
         (mine / name).parent.mkdir(parents=True, exist_ok=True)
         (mine / name).write_bytes(b"the user's")
     before = files_in(mine)
-    assert "give a new or empty folder" in error_line(capsys, ["demo", "--out", mine])
+    assert "give a new or empty folder" in error_line(pd.main, ["demo", "--out", mine], capsys)
     assert files_in(mine) == before
     dotted = tmp_path / "dotted"  # hidden files only (.git, .env): not empty either
     (dotted / ".git").mkdir(parents=True)
-    assert "give a new or empty folder" in error_line(capsys, ["demo", "--out", dotted])
+    assert "give a new or empty folder" in error_line(pd.main, ["demo", "--out", dotted], capsys)
     assert [p.name for p in dotted.iterdir()] == [".git"]
     demo = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01)
     before = files_in(demo)
-    assert "holds the demo dataset" in error_line(capsys, ["text8", "--out", demo])
+    assert "holds the demo dataset" in error_line(pd.main, ["text8", "--out", demo], capsys)
     assert files_in(demo) == before
 
 
@@ -382,7 +373,7 @@ def test_a_run_stopped_by_a_failing_write_resumes_and_leaves_no_temporary_file(m
             raise OSError(5, "Input/output error")
         fsync(fd)
     monkeypatch.setattr(os, "fsync", fail_once_at_train_bin)
-    assert "Input/output error" in error_line(capsys, ["text8", "--out", tmp_path])
+    assert "Input/output error" in error_line(pd.main, ["text8", "--out", tmp_path], capsys)
     assert sorted(files_in(tmp_path)) == ["downloads/text8.zip", "progress.json"]
     pd.prepare("text8", tmp_path)
     assert sorted(files_in(tmp_path)) == ["meta.json", "test.bin", "train.bin", "val.bin"]
@@ -454,12 +445,13 @@ def test_open_split_checks_the_size_and_every_token_id(tmp_path, monkeypatch):
 def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, argv, words):
     monkeypatch.chdir(tmp_path)  # so that a check that let a bad value through writes nothing here
     (tmp_path / "file").write_text("not a folder")
-    assert words in error_line(capsys, [a.format(tmp=tmp_path) for a in argv])
+    assert words in error_line(pd.main, [a.format(tmp=tmp_path) for a in argv], capsys)
 
 
 def test_a_bad_retry_backoff_is_one_error_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "soon")
-    assert "NANOROUTE_RETRY_BACKOFF=soon" in error_line(capsys, ["text8", "--out", tmp_path])
+    line = error_line(pd.main, ["text8", "--out", tmp_path], capsys)
+    assert "NANOROUTE_RETRY_BACKOFF=soon" in line
 
 
 def test_help_lists_the_datasets_and_their_options(capsys):
@@ -494,10 +486,10 @@ def test_write_atomic_gives_an_ordinary_file_and_leaves_nothing_when_stopped(tmp
     with pytest.raises(KeyboardInterrupt):
         common.write_atomic(tmp_path / "a.json", interrupted)
     assert os.listdir(tmp_path) == ["a.json"] and (tmp_path / "a.json").read_bytes() == b"{}"
-    mirror.serve({"finewebedu_val_000000.bin": shard([50256, 50257]), **gpt2_files()})  # 50257:
-    # one id past GPT-2's
-    assert "token id 50257 is not a GPT-2 token" in error_line(capsys, [
-        "fineweb_edu", "--shards", 1, "--out", tmp_path / "fw"])
+    # 50257: one id past GPT-2's
+    mirror.serve({"finewebedu_val_000000.bin": shard([50256, 50257]), **gpt2_files()})
+    line = error_line(pd.main, ["fineweb_edu", "--shards", 1, "--out", tmp_path / "fw"], capsys)
+    assert "token id 50257 is not a GPT-2 token" in line
 
 
 def test_a_dataset_of_another_level_is_refused_before_it_is_written(tmp_path, monkeypatch):
