@@ -908,6 +908,9 @@ class BlockReads:
         return self.state
 
 _same_version = torch.autograd._unsafe_preserve_version_counter
+# the sources' gradients, a few at a time: up to CHUNK floats (16 MiB), as a CPU allocator pages
+# each tensor over 32 MiB in anew
+CHUNK = 2 ** 22
 
 _CONSTANTS = {}  # (values, device) -> tensor
 
@@ -1005,8 +1008,7 @@ class CompletedReads(torch.autograd.Function):
             c = dlogits * inv_rms[..., None, None]
             # through the key norm: inv_rms = (mean(v²) + ε)^(−1/2), ∂inv_rms/∂v = −inv_rms³·v/d
             norm = (dlogits * dots).sum((3, 4)) * inv_rms.pow(3) / -d  # (S, B, T)
-            # a few sources at a time: a CPU allocator pages each tensor over 32 MiB in anew
-            step, dV = max(1, 2 ** 22 // V[0].numel()), []
+            step, dV = max(1, CHUNK // V[0].numel()), []
             for s in range(0, S, step):
                 chunk = slice(s, s + step)
                 dV += _source_grads(p[chunk], c[chunk], norm[chunk], V[chunk], dmix, Q)

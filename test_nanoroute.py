@@ -771,6 +771,21 @@ def test_fast_path_equals_reference_path_forward_and_gradients(mode, precision, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ATTNRES_MODES)
+def test_fast_path_with_one_source_a_chunk_and_its_buffer_of_exact_size(mode, device, monkeypatch):
+    # the gradients of many sources come in chunks (here one source each); a forward writes each
+    # completed source once into one buffer, sized for them all: it never grows (memory)
+    monkeypatch.setattr(nanoroute, "CHUNK", 1)
+    assert_fast_equals_reference(mode, device, "float32")
+    model = make_model(**ATTNRES_MODES[mode])
+    kernels, block_reads = [], model.block_reads
+    model.block_reads = lambda *args: kernels.append(block_reads(*args)) or kernels[-1]
+    model(tokens())
+    assert all(k.buffer is kernels[0].buffer for k in kernels)
+    assert kernels[-1].buffer.size(0) == len(kernels[-1].owners)
+
+
+@pytest.mark.gpu
 def test_the_harness_fails_on_a_missing_gradient(device):
     # a change that leaves a parameter without gradient on both paths (coefficients built under
     # no_grad) must not pass because None == None
