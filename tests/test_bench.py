@@ -76,6 +76,8 @@ def test_rounds_interleave_every_model_and_the_numbers_add_up(tmp_path, training
     assert gen["new_tokens"] == 4 and list(gen["variants"]) == ["prenorm", "rezero", "block"]
     for g in gen["variants"].values():  # KV cache and full recompute: the same tokens
         assert g["same_tokens"] and g["speedup"] == pytest.approx(g["recompute_ms"] / g["kv_ms"])
+        base = gen["variants"]["prenorm"]["kv_ms"]  # per token against PreNorm's
+        assert g["kv_ratio_prenorm"] == pytest.approx(g["kv_ms"] / base)
     assert data["complete"] and data["machine"]["command"].startswith("python bench.py --shape")
 
 
