@@ -186,3 +186,20 @@ def test_models_start_paired_memory_counts_no_buffer_and_a_fallback_is_said(tmp_
     gen = bench_json(tmp_path, "--variants", "prenorm", "--iters", 1, "--gen_tokens", 3)
     assert gen["generation"]["variants"]["prenorm"]["same_tokens"] is False  # said, not assumed
     assert "| prenorm |" in capsys.readouterr().out.split("### Generation")[1].split("NO")[0]
+
+
+def test_routing_bytes_floor_is_below_the_kernels_passes_and_full_attnres_is_quadratic():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from routing_bytes import routing_bytes
+
+    def config(n_layer, **row):
+        return nanoroute.GPTConfig(n_layer=n_layer, n_embd=32, n_head=2, sequence_len=16,
+                         residual="attnres", **row)
+    for row in (dict(), dict(attnres_block=1), dict(wav=True), dict(rd="decoupled")):
+        must, now = routing_bytes(config(4, **row))
+        assert 0 < must < now
+    # every read of Full AttnRes reads every source before it: doubling the depth more than
+    # triples its bytes; Block AttnRes's (blocks grow with the depth) about double
+    full = [routing_bytes(config(n, attnres_block=1))[0] for n in (8, 16)]
+    block = [routing_bytes(config(n))[0] for n in (8, 16)]
+    assert full[1] / full[0] > 3 > block[1] / block[0]

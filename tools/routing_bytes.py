@@ -1,0 +1,60 @@
+"""Bytes the depth routing moves in one training step, from the shapes (docs/speed.md).
+
+    python tools/routing_bytes.py            # s12 and s48, the variants of docs/speed.md
+
+must: the two-phase floor. Per block, its reads read each completed source once (forward), then
+read it again and write its gradient (backward); each read of a partial block reads its terms and
+phase 1's mix and writes h, and the backward twice that; a completed block is built once.
+now: the passes over (B, T, d) tensors that this kernel's operations make, counted from the code
+(an estimate: it leaves out what the memory caches absorb and the work that is not the routing's).
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanoroute import GPT, GPTConfig, VARIANTS  # noqa: E402
+
+SHAPES = {"s12": dict(n_layer=12, n_embd=256, n_head=4, sequence_len=256),
+          "s48": dict(n_layer=48, n_embd=128, n_head=4, sequence_len=128)}
+BATCH = 8
+ROWS = {"full": dict(residual="attnres", attnres_block=1)} | VARIANTS
+
+def routing_bytes(config, batch=BATCH):
+    """(must, now) in bytes for one training step of a residual=attnres config whose routing
+    blocks divide its 2·n_layer sublayers."""
+    model = GPT(config)
+    unit = batch * config.sequence_len * config.n_embd * 4  # one (B, T, d) float32 tensor
+    n_sub, m = 2 * config.n_layer, config.routing_block
+    per_block = 1 + len(model.bases)
+    must = now = 0
+    for first in range(0, n_sub + 1, m):
+        subs = list(range(first, min(first + m, n_sub))) or [n_sub]  # the last: the readout
+        completed = 1 + per_block * (first // m)  # the sources written so far
+        read = 1 + first // m if first == n_sub and not config.wav_readout_details else completed
+        must += 3 * read * unit  # the readout reads the states alone, by default
+        # the new sources into the buffer (read, write, their rms), then forward: dots, mix; the
+        # backward: ⟨dmix, v⟩, the gradient matmul, the key norm's addcmul (3), dw
+        now += (3 * (per_block if first else 1) + 2 * completed + 6 * completed) * unit
+        for i, l in enumerate(subs[1:], 1):
+            terms = i if config.wav_learned_bases else min(i, 4) if config.wav else 1
+            reads = len(model.reads_before(l))
+            must += reads * 3 * (terms + 2) * unit
+            # forward: term dots, h from mix and each term; backward: ⟨dh, t⟩, ⟨dh, h⟩, dmix,
+            # each term's gradient and the key norm's terms
+            now += reads * (6 * terms + 6 + terms * (3 + 3 * terms)) * unit
+        if subs[0] < n_sub:  # the block completes: its sources from its updates, mean squares
+            must += (len(subs) + per_block) * unit
+            now += (len(subs) * per_block + 2 * per_block) * unit
+    return must, now
+
+def main():
+    print("| shape | variant | must GiB | now GiB | now / must |")
+    print("|---|---|---|---|---|")
+    for shape, dims in SHAPES.items():
+        for name in ("block", "full", "wav", "rd", "block_h4"):
+            must, now = routing_bytes(GPTConfig(vocab_size=256, **dims, **ROWS[name]))
+            print(f"| {shape} | {name} | {must / 2**30:.2f} | {now / 2**30:.2f} | "
+                  f"{now / must:.2f} |")
+
+if __name__ == "__main__":
+    main()
