@@ -882,9 +882,9 @@ class BlockReads:
 
     def _block_state(self, block):
         """The block's sources p = s_p·Σ_i c_pi·u_i (s_0 = 1, s_p = match(mean squares), without
-        gradient) as PartialMerge takes them: terms, their coefficients (P, K) (None: the one source
-        is the one term), inv_rms and scale (P, B, T). Updates with equal fixed coefficients are
-        summed into one term (WAV: at most 4 a block); learned coefficients keep one per update."""
+        gradient) as PartialMerge takes them: terms, their coefficients (P, K), inv_rms and scale
+        (P, B, T). Updates with equal fixed coefficients are summed into one term (WAV: at most 4
+        a block; Block AttnRes: 1); learned coefficients keep one term per update."""
         if self.state is None or self.seen != len(block):
             for i in range(self.seen, len(block)):  # update i joins its piece
                 key = i if self.learned else tuple(row[i] for row in self.coefficients)
@@ -894,14 +894,12 @@ class BlockReads:
             if self.learned:
                 coeffs = self.coefficients[:, :len(terms)]
             else:
-                keys = list(self.pieces)
-                coeffs = _constant(tuple(zip(*keys)), terms[0].device)  # (P, K)
-                if coeffs.shape == (1, 1) and keys[0] == (1,):  # the one source is the one term
-                    coeffs = None
+                coeffs = _constant(tuple(zip(*self.pieces)), terms[0].device)  # (P, K)
             # SPEC: WAV stability 2, mean squares and scales without gradient (and in float32)
             with torch.no_grad(), float32(terms[0]):
                 stacked = torch.stack(terms) if len(terms) > 1 else terms[0][None]  # (K, B, T, d)
-                ms = mean_square(_per_source(coeffs, stacked))  # the sources' (P, B, T)
+                one = coeffs.shape == (1, 1) and not self.learned  # Block AttnRes: 1·term
+                ms = mean_square(stacked if one else _per_source(coeffs, stacked))  # (P, B, T)
                 scale = torch.cat([torch.ones_like(ms[:1]), self.match(ms[0], ms[1:])])  # (P, B, T)
                 inv_rms = torch.rsqrt(scale.square() * ms + EPS)  # mean((s·v)²) = s²·mean(v²)
             self.state = terms, coeffs, inv_rms, scale
@@ -953,8 +951,8 @@ def completed_reads(queries, biases, V, inv_rms, heads=1):
 def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
     """Phase 2's forward: a read's summary mix (B, T, H, d/H), lse (B, T, H), its query (d,), and
     P partial sources scale_p · Σ_k coeffs[p, k]·terms_k: bias (P,), inv_rms and detached scale
-    (P, B, T, 1), coeffs (P, K) (None: the source is its one term), terms (B, T, d). Returns h
-    (B, T, d), a (1+P, B, T, H), dots ṽ_pᵀw (P, B, T, H), the terms' dots t_kᵀw (K, B, T, H)."""
+    (P, B, T, 1), coeffs (P, K), terms (B, T, d). Returns h (B, T, d), a (1+P, B, T, H), dots
+    ṽ_pᵀw (P, B, T, H), the terms' dots t_kᵀw (K, B, T, H)."""
     with float32(mix):
         q = query.float().view(mix.size(-2), -1)  # (H, d/H)
         # vecdot, not v @ q: a per-token dot product is one fused pass, v @ q 2x slower on a CPU
@@ -967,12 +965,10 @@ def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
     return h.flatten(-2), a, dots, term_dots
 
 def _per_source(coeffs, x):  # Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)
-    return x if coeffs is None else \
-        (coeffs.float() @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
+    return (coeffs.float() @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
 
 def _per_term(coeffs, x):  # Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -> (K, ...)
-    return x if coeffs is None else \
-        (coeffs.float().t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
+    return (coeffs.float().t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
 
 class CompletedReads(torch.autograd.Function):
     """Phase 1 with a batched backward (one gradient per source, not one per read). Read r returns
@@ -1070,9 +1066,8 @@ class PartialMerge(torch.autograd.Function):
             norm_term = norm_term / h.size(-1)
             c_k, a_k = _per_term(coeffs, c), _per_term(coeffs, a[1:] * scale)
             # −Σ_p c_pk·norm_term_p·v_p = Σ_j M_kj·term_j, M_kj = −Σ_p c_pk·c_pj·norm_term_p
-            C = None if coeffs is None else coeffs.float()
-            M = -norm_term[:, None] if C is None else \
-                -_per_term(C, C[:, :, None, None, None] * norm_term[:, None])
+            C = coeffs.float()
+            M = -_per_term(C, C[:, :, None, None, None] * norm_term[:, None])
             dquery = sum(torch.einsum("bth,bthe->he", c_k[k], t.view(heads))
                          for k, t in enumerate(terms)).flatten()
             dterms = []
