@@ -460,6 +460,9 @@ class DepthRouting:
             by_basis[basis] = beta[k]
         bias = torch.stack([by_basis[s.basis] for s in sources])
         if key in self.static_logits:  # SPEC: Controls, static routing
+            if len(sources) != len(self.static_logits[key]):  # e.g. sources added in complete()
+                raise ValueError(f"route_static: {read} reads {len(sources)} sources but has "
+                                 f"{len(self.static_logits[key])} logits: count them in pool_size")
             bias = bias + self.static_logits[key]
         if self.masked.get(read):  # SPEC: Controls, interventions: logit −inf, then renormalised
             hidden = torch.tensor([s.name in self.masked[read] for s in sources])

@@ -1005,6 +1005,9 @@ def test_extension_block_difference_source_fast_equals_reference(device):
     readout = next(r for r in routes if r["name"] == "readout")
     assert readout["sources"] == ["emb", "C0", "C1", "C1.diff", "C2", "C2.diff"]
     assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithBlockDifference"))
+    static = docs_class("GPTWithBlockDifference")(GPTConfig(**TINY, **cfg, route_static=True))
+    with pytest.raises(ValueError, match="reads 4 sources but has 3 logits: count them in pool"):
+        static(tokens())  # route_static's logits per source: pool_size must count the new ones
 
 
 # A learned temperature per read and a recency bias per source: an override of route
