@@ -815,15 +815,16 @@ class BlockReads:
     def __init__(self, routes, completed, coefficients, match, previous, sources, heads=1,
                  capacity=1):
         self.routes, self.coefficients, self.match = routes, coefficients, match
-        self.sources, self.heads = sources, heads
+        self.sources = sources
         self.learned = isinstance(coefficients, torch.Tensor)
         self._store(completed, previous, capacity)
         # phase 1 reads the buffer's first S slots; a slot this block does not read gets logit −inf
         self.slots = [self.slot[key] for key, _ in completed]
         S, names = max(self.slots) + 1, list(routes)
+        self.in_order = self.slots == list(range(S))  # the usual case: slot i is source i
         queries = torch.stack([routes[r][0] for r in names])
         biases = torch.stack([routes[r][1][:len(completed)] for r in names])
-        if self.slots != list(range(S)):
+        if not self.in_order:
             column = dict(zip(self.slots, biases.unbind(1)))
             hidden = biases.new_full(biases.shape[:1], -math.inf)
             biases = torch.stack([column.get(s, hidden) for s in range(S)], 1)
@@ -871,9 +872,10 @@ class BlockReads:
         query, bias = self.routes[name]
         S = len(self.slots)
         if keep_weights:  # the weights of this read's completed sources, in its order
-            p = p if self.slots == list(range(S)) else torch.stack([p[s] for s in self.slots])
+            p = p if self.in_order else torch.stack([p[s] for s in self.slots])
         if bias.size(0) == S:  # no block source; a copy: a view would keep all of phase 1 alive
-            return mix.flatten(-2).clone(), p if keep_weights else None, self.sources[name]
+            h = mix.clone(memory_format=torch.contiguous_format).flatten(-2)
+            return h, p if keep_weights else None, self.sources[name]
         terms, coeffs, inv_rms, scale = self._block_state(block)
         args = (mix, lse, query, bias[S:], inv_rms[..., None], scale[..., None], coeffs)
         if torch.is_grad_enabled():
