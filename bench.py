@@ -295,24 +295,28 @@ def record(b, name, m, times):
     return r
 
 def memory_parts(b, m):
-    """Bytes of one training step by part (print_training's "memory:" line); they add up."""
+    """Bytes of one training step by part (print_training's "memory:" line); they add up.
+    Parameters and AdamW state are counted here for every device, then the step's own bytes."""
     params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
               for p in m.model.parameters()}  # unique storages: the tied embedding counts once
     adamw = sum(t.untyped_storage().nbytes() for state in m.opt.state.values()
                 for t in state.values() if torch.is_tensor(t))
-    parts = dict(params=sum(params.values()), adamw=adamw)
+    return dict(params=sum(params.values()), adamw=adamw, **step_memory(b, m, set(params)))
+
+def step_memory(b, m, params):
+    """The step's bytes beyond the parameters (data pointers `params`) and AdamW state."""
     if b.cuda:  # the allocator's statistics are kept on the host: no synchronize needed
         torch.cuda.reset_peak_memory_stats(b.device)
         # the peak above what was resident before: the step's activations and temporaries
         before = torch.cuda.memory_allocated(b.device)
         b.timed(lambda: b.step(m))
-        return dict(parts, step_peak=torch.cuda.max_memory_allocated(b.device) - before)
+        return dict(step_peak=torch.cuda.max_memory_allocated(b.device) - before)
     # a CPU has no allocator peak to read: the parts are summed instead (print_training says so)
     grads = sum(p.numel() * p.element_size() for p in m.model.parameters() if p.requires_grad)
     # parameters and buffers are counted above or not at all, never as saved tensors
-    exclude = set(params) | {t.untyped_storage().data_ptr() for t in m.model.buffers()}
+    exclude = params | {t.untyped_storage().data_ptr() for t in m.model.buffers()}
     # the eager model: saved-tensor hooks do not see inside compiled graphs
-    return dict(parts, grads=grads, saved=saved_bytes(m.model, b.x, b.y, b.amp, exclude))
+    return dict(grads=grads, saved=saved_bytes(m.model, b.x, b.y, b.amp, exclude))
 
 def saved_bytes(model, x, y, amp, exclude):
     """Bytes a forward saves for backward (unique storages, held at its end), but `exclude`'s."""
