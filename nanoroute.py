@@ -252,18 +252,14 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope, x_k=None, x_v=None, cache=None, layer=0):
         """x feeds the queries, and the keys and values where x_k, x_v are None (RD-AttnRes)."""
         B, T, C = x.size()
-        weight, bias = self.c_attn.weight, self.c_attn.bias
         if x_k is None and x_v is None:
             q, k, v = self.c_attn(x).split(C, dim=2)
-        elif x_k is None:  # SPEC: RD-AttnRes, queries and keys read h^QK, values read h^V
-            b_qk, b_v = bias.split([2 * C, C]) if bias is not None else (None, None)
-            w_qk, w_v = weight.split([2 * C, C])
-            q, k = F.linear(x, w_qk, b_qk).split(C, dim=2)
-            v = F.linear(x_v, w_v, b_v)
-        else:  # each of Q, K and V from a read of its own (the same weights as one input)
+        else:  # SPEC: RD-AttnRes, Q, K and V each from its own read, with the same weights
+            inputs = (x, x if x_k is None else x_k, x if x_v is None else x_v)
+            bias = self.c_attn.bias
             biases = bias.split(C) if bias is not None else (None, None, None)
-            inputs = (x, x_k, x if x_v is None else x_v)
-            q, k, v = (F.linear(t, w, b) for t, w, b in zip(inputs, weight.split(C), biases))
+            weights = self.c_attn.weight.split(C)
+            q, k, v = (F.linear(t, w, b) for t, w, b in zip(inputs, weights, biases))
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # (B, nh, T, hs)
         if cache is not None:
@@ -387,11 +383,8 @@ class DepthRouting:
         if config.fast_routing and type(self).block_sources is not DepthRouting.block_sources:
             raise ValueError(
                 f"fast_routing=True: {type(self).__name__} overrides block_sources, which the fast "
-                "kernel cannot follow. Its contract: the partial block's sources are the linear "
-                "combinations of the block's updates that block_coefficients gives, each detail "
-                "RMS-matched to the state with a detached scale, and it never builds them. Change "
-                "completed blocks in complete(), the bases in detail_signs(), or build the model "
-                "with fast_routing=False (docs/routing.md)")
+                "kernel cannot follow (its contract, docs/routing.md). Change completed blocks in "
+                "complete(), the bases in detail_signs(), or build with fast_routing=False")
 
     def reads_before(self, l):
         """The reads that feed sublayer l, in forward order; before 2·n_layer, the readout."""
@@ -821,13 +814,11 @@ class BlockReads:
         # phase 1 reads the buffer's first S slots; a slot this block does not read gets logit −inf
         self.slots = [self.slot[key] for key, _ in completed]
         S, names = max(self.slots) + 1, list(routes)
-        self.in_order = self.slots == list(range(S))  # the usual case: slot i is source i
         queries = torch.stack([routes[r][0] for r in names])
         biases = torch.stack([routes[r][1][:len(completed)] for r in names])
-        if not self.in_order:
-            column = dict(zip(self.slots, biases.unbind(1)))
-            hidden = biases.new_full(biases.shape[:1], -math.inf)
-            biases = torch.stack([column.get(s, hidden) for s in range(S)], 1)
+        column = dict(zip(self.slots, biases.unbind(1)))  # each slot's bias, by read
+        hidden = biases.new_full(biases.shape[:1], -math.inf)
+        biases = torch.stack([column.get(s, hidden) for s in range(S)], 1)
         V, inv_rms = self.buffer[:S], self.inv_rms[:S]  # views: no copy of the sources
         if torch.is_grad_enabled():
             out = CompletedReads.apply(queries, biases, V, inv_rms, heads, *self.owners[:S])
@@ -872,7 +863,7 @@ class BlockReads:
         query, bias = self.routes[name]
         S = len(self.slots)
         if keep_weights:  # the weights of this read's completed sources, in its order
-            p = p if self.in_order else torch.stack([p[s] for s in self.slots])
+            p = torch.stack([p[s] for s in self.slots])
         if bias.size(0) == S:  # no block source; a copy: a view would keep all of phase 1 alive
             h = mix.clone(memory_format=torch.contiguous_format).flatten(-2)
             return h, p if keep_weights else None, self.sources[name]
