@@ -895,7 +895,7 @@ class BlockReads:
             with torch.no_grad(), float32(terms[0]):
                 stacked = torch.stack(terms) if len(terms) > 1 else terms[0][None]  # (K, B, T, d)
                 one = coeffs.shape == (1, 1) and not self.learned  # Block AttnRes: 1·term
-                ms = mean_square(stacked if one else _per_source(coeffs, stacked))  # (P, B, T)
+                ms = mean_square(stacked if one else _per_row(coeffs, stacked))  # (P, B, T)
                 scale = torch.cat([torch.ones_like(ms[:1]), self.match(ms[0], ms[1:])])  # (P, B, T)
                 inv_rms = torch.rsqrt(scale.square() * ms + EPS)  # mean((s·v)²) = s²·mean(v²)
             self.state = terms, coeffs, inv_rms, scale
@@ -920,8 +920,6 @@ def _constant(values, device):
     return _CONSTANTS[key]
 
 def _by_head(queries, heads):  # (R, d) -> (d, R·H): column (r, k) is w_r on slice k, else 0
-    if heads == 1:
-        return queries.t()
     mask = torch.eye(heads, device=queries.device).repeat_interleave(queries.size(1) // heads, 1)
     return (queries[:, None] * mask).flatten(0, 1).t()
 
@@ -953,18 +951,17 @@ def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
         q = query.float().view(mix.size(-2), -1)  # (H, d/H)
         # vecdot, not v @ q: a per-token dot product is one fused pass, v @ q 2x slower on a CPU
         term_dots = torch.stack([torch.linalg.vecdot(t.float().view(mix.shape), q) for t in terms])
-        dots = _per_source(coeffs, term_dots) * scale
+        dots = _per_row(coeffs, term_dots) * scale
         a = torch.cat([lse[None], dots * inv_rms + bias.float()[:, None, None, None]]).softmax(0)
         h = a[0][..., None] * mix
-        for t, w in zip(terms, _per_term(coeffs, a[1:] * scale)):  # each term's weight in h
+        for t, w in zip(terms, _per_row(coeffs.t(), a[1:] * scale)):  # each term's weight in h
             h.addcmul_(w[..., None], t.float().view(mix.shape))
     return h.flatten(-2), a, dots, term_dots
 
-def _per_source(coeffs, x):  # Σ_k coeffs[p, k]·x_k for every source p: (K, ...) -> (P, ...)
+def _per_row(coeffs, x):
+    """Σ_k coeffs[p, k]·x_k for every row p, (K, ...) -> (P, ...): the sources from the terms, or
+    with coeffs.t() what each term receives from the sources."""
     return (coeffs.float() @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
-
-def _per_term(coeffs, x):  # Σ_p coeffs[p, k]·x_p for every term k: (P, ...) -> (K, ...)
-    return (coeffs.float().t() @ x.flatten(1)).view(coeffs.size(1), *x.shape[1:])
 
 class CompletedReads(torch.autograd.Function):
     """Phase 1 with a batched backward (one gradient per source, not one per read). Read r returns
@@ -1052,7 +1049,7 @@ class PartialMerge(torch.autograd.Function):
             # ⟨dh, term_k⟩ (K, B, T, H), then dlogit (P, B, T, H)
             term_grads = torch.stack([torch.linalg.vecdot(dh.view(heads), t.view(heads))
                                       for t in terms])
-            dlogit = a[1:] * (_per_source(coeffs, term_grads) * scale
+            dlogit = a[1:] * (_per_row(coeffs, term_grads) * scale
                               - torch.linalg.vecdot(dh.view(heads), h.view(heads)))
             if da is not None:  # a loss on the weights a: the softmax's backward, a·(da − Σ a·da)
                 dlogit += a[1:] * (da[1:].float() - (a * da.float()).sum(0))
@@ -1060,10 +1057,10 @@ class PartialMerge(torch.autograd.Function):
             # the key norm (P, B, T, 1)
             norm_term = (dlogit * dots).sum(-1, keepdim=True) * inv_rms.pow(3) * scale.square()
             norm_term = norm_term / h.size(-1)
-            c_k, a_k = _per_term(coeffs, c), _per_term(coeffs, a[1:] * scale)
+            c_k, a_k = _per_row(coeffs.t(), c), _per_row(coeffs.t(), a[1:] * scale)
             # −Σ_p c_pk·norm_term_p·v_p = Σ_j M_kj·term_j, M_kj = −Σ_p c_pk·c_pj·norm_term_p
             C = coeffs.float()
-            M = -_per_term(C, C[:, :, None, None, None] * norm_term[:, None])
+            M = -_per_row(C.t(), C[:, :, None, None, None] * norm_term[:, None])
             dquery = sum(torch.einsum("bth,bthe->he", c_k[k], t.view(heads))
                          for k, t in enumerate(terms)).flatten()
             dterms = []
