@@ -203,3 +203,22 @@ def test_routing_bytes_floor_is_below_the_kernels_passes_and_full_attnres_is_qua
     full = [routing_bytes(config(n, attnres_block=1))[0] for n in (8, 16)]
     block = [routing_bytes(config(n))[0] for n in (8, 16)]
     assert full[1] / full[0] > 3 > block[1] / block[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_memory_is_one_models_step_above_what_is_resident():
+    def stepped(*flags):  # a model on the GPU, stepped once (cuBLAS's workspace stays resident)
+        b = bench.Bench(bench.build_parser().parse_args([*TINY, "--device", "cuda", *flags]), [])
+        m = bench.build(b, "prenorm")
+        b.step(m)
+        return b, m
+    small = stepped()
+    alone = bench.memory_parts(*small)
+    large = stepped("--n_embd", "512", "--n_head", "4")
+    assert bench.memory_parts(*large)["step_peak"] > alone["step_peak"]
+    # the large model stays resident: neither its bytes nor its peak is the small one's
+    again = bench.memory_parts(*small)
+    assert again["step_peak"] == pytest.approx(alone["step_peak"], rel=0.05)
+    assert again["params"] == 4 * small[1].model.get_num_params()  # float32 weights, tied once
+    assert again["adamw"] >= 2 * again["params"]
