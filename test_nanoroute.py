@@ -1123,6 +1123,27 @@ def test_rd_value_projection_keeps_its_bias():
     assert not torch.allclose(dec(idx)[0], before, atol=1e-4)
 
 
+@pytest.mark.parametrize("own_k, own_v", [(False, False), (True, False), (False, True),
+                                          (True, True)])
+def test_attention_takes_q_k_and_v_each_from_its_own_read(own_k, own_v):
+    # an RD mode may give the keys a read of their own, the values, or both (RD(k="attn.k")):
+    # each read feeds its projection, with c_attn's weights and biases; the others read x
+    config = GPTConfig(**{**TINY, "bias": True})
+    attn = nanoroute.CausalSelfAttention(config)
+    with torch.no_grad():
+        attn.c_attn.bias.normal_()
+    rope = nanoroute.rotary_tables(SEQ, 8)
+    x, x_k, x_v = torch.randn(3, 2, SEQ, 16).unbind(0)
+    inputs = (x, x_k if own_k else x, x_v if own_v else x)
+    weights, biases = attn.c_attn.weight.split(16), attn.c_attn.bias.split(16)
+    q, k, v = (torch.nn.functional.linear(t, w, b) for t, w, b in zip(inputs, weights, biases))
+    q, k, v = (t.view(2, SEQ, 2, 8).transpose(1, 2) for t in (q, k, v))
+    q, k = nanoroute.apply_rotary(q, *rope), nanoroute.apply_rotary(k, *rope)
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want = attn.c_proj(y.transpose(1, 2).reshape(2, SEQ, 16))
+    got = attn(x, rope, x_k if own_k else None, x_v if own_v else None)
+    torch.testing.assert_close(got, want)
+
 def test_wav_keeps_no_more_per_sublayer_for_backward_than_block_attnres():
     # Memory (issue 5): a sublayer leaves one new (B, T, d) tensor for the backward, the piece it
     # wrote, however many WAV bases there are. What WAV keeps beyond Block AttnRes is its completed
