@@ -913,10 +913,16 @@ def test_kernel_reuses_a_key_norm_only_for_the_same_value(device):
     g = torch.Generator().manual_seed(0)
     x, y, x2 = (torch.randn(2, 5, 16, generator=g).to(device) for _ in range(3))
     query, bias = torch.randn(16, generator=g).to(device), torch.zeros(2, device=device)
-    routes = {0: (query, bias)}
-    first = nanoroute.BlockReads(routes, [("x", x), ("y", y)], [[1]], MATCH, None, {0: []})
-    then = nanoroute.BlockReads(routes, [("x", 3 * x2), ("y", y)], [[1]], MATCH, first, {0: []})
-    torch.testing.assert_close(then(0, [])[0], nanoroute.depth_read(query, bias, [3 * x2, y])[0])
+    routes, sources = {0: (query, bias), 1: (-query, bias)}, {0: [], 1: []}
+    first = nanoroute.BlockReads(routes, [("x", x), ("y", y)], [[1]], MATCH, None, sources)
+    then = nanoroute.BlockReads(routes, [("x", 3 * x2), ("y", y)], [[1]], MATCH, first, sources)
+    # its slot comes after y's: the weights still come in the read's order, x's first
+    h, weights, _ = then(0, [], keep_weights=True)
+    want_h, want_weights = nanoroute.depth_read(query, bias, [3 * x2, y])
+    torch.testing.assert_close(h, want_h)
+    torch.testing.assert_close(weights, want_weights)
+    # h is its own tensor, not a view that would keep the other read's phase 1 alive
+    assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
 
 
 @pytest.mark.gpu
