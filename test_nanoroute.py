@@ -925,6 +925,19 @@ def test_kernel_reuses_a_key_norm_only_for_the_same_value(device):
     assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
 
 
+def test_kernel_buffer_past_its_capacity_doubles(device):
+    # sources added in complete() may pass the buffer's capacity: each growth copies the buffer,
+    # and earlier blocks' saved views keep the old copy alive, so it doubles (here 1 to 16)
+    values = [torch.randn(2, 5, 16, device=device) for _ in range(9)]
+    query, kernels = torch.randn(16, device=device), [None]
+    for n in range(1, 10):
+        routes = {0: (query, torch.zeros(n, device=device))}
+        completed = list(enumerate(values[:n]))
+        kernels.append(nanoroute.BlockReads(routes, completed, [[1]], MATCH, kernels[-1], {0: []}))
+    assert len({id(k.buffer) for k in kernels[1:]}) == 5
+    want = nanoroute.depth_read(query, routes[0][1], values)[0]
+    torch.testing.assert_close(kernels[-1](0, [])[0], want)
+
 @pytest.mark.gpu
 def test_kernel_backward_inside_autocast_equals_outside(device):
     # a user may call backward() inside an autocast block: the kernel's backward stays float32
