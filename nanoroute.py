@@ -356,6 +356,15 @@ class DepthRouting:
     def init_routing(self, config):
         d, n_sub = config.n_embd, 2 * config.n_layer
         self.bases = list(self.detail_signs(0))  # WAV's detail bases (none without WAV)
+        # each basis a contrast of its own over a block: one equal to another, or to its negative,
+        # would add the same detail twice (a new basis that is phase at this block size)
+        m = config.routing_block
+        columns = [[self.detail_signs(l)[basis] for l in range(m)] for basis in self.bases]
+        for i, column in enumerate(columns):
+            for j in range(i):
+                if columns[j] in (column, [-s for s in column]):
+                    raise ValueError(f"WAV bases {self.bases[j]} and {self.bases[i]} weigh a block "
+                                     f"of {m} sublayers alike: choose another basis or block size")
         self.reads = [read for l in range(n_sub + 1) for read in self.reads_before(l)]
         # routing parameters per read, but for the first sublayer's (it reads e alone: choice) and
         # rd=frozen_v's value route: a zero pseudo-query (SPEC), or with route_static a logit per

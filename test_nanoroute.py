@@ -46,7 +46,8 @@ SHAPES = {
                               wav_readout_details=True, attnres_block=4),
     "wav_wide": dict(residual="attnres", wav=True, attnres_block=6, n_layer=3),
     # two completed blocks: the readout reads C0 and C1 but not C0's details (the kernel's slots)
-    "wav_deep": dict(residual="attnres", wav=True, attnres_block=4, n_layer=4),
+    "wav_deep": dict(residual="attnres", wav=True, attnres_block=4, n_layer=4, wav_rho=1.5,
+                     wav_detail_bias=-1.0),
     "rd_wav": dict(residual="attnres", rd="decoupled", wav=True, attnres_block=4),
     # SPEC: Learnable bases
     "wav_learned": dict(residual="attnres", wav=True, wav_learned_bases=True, attnres_block=4),
@@ -75,6 +76,8 @@ def distinct(cases):
 ALL_MODES = distinct({**SHAPES,
                       **{name: nanoroute.variant(name) for name in nanoroute.VARIANTS},
                       **{residual: dict(residual=residual) for residual in nanoroute.RESIDUALS},
+                      **{f"wav_{bases}": dict(residual="attnres", wav=True, wav_bases=bases)
+                         for bases in nanoroute.WAV_BASES},
                       **{f"rd_{m}": dict(residual="attnres", rd=m, attnres_block=4)
                          for m in nanoroute.RD_MODES}})
 ATTNRES_MODES = {m: kw for m, kw in ALL_MODES.items() if kw.get("residual") == "attnres"}
@@ -133,7 +136,8 @@ def ref_block_sources(updates, first, name, bases, m, rho, learned=None):
             l = first + i  # the sublayer that wrote u
             a = 1 if l % 2 == 0 else -1  # attention +1, MLP −1
             r = 1 if i < m / 2 else -1  # first half of the (full) block +1
-            c = (a if basis == "phase" else r) if learned is None else learned[l, k - 1]
+            signs = dict(phase=a, split=r)  # SPEC's bases: a new one needs its signs here
+            c = signs[basis] if learned is None else learned[l, k - 1]
             detail = detail + c * u
         rms = lambda x: torch.sqrt((x * x).mean(-1))  # noqa: E731
         scale = torch.minimum(rms(state) / (rms(detail) + nanoroute.EPS), torch.tensor(rho))
@@ -153,10 +157,22 @@ def ref_pool(e, updates, l, cfg, learned=None):
     return pool
 
 
+# The routing settings reference_forward computes: a new one, its equations there, then its name
+REFERENCE_FIELDS = ("residual", "attnres_block", "wav", "wav_bases", "wav_rho", "wav_detail_bias",
+                    "wav_readout_details", "wav_learned_bases", "rd", "route_heads",
+                    "route_static", "fast_routing")
+
+
 def reference_forward(model, idx):
     """AttnRes forward from SPEC.md, using the model's own parameters and sublayer modules.
     Returns logits, {read name: (source names, weights)} and the normed sublayer inputs."""
     cfg, T = model.config, idx.size(1)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    unknown = [name for name in nanoroute.routing_fields(type(cfg))
+               if name not in REFERENCE_FIELDS and getattr(cfg, name) != defaults[name]]
+    if unknown:  # said here, not as a mismatch of the outputs
+        pytest.fail(f"{', '.join(unknown)}: reference_forward in test_nanoroute.py does not "
+                    "compute it: write its SPEC equations there, then add it to REFERENCE_FIELDS")
     rope = (model.rope_cos[:T], model.rope_sin[:T])
     e = model.wte(idx)
     updates, reads, inputs = [], {}, []
@@ -216,6 +232,15 @@ def ref_full_attnres(model, idx):
         sources.append(sublayer(x) if l % 2 else sublayer(x, rope))
     h = ref_read(model.query["readout"], [0.0] * len(sources), sources)[0]
     return model.lm_head(nanoroute.norm(h))
+
+
+def test_every_routing_setting_is_run_by_a_case():
+    # a new routing field is tested once a case sets it (the reference then fails until it
+    # computes it); set by no case, it would pass every test without being run
+    for name in nanoroute.routing_fields()[1:]:
+        default = nanoroute.CONFIG_FIELDS[name].default
+        cases = [m for m, kw in ATTNRES_MODES.items() if kw.get(name, default) != default]
+        assert cases or name == "fast_routing", f"no case of SHAPES sets {name}: add one"
 
 
 def reference_residual(model, idx):
@@ -1008,6 +1033,17 @@ def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(devic
     assert_extension_fast_equals_reference(cfg, device, cross_basis)
 
 
+
+def test_a_basis_that_repeats_another_is_refused():
+    class GPTWithQuarterBasis(GPT):  # +1 in the first and third quarter of a block
+        def detail_signs(self, l):
+            m = self.config.routing_block
+            quarter = 1 if (l % m) * 4 // m % 2 == 0 else -1
+            return {**super().detail_signs(l), "quarter": quarter}
+    with pytest.raises(ValueError, match="bases phase and quarter weigh a block of 4 sublayers"):
+        GPTWithQuarterBasis(GPTConfig(**TINY, residual="attnres", wav=True, attnres_block=4))
+    model = GPTWithQuarterBasis(GPTConfig(**TINY, residual="attnres", wav=True, attnres_block=6))
+    assert model.bases == ["phase", "split", "quarter"]  # at 6 sublayers, a contrast of its own
 # A source made from earlier blocks: an override of complete
 @pytest.mark.gpu
 def test_extension_block_difference_source_fast_equals_reference(device):
@@ -1033,11 +1069,12 @@ def test_extension_block_difference_source_fast_equals_reference(device):
 @pytest.mark.gpu
 def test_extension_temperature_and_recency_in_route_fast_equals_reference(device):
     cfg = dict(residual="attnres", wav=True, rd="decoupled", attnres_block=4)
+    extended = docs_class("GPTWithTemperatureAndRecency")  # first: the docs' code draws numbers
     torch.manual_seed(0)  # as make_model: paired with its parent at init
-    model = docs_class("GPTWithTemperatureAndRecency")(GPTConfig(**TINY, **cfg))
+    model = extended(GPTConfig(**TINY, **cfg))
     torch.testing.assert_close(model(tokens())[0], make_model(**cfg)(tokens())[0])
     assert {"temperature.readout", "recency.layer1_attn_v"} <= set(model.no_decay_parameters())
-    assert_extension_fast_equals_reference(cfg, device, docs_class("GPTWithTemperatureAndRecency"))
+    assert_extension_fast_equals_reference(cfg, device, extended)
 
 
 # Learned detail coefficients: the flag wav_learned_bases (SPEC: Learnable bases)
@@ -1281,15 +1318,14 @@ def test_needs_names_the_model_a_setting_applies_to():
 
 def test_routing_fields_are_one_list_a_subclass_extends():
     @dataclasses.dataclass
-    class ConfigWithTemperature(GPTConfig):
-        route_temperature: float = nanoroute.setting(1.0, "logit temperature of every read",
-                                                     needs="attnres")
-    fields = nanoroute.routing_fields(ConfigWithTemperature)
-    assert fields[0] == "residual" and "route_temperature" in fields  # a subclass's field is listed
-    assert "route_temperature" not in nanoroute.routing_fields()
-    with pytest.raises(ValueError, match="route_temperature=2.0: applies only to residual=attnres"):
-        ConfigWithTemperature(route_temperature=2.0)  # validate() follows the one list too
-    ConfigWithTemperature(residual="attnres", route_temperature=2.0)
+    class ConfigWithToyKnob(GPTConfig):
+        toy_knob: float = nanoroute.setting(1.0, "a made-up routing knob", needs="attnres")
+    fields = nanoroute.routing_fields(ConfigWithToyKnob)
+    assert fields[0] == "residual" and "toy_knob" in fields  # a subclass's field is listed
+    assert "toy_knob" not in nanoroute.routing_fields()
+    with pytest.raises(ValueError, match="toy_knob=2.0: applies only to residual=attnres"):
+        ConfigWithToyKnob(toy_knob=2.0)  # validate() follows the one list too
+    ConfigWithToyKnob(residual="attnres", toy_knob=2.0)
 
 
 @pytest.mark.parametrize("overrides,message", INVALID)
