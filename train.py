@@ -397,8 +397,13 @@ def finished(out_dir, ckpt, max_iters, rank):
 def describe(run):
     """What the run trains: the data, the model, the schedule and where it runs."""
     a, config, meta, (train_split, val_split) = run.settings, run.config, run.meta, run.splits
-    routing = f" (block {config.routing_block}, wav {config.wav}, rd {config.rd}, route_heads " \
-              f"{config.route_heads})" if config.residual == "attnres" else ""
+    routing = ""
+    if config.residual == "attnres":  # the block, then every routing setting off its default
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        changed = [f", {name} {getattr(config, name)}" for name in routing_fields(type(config))
+                   if name not in ("residual", "attnres_block")
+                   and getattr(config, name) != defaults[name]]
+        routing = f" (block {config.routing_block}{''.join(changed)})"
     run.log(f"data: {run.data_dir} ({meta['dataset']}, {meta['level']} level, vocab "
             f"{config.vocab_size}; train {len(train_split):,} / val {len(val_split):,} tokens)\n"
             f"model: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
