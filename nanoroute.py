@@ -106,7 +106,7 @@ class GPTConfig:
                                  "whole layers, at most 8 blocks (4 sublayers at least with WAV)",
                                  "attnres")
     wav: bool = setting(False, "WAV v1 detail sources", "attnres")
-    wav_bases: str = setting("both", "phase | split | both", "wav")
+    wav_bases: str = setting("both", " | ".join(WAV_BASES), "wav")
     wav_rho: float = setting(4.0, "cap on the detached RMS-matching scale of details", "wav")
     wav_detail_bias: float = setting(-2.0, "initial logit offset of every detail source", "wav")
     wav_readout_details: bool = setting(False, "the final readout reads detail sources too", "wav")
