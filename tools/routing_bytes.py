@@ -1,6 +1,7 @@
 """Bytes the depth routing moves in one training step, from the shapes (docs/speed.md).
 
     python tools/routing_bytes.py            # s12 and s48, the variants of docs/speed.md
+    python tools/routing_bytes.py --rates    # and what this machine moves at s12's sizes
 
 must: the two-phase floor. Per block, its reads read each completed source once (forward), then
 read it again and write its gradient (backward); each read of a partial block reads its terms and
@@ -10,6 +11,9 @@ now: the passes over (B, T, d) tensors that this kernel's operations make, count
 """
 import os
 import sys
+import time
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanoroute import GPT, GPTConfig, VARIANTS  # noqa: E402
@@ -47,7 +51,28 @@ def routing_bytes(config, batch=BATCH):
             now += (len(subs) * per_block + 2 * per_block) * unit
     return must, now
 
+def rates(threads=2, S=6, R=4):
+    """GiB/s (bytes read and written) on this machine at s12's sizes, S sources and R reads: a
+    plain copy of the sources, and phase 1's mix, one small matrix product per token."""
+    torch.set_num_threads(threads)
+    tokens, d = BATCH * SHAPES["s12"]["sequence_len"], SHAPES["s12"]["n_embd"]
+    V, p = torch.randn(S, tokens, d), torch.rand(tokens, R, S)
+    slices = V.transpose(0, 1)  # (tokens, S, d): each token's sources, a view, as the kernel's
+    copy, mix = torch.empty_like(V), torch.empty(tokens, R, d)  # outputs allocated once
+    cases = {"copy of the sources": (lambda: copy.copy_(V), 2 * V.numel()),
+             "phase 1's mix (bmm)": (lambda: torch.bmm(p, slices, out=mix),
+                                     V.numel() + mix.numel())}
+    for name, (run, floats) in cases.items():
+        run()
+        start = time.perf_counter()
+        for _ in range(20):
+            run()
+        seconds = (time.perf_counter() - start) / 20
+        print(f"{name}: {4 * floats / seconds / 2**30:.1f} GiB/s ({threads} threads)")
+
 def main():
+    if "--rates" in sys.argv:
+        rates()
     print("| shape | variant | must GiB | now GiB | now / must |")
     print("|---|---|---|---|---|")
     for shape, dims in SHAPES.items():
