@@ -249,23 +249,6 @@ def test_classic_residuals_equal_reference(mode):
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_residual_gain_init():
-    assert torch.equal(make_model(residual="rezero").residual_gain, torch.zeros(6, 1))  # α = 0
-    for n_layer, gamma in [(3, 0.1), (18, 0.1), (20, 1e-5), (24, 1e-5), (30, 1e-6)]:  # CaiT's rule
-        gain = GPT(GPTConfig(**{**TINY, "n_layer": n_layer}, residual="layerscale")).residual_gain
-        assert gain.shape == (2 * n_layer, 16) and torch.all(gain == gamma), n_layer
-
-
-def capture_sublayer_inputs(model):
-    """Forward pre-hooks recording what each attention and MLP sublayer gets, in forward order."""
-    seen, hooks = [], []
-    for layer in model.layers:
-        for sub in (layer.attn, layer.mlp):
-            hooks.append(sub.register_forward_pre_hook(
-                lambda mod, args: seen.append(args[0].detach())))
-    return seen, hooks
-
-
 @pytest.mark.parametrize("mode", ATTNRES_MODES)
 @pytest.mark.parametrize("fast", [True, False])
 def test_routed_inputs_equal_reference(mode, fast):
@@ -276,7 +259,9 @@ def assert_routed_model_equals_reference(overrides, fast):
     """Logits, every read's sources and weights, and every sublayer's input, against the loops;
     returns the reference's reads."""
     model, idx = randomise_routing(make_model(**overrides, fast_routing=fast)), tokens()
-    seen, hooks = capture_sublayer_inputs(model)
+    seen = []  # what each attention and MLP sublayer gets, in forward order
+    hooks = [sub.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+             for layer in model.layers for sub in (layer.attn, layer.mlp)]
     logits, _, routes = model(idx, return_routes=True)
     for hook in hooks:
         hook.remove()
@@ -332,26 +317,15 @@ def test_default_routing_block_is_whole_layers_at_most_8_blocks():
     assert GPTConfig(n_layer=4, residual="attnres", wav=True).routing_block == 4  # WAV needs m >= 4
 
 
-@pytest.mark.parametrize("mode", [m for m, kw in ATTNRES_MODES.items() if not kw.get("wav")])
-def test_zero_queries_give_uniform_weights(mode):
+@pytest.mark.parametrize("mode", ATTNRES_MODES)
+def test_reads_start_uniform_over_states_and_wav_details_at_exp_minus_2(mode):
+    # zero queries (or static logits): every state source weighs the same; a WAV detail source
+    # (a dotted name) e^-2 of it, its detail bias at wav_detail_bias
     _, _, routes = make_model(**ATTNRES_MODES[mode])(tokens(), return_routes=True)
     for r in routes:
-        S = len(r["sources"])
-        torch.testing.assert_close(r["weights"], torch.full_like(r["weights"], 1 / S))
-
-
-def test_wav_details_start_at_exp_minus_2_of_state():
-    routes, checked = make_model(**ATTNRES_MODES["wav"])(tokens(), return_routes=True)[2], 0
-    for r in routes:
-        state = [i for i, n in enumerate(r["sources"]) if "." not in n]
-        detail = [i for i, n in enumerate(r["sources"]) if "." in n]
-        for i in detail:
-            torch.testing.assert_close(r["weights"][i] / r["weights"][state[0]],
-                                       torch.full_like(r["weights"][i], math.exp(-2.0)))
-            checked += 1
-        for i in state:
-            torch.testing.assert_close(r["weights"][i], r["weights"][state[0]])
-    assert checked > 0
+        gain = torch.tensor([math.exp(-2.0) if "." in n else 1.0 for n in r["sources"]])
+        want = (gain / gain.sum())[:, None, None, None].expand_as(r["weights"])
+        torch.testing.assert_close(r["weights"], want)
 
 
 @pytest.mark.parametrize("coefficients",
@@ -466,9 +440,16 @@ def test_rd_tied_equals_off_exactly(base):
 
 
 def test_rd_decoupled_equals_off_at_init_and_differs_once_v_query_moves():
-    off = make_model(**ATTNRES_MODES["block_short_last"])
-    dec, idx = make_model(**ATTNRES_MODES["rd_decoupled"]), tokens()
-    torch.testing.assert_close(dec(idx)[0], off(idx)[0], atol=1e-6, rtol=1e-6)
+    # with Linear biases (non-zero for Q, K and V): the value projection keeps its bias
+    def model(rd):
+        m = make_model(**{**ATTNRES_MODES["rd_decoupled"], "rd": rd}, bias=True)
+        with torch.no_grad():
+            for layer in m.layers:
+                layer.attn.c_attn.bias.normal_()
+        return m
+    off, dec, idx = model("off"), model("decoupled"), tokens()
+    torch.testing.assert_close(dec(idx)[0], off(idx)[0], atol=1e-6, rtol=1e-6)  # V query = 0
+    torch.testing.assert_close(model("tied")(idx)[0], off(idx)[0], atol=1e-6, rtol=1e-6)
     with torch.no_grad():
         dec.query["layer1_attn_v"].normal_()
     logits, _, routes = dec(idx, return_routes=True)
@@ -478,39 +459,37 @@ def test_rd_decoupled_equals_off_at_init_and_differs_once_v_query_moves():
     # layer 0's two routes both read e alone (JS = 0 by construction): left out of js and js_mean
     assert list(stats["js"]) == ["layer1", "layer2"]
     assert stats["js_mean"] == pytest.approx(stats["js"]["layer1"] / 2)
+    # the value bias reaches the output on the RD path: changing it changes the logits
+    with torch.no_grad():
+        dec.layers[1].attn.c_attn.bias[32:].add_(1.0)  # the V part of layer 1's bias (n_embd = 16)
+    assert not torch.allclose(dec(idx)[0], logits, atol=1e-4)
 
 
-def test_rd_frozen_v_with_wav_keeps_the_value_route_at_its_init():
+def test_rd_frozen_v_keeps_the_value_route_at_its_init():
     # choice (SPEC): frozen_v's value route keeps its zero query and detail bias at wav_detail_bias,
-    # without parameters: at init it is exactly rd=decoupled, whose value route starts there too
+    # without parameters: at init it is exactly rd=decoupled, whose value route starts there too;
+    # training moves every other read of several sources, never it
     cfg = dict(residual="attnres", wav=True, attnres_block=4, wav_detail_bias=-1.5)
     frozen, decoupled = make_model(**cfg, rd="frozen_v"), make_model(**cfg, rd="decoupled")
     assert not any(k.endswith("_v") for k in (*frozen.query, *frozen.detail_bias))
     assert any(k.endswith("_v") for k in decoupled.detail_bias)
     idx = tokens()
     torch.testing.assert_close(frozen(idx)[0], decoupled(idx)[0])
-    _, _, routes = frozen(idx, return_routes=True)
-    for r in routes:  # a value route's detail sources weigh e^-1.5 of a state source
+    _, _, init = frozen(idx, return_routes=True)
+    for r in init:  # a value route's detail sources weigh e^-1.5 of a state source
         if r["name"].endswith(".v") and len(r["sources"]) > 1:
             torch.testing.assert_close(r["weights"][2] / r["weights"][1],
                                        torch.full_like(r["weights"][1], math.exp(-1.5)))
-
-
-def test_rd_frozen_v_route_stays_uniform():
-    model = make_model(**ATTNRES_MODES["rd_frozen_v"])
-    assert not any(k.endswith("_v") for k in model.query)  # the value route has no parameter
-    opt, idx = model.configure_optimizers(0.1, 1e-2), tokens()
+    opt = frozen.configure_optimizers(0.1, 1e-2)
     for _ in range(3):
-        model(idx, idx)[1].backward()
+        frozen(idx, idx)[1].backward()
         opt.step()
         opt.zero_grad()
-    _, _, routes = model(idx, return_routes=True)
-    for r in routes:
-        uniform = torch.full_like(r["weights"], 1 / len(r["sources"]))
+    for r, start in zip(frozen(idx, return_routes=True)[2], init, strict=True):
         if r["name"].endswith(".v"):
-            torch.testing.assert_close(r["weights"], uniform)
+            torch.testing.assert_close(r["weights"], start["weights"])
         elif r["name"] != "layer0.attn":
-            assert not torch.allclose(r["weights"], uniform)
+            assert not torch.allclose(r["weights"], start["weights"])
 
 
 def test_rd_average_feeds_the_mean_route_to_q_k_and_v():
@@ -550,11 +529,6 @@ def test_routing_stats_entropy_and_means():
              if r["role"] != "attn.v" and r["entropy_norm"]]
     assert rd["entropy_norm_mean"] == pytest.approx(sum(norms) / len(norms))  # no value routes
     assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]
-    # pool order, by block number not text: C2 before C10 (48 layers: ≤ 8 blocks, extensions more)
-    names, readout = ["emb", "C10", "C2", "C10.split", "C1", "P"], nanoroute.Read(3, "readout")
-    fake = [dict(read=readout, name="readout", sources=names,
-                 weights=torch.full((6, 1, 1, 1), 1 / 6))]
-    assert routing_stats(fake)["sources"] == ["emb", "C1", "C2", "C10", "C10.split", "P"]
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -629,10 +603,20 @@ def test_flops_per_token_by_hand():
     assert model.estimate_mfu(1000, 0.5, 1e12) == pytest.approx(172032 * 1000 / 0.5 / 1e12)
 
 
-def test_generate_rejects_bad_sampling_settings():
-    model = make_model()
-    for kwargs in (dict(temperature=0.0), dict(temperature=-1.0), dict(top_k=0)):
-        with pytest.raises(ValueError, match="temperature|top_k"):
+def test_extreme_temperatures_are_greedy_or_even_among_the_top_k_and_bad_settings_raise():
+    model = make_model(n_layer=1)
+    torch.nn.init.normal_(model.lm_head.weight, 0, 0.3)  # logits units apart: uneven at 1
+    prompt = torch.randint(0, VOCAB, (4, 3))
+    assert torch.equal(model.generate(prompt, 6, 1e-45, 5), model.generate(prompt, 6, top_k=1))
+    n, top5 = 20000, model(prompt[:1])[0][0, -1].topk(5).indices
+    for temperature, even in ((1e30, True), (1.0, False)):
+        counts = model.generate(prompt[:1].expand(n, -1), 1, temperature, 5)[:, -1].bincount()
+        assert counts.sum() == counts[top5].sum() == n  # only the top 5 are drawn
+        deviation = (counts[top5] - n / 5).abs() / math.sqrt(n * 0.2 * 0.8)  # binomial sds
+        assert (deviation < 6).all() == even, counts[top5]
+    for kwargs in (dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=math.inf),
+                   dict(temperature=math.nan), dict(top_k=0)):
+        with pytest.raises(ValueError, match="temperature=.*must be > 0 and finite|top_k=0: must"):
             model.generate(tokens(T=2), 2, **kwargs)
     with pytest.raises(ValueError, match="sequence_len"):
         model(tokens(T=SEQ + 1))
@@ -800,27 +784,18 @@ def test_the_harness_fails_on_a_missing_gradient(device):
         assert_fast_equals_reference("wav_learned", device, "float32", NoGradCoefficients)
 
 
-def test_docs_route_entropy_loss_trains_the_routing_on_both_paths(device):
+@pytest.mark.parametrize("mode", ["rd_tied", "heads_wav_rd"])
+def test_docs_route_entropy_loss_trains_the_routing_on_both_paths(mode, device):
+    # the routes' weights carry a gradient: a routing loss alone moves every pseudo-query
     route_entropy = docs_code("docs/routing.md")["route_entropy"]  # as docs/routing.md writes it
     grads = []
     for fast in (True, False):
-        model = randomise_routing(make_model(**ATTNRES_MODES["rd_tied"], fast_routing=fast))
+        model = randomise_routing(make_model(**ATTNRES_MODES[mode], fast_routing=fast))
         route_entropy(model.to(device)(tokens().to(device), return_routes=True)[2]).backward()
         grads.append({name: p.grad for name, p in model.query.items()})
         assert all(g is not None and g.abs().sum() > 0 for g in grads[-1].values())
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("fast", [True, False])
-def test_a_loss_on_the_routes_trains_the_routing(fast):
-    # the routes' weights carry a gradient: a routing loss alone moves every pseudo-query
-    model = randomise_routing(make_model(**ATTNRES_MODES["heads_wav_rd"], fast_routing=fast))
-    routes = model(tokens(), return_routes=True)[2]
-    entropy = sum(-torch.xlogy(r["weights"], r["weights"]).sum(0).mean() for r in routes)
-    entropy.backward()
-    for name, p in model.query.items():
-        assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
 def test_randomise_routing_moves_every_routing_parameter():
@@ -1101,28 +1076,6 @@ def test_backward_inside_bf16_autocast_equals_outside(fast):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-7, rtol=1e-5)
 
 
-# RD with Linear biases: the value projection keeps its bias
-def test_rd_value_projection_keeps_its_bias():
-    def model(rd, v_query=None):
-        m = make_model(**{**ATTNRES_MODES["rd_decoupled"], "rd": rd}, bias=True)
-        with torch.no_grad():
-            for layer in m.layers:
-                layer.attn.c_attn.bias.normal_()  # non-zero biases for Q, K and V
-            if v_query is not None:
-                m.query["layer1_attn_v"].copy_(v_query)
-        return m
-    idx = tokens()
-    off = model("off")(idx)[0]
-    torch.testing.assert_close(model("decoupled")(idx)[0], off, atol=1e-6, rtol=1e-6)  # V query = 0
-    torch.testing.assert_close(model("tied")(idx)[0], off, atol=1e-6, rtol=1e-6)
-    # the value bias reaches the output on the RD path: changing it changes the logits
-    dec = model("decoupled", v_query=torch.randn(16))
-    before = dec(idx)[0]
-    with torch.no_grad():
-        dec.layers[1].attn.c_attn.bias[32:].add_(1.0)  # the V part of layer 1's bias (n_embd = 16)
-    assert not torch.allclose(dec(idx)[0], before, atol=1e-4)
-
-
 def test_wav_keeps_no_more_per_sublayer_for_backward_than_block_attnres():
     # Memory (issue 5): a sublayer leaves one new (B, T, d) tensor for the backward, the piece it
     # wrote, however many WAV bases there are. What WAV keeps beyond Block AttnRes is its completed
@@ -1221,12 +1174,15 @@ INVALID = [
 
 
 def test_sources_of_any_name_sort_and_have_a_legend():
-    # a new variant may record routes over sources named its own way ("stream", "A0"): the
+    # pool order, by block number not text: C2 before C10 (48 layers: ≤ 8 blocks, extensions
+    # more); a new variant may record routes over sources named its own way ("stream", "A0"): the
     # diagnostics sort them after the blocks and say so, instead of failing on the name
-    w = torch.full((4, 1, 1, 1), 0.25)
-    fake = [dict(read=nanoroute.Read(0, "mix"), name="layer0.mix", weights=w,
-                 sources=["stream", "C1", "emb", "A0"])]
-    assert routing_stats(fake)["sources"] == ["emb", "A0", "C1", "stream"]
+    for names, order in ((["emb", "C10", "C2", "C10.split", "C1", "P"],
+                          ["emb", "C1", "C2", "C10", "C10.split", "P"]),
+                         (["stream", "C1", "emb", "A0"], ["emb", "A0", "C1", "stream"])):
+        w = torch.full((len(names), 1, 1, 1), 1 / len(names))
+        fake = [dict(read=nanoroute.Read(0, "mix"), name="layer0.mix", weights=w, sources=names)]
+        assert routing_stats(fake)["sources"] == order
     assert nanoroute.source_legend(["emb", "C0", "C0.phase", "C1", "P", "stream"]) == \
         "emb: embedding, C<i>: completed block i, P: partial block, stream: named by the model"
 
@@ -1369,7 +1325,11 @@ def test_table_entries_differ_from_each_other():
                 assert row_a != row_b, f"{b} is {a} under another name: give it what differs"
 
 
-def test_initial_values_of_the_controls():
+def test_initial_values_of_the_gains_and_the_controls():
+    assert torch.equal(make_model(residual="rezero").residual_gain, torch.zeros(6, 1))  # α = 0
+    for n_layer, gamma in [(3, 0.1), (18, 0.1), (20, 1e-5), (24, 1e-5), (30, 1e-6)]:  # CaiT's rule
+        gain = GPT(GPTConfig(**{**TINY, "n_layer": n_layer}, residual="layerscale")).residual_gain
+        assert gain.shape == (2 * n_layer, 16) and torch.all(gain == gamma), n_layer
     static = make_model(residual="attnres", route_static=True)
     assert not static.query and all(p.abs().sum() == 0 for p in static.static_logits.values())
     assert all(f"static_logits.{k}" in static.no_decay_parameters() for k in static.static_logits)

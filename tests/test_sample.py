@@ -13,7 +13,6 @@ import prepare_data
 import sample
 import train
 from conftest import TINY, run
-from nanoroute import GPT, GPTConfig
 
 SEP = "-" * 40 + "\n"
 
@@ -67,22 +66,6 @@ def test_text_prompts_seed_temperature_and_top_k(runs, tmp_path, monkeypatch, ca
     default = text()  # char level: after a newline, which is not printed
     assert [s for s in default.split(SEP) if s] == \
         [s[1:] for s in text("--start", "\n").split(SEP) if s]
-
-
-def test_extreme_temperatures_are_greedy_or_even_among_the_top_k():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=23, sequence_len=16, n_layer=1, n_head=2, n_embd=16))
-    torch.nn.init.normal_(model.lm_head.weight, 0, 0.3)  # logits units apart: uneven at 1
-    prompt = torch.randint(0, 23, (4, 3))
-    assert torch.equal(model.generate(prompt, 6, 1e-45, 5), model.generate(prompt, 6, top_k=1))
-    n, top5 = 20000, model(prompt[:1])[0][0, -1].topk(5).indices
-    for temperature, even in ((1e30, True), (1.0, False)):
-        counts = model.generate(prompt[:1].expand(n, -1), 1, temperature, 5)[:, -1].bincount()
-        assert counts.sum() == counts[top5].sum() == n  # only the top 5 are drawn
-        deviation = (counts[top5] - n / 5).abs() / math.sqrt(n * 0.2 * 0.8)  # binomial sds
-        assert (deviation < 6).all() == even, counts[top5]
-    with pytest.raises(ValueError, match="must be > 0 and finite"):  # NaN: the same check
-        model.generate(prompt, 1, math.inf)
 
 
 def cells(line):
