@@ -139,28 +139,34 @@ def test_demo_is_deterministic_whole_stories_and_every_split_in_the_vocabulary(t
     capsys.readouterr()
     pd.prepare("demo", tmp_path / "a", demo_mb=0.05)
     assert "already prepared" in capsys.readouterr().out and files_in(a) == files_in(b)
-
-
-def test_char_encoder_round_trip_and_unknown_characters(tmp_path):
-    out = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01)
-    meta = pd.load_meta(out)
-    encode, decode = pd.encoder(meta, out), pd.decoder(meta, out)
+    encode = pd.encoder(meta, a)  # the char encoder: a round trip, and unknown characters named
     assert decode(encode('Lily said, "Hi!"\n')) == 'Lily said, "Hi!"\n'
     with pytest.raises(UsageError, match="'€' '☃'; remove or replace them"):
         encode("10 € ☃")
 
 
-def test_text8_from_a_mirror_and_its_downloads(mirror, tmp_path):
+def test_text8_from_a_mirror_its_download_resumed_by_range_or_from_zero(mirror, tmp_path, capsys):
     text, zipped = text8_zip(2099)  # no multiple of 100: val is [90 %, 95 %), test the rest
     mirror.serve({"text8.zip": zipped})
+    mirror.cut_once.add("text8.zip")  # half the file, then the server hangs up: resumed by Range
     out = pd.prepare("text8", tmp_path / "t8")
+    asked = [r for name, r in mirror.log if r]
+    assert len(asked) == 1 and 0 < int(asked[0][len("bytes="):-1]) < len(zipped)
     meta = pd.load_meta(out)
     ids = np.array([" abcdefghijklmnopqrstuvwxyz".index(c) for c in text])
     assert meta["vocab_size"] == 27 and meta["source"] == [mirror.url + "/text8.zip"]
     for split, part in zip(pd.SPLITS, (ids[:1889], ids[1889:1994], ids[1994:])):
         assert pd.open_split(out, split).tolist() == part.tolist()
     assert sorted(files_in(out)) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+    # cut again, without retries: it fails and keeps the part; a server ignoring Range sends it all
+    mirror.cut_once.add("text8.zip")
+    line = error_line(pd.main, ["text8", "--out", tmp_path / "kept", "--retries", 0], capsys)
+    assert "failed after 1 tries" in line and "it resumes" in line
+    part = tmp_path / "kept" / "downloads" / "text8.zip.part"
+    assert 0 < part.stat().st_size < len(zipped)
+    mirror.ignore_range = True
     out = pd.prepare("text8", tmp_path / "kept", keep_downloads=True)
+    assert mirror.log[-1] == ("text8.zip", f"bytes={len(zipped) // 2}-")  # asked, got it all
     assert (out / "downloads" / "text8.zip").read_bytes() == zipped
 
 
@@ -247,59 +253,33 @@ def test_a_run_resumes_only_on_its_own_text_by_the_splits_sha256(tmp_path, capsy
     story.write_text("time upon a once\n" * 120, encoding="utf-8")  # the same characters
     pd.prepare("textfile", data, input=story)
     assert pd.load_meta(data)["chars"] == meta["chars"]
-    code, _, err = run(train.main, ["--out_dir", out, "--resume"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "is not the dataset the run in" in err
+    err = error_line(train.main, ["--out_dir", out, "--resume"], capsys)
+    assert "is not the dataset the run in" in err
 
 
 # -----------------------------------------------------------------------------
 # Downloads: resumed, retried, checked by name
 
-def test_a_cut_download_resumes_with_range(mirror, tmp_path):
-    text, zipped = text8_zip(5000)
-    mirror.serve({"text8.zip": zipped})
-    mirror.cut_once.add("text8.zip")
-    out = pd.prepare("text8", tmp_path / "t8")
-    asked = [r for name, r in mirror.log if r]
-    assert len(asked) == 1 and 0 < int(asked[0][len("bytes="):-1]) < len(zipped)
-    assert pd.decoder(pd.load_meta(out), out)(pd.open_split(out, "train")) == text[:4500]
-
-
-def test_a_server_ignoring_range_restarts_from_zero(mirror, tmp_path, capsys):
-    text, zipped = text8_zip()
-    mirror.serve({"text8.zip": zipped})
-    mirror.cut_once.add("text8.zip")
-    line = error_line(pd.main, ["text8", "--out", tmp_path, "--retries", 0], capsys)
-    assert "failed after 1 tries" in line and "it resumes" in line
-    part = tmp_path / "downloads" / "text8.zip.part"
-    assert 0 < part.stat().st_size < len(zipped)
-    mirror.ignore_range = True
-    pd.prepare("text8", tmp_path, keep_downloads=True)
-    assert mirror.log[-1] == ("text8.zip", f"bytes={len(zipped) // 2}-")  # asked, got it all
-    assert (tmp_path / "downloads" / "text8.zip").read_bytes() == zipped
-
-
-def test_retries_print_a_line_each_then_fail_as_one_line(mirror, tmp_path, capsys):
-    mirror.status["text8.zip"] = 503
-    line = error_line(pd.main, ["text8", "--out", tmp_path / "a", "--retries", 2], capsys)
-    assert "failed after 3 tries (HTTP 503)" in line and "re-run" in line and len(mirror.log) == 3
-    mirror.status["text8.zip"] = 404
-    line = error_line(pd.main, ["text8", "--out", tmp_path / "b"], capsys)
-    assert f"HTTP 404 Not Found for {mirror.url}/text8.zip" in line and "--base_url" in line
-
-
-def test_each_retry_says_so_and_waits_twice_as_long(mirror, tmp_path, monkeypatch, capsys):
+def test_each_retry_says_so_and_waits_twice_as_long_then_one_error_line(mirror, tmp_path,
+                                                                        monkeypatch, capsys):
     waits = []
     monkeypatch.setattr(pd.time, "sleep", waits.append)
     monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "150")
-    mirror.status["text8.zip"] = 500
-    with pytest.raises(SystemExit):
-        pd.main(["text8", "--out", str(tmp_path), "--retries", "4"])
+    mirror.status["text8.zip"] = 503
+    code, out, err = run(pd.main, ["text8", "--out", tmp_path / "a", "--retries", 4], capsys)
     assert waits == [150, 300, 600, 600]  # doubling, at most 600 s a wait
-    assert capsys.readouterr().out.count("text8.zip: HTTP 500; retry") == 4
+    assert out.count("text8.zip: HTTP 503; retry") == 4 and len(mirror.log) == 5
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "re-run" in err
+    assert "failed after 5 tries (HTTP 503)" in err
     mirror.status["text8.zip"], mirror.log[:] = 429, []  # too many requests: retried, not fatal
-    with pytest.raises(SystemExit):
-        pd.main(["text8", "--out", str(tmp_path / "b"), "--retries", "1"])
+    error_line(pd.main, ["text8", "--out", tmp_path / "b", "--retries", 1], capsys)
     assert len(mirror.log) == 2
+    mirror.status["text8.zip"] = 404
+    line = error_line(pd.main, ["text8", "--out", tmp_path / "c"], capsys)
+    assert f"HTTP 404 Not Found for {mirror.url}/text8.zip" in line and "--base_url" in line
+    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "soon")
+    line = error_line(pd.main, ["text8", "--out", tmp_path / "d"], capsys)
+    assert "NANOROUTE_RETRY_BACKOFF=soon" in line
 
 
 @pytest.mark.parametrize("served, why", [
@@ -343,7 +323,7 @@ def test_a_text8_zip_of_other_text_is_refused_by_its_ids_and_downloaded_again(mi
 # -----------------------------------------------------------------------------
 # Folders: only this script's, resumed after a failure, read back with clear errors
 
-def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(tmp_path, capsys):
+def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(demo, tmp_path, capsys):
     mine = tmp_path / "mine"
     for name in ("train.bin", "progress.json", "downloads/photo.jpg"):
         (mine / name).parent.mkdir(parents=True, exist_ok=True)
@@ -355,7 +335,6 @@ def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(tmp_path,
     (dotted / ".git").mkdir(parents=True)
     assert "give a new or empty folder" in error_line(pd.main, ["demo", "--out", dotted], capsys)
     assert [p.name for p in dotted.iterdir()] == [".git"]
-    demo = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01)
     before = files_in(demo)
     assert "holds the demo dataset" in error_line(pd.main, ["text8", "--out", demo], capsys)
     assert files_in(demo) == before
@@ -446,12 +425,6 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, argv, words)
     monkeypatch.chdir(tmp_path)  # so that a check that let a bad value through writes nothing here
     (tmp_path / "file").write_text("not a folder")
     assert words in error_line(pd.main, [a.format(tmp=tmp_path) for a in argv], capsys)
-
-
-def test_a_bad_retry_backoff_is_one_error_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "soon")
-    line = error_line(pd.main, ["text8", "--out", tmp_path], capsys)
-    assert "NANOROUTE_RETRY_BACKOFF=soon" in line
 
 
 def test_help_lists_the_datasets_and_their_options(capsys):
