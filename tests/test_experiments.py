@@ -19,7 +19,7 @@ import experiments
 import nanoroute
 import prepare_data
 import train
-from conftest import TINY, run
+from conftest import TINY, error_line, run
 
 assert TINY[:2] == ["--n_layer", "2"]
 SWEPT = TINY[2:]  # a sweep sets --n_layer itself (--depths)
@@ -135,7 +135,7 @@ def test_report_of_several_folders_and_of_run_folders_themselves(tmp_path, capsy
         "block" in err
 
 
-def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(tmp_path, capsys):
+def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys):
     finals = {("block", 1e-3): [2.0, 2.2], ("block", 2e-3): [1.9, 2.1], ("block", 4e-3): [2.3, 2.4],
               ("rd", 1e-3): [1.8, 2.0], ("rd", 2e-3): [2.0, 2.0],
               # the mean picks 2e-3 (inside the grid), the median would pick 1e-3
@@ -162,34 +162,40 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(tmp_path, capsys):
     runs = experiments.plan(args)
     assert [r["name"] for r in runs] == ["block_L4_s0_lr0.001", "block_L4_s0_lr0.002"]
     assert [experiments.flag_dict(r["args"])["--lr"] for r in runs] == ["0.001", "0.002"]
-
-
-def test_a_set_value_pairs_with_its_baseline_value_at_its_own_lr(tmp_path):
+    code, printed, _ = run(experiments.main, ["sweep", "custom", "--data", demo, "--variants",
+                                              "block", "--dry_run", "--", "--lr", "1e-3"], capsys)
+    assert code == 0 and printed.count("--lr 1e-3") == 3  # --lr without --lrs: every run's
+    # a --set value pairs with its baseline value at its own lr
     for lr, at_base, at_five in [(1e-3, [2.0, 2.2], [1.9, 2.0]), (2e-3, [1.5, 1.7], [1.6, 1.9])]:
         for seed in (0, 1):
             for value, finals in (("20", at_base), ("5", at_five)):
-                d = hand_run(tmp_path, f"block_s{seed}_lr{lr:g}_w{value}", "block", seed,
+                d = hand_run(tmp_path / "set", f"block_s{seed}_lr{lr:g}_w{value}", "block", seed,
                              finals[seed], lr=lr, warmup_iters=int(value))
                 (d / "run.json").write_text(json.dumps(dict(
                     variant="block", seed=seed, args=[], set={"warmup_iters": value},
                     set_base={"warmup_iters": "20"})))
-    group, = report(tmp_path)
+    group, = report(tmp_path / "set")
     five, = [row for row in group["rows"] if row["off"]]
     assert five["lr"] == 2e-3  # paired with warmup_iters=20 at 2e-3, not at the other rate
     assert five["delta"] == pytest.approx(dict(mean=0.15, std=0.0707107, wins=0, ties=0, n=2))
 
 
-def test_a_run_whose_files_cannot_be_read_is_left_out_with_a_note(tmp_path, capsys):
-    hand_run(tmp_path, "block_L4_s0", "block", 0, 2.0)
-    (hand_run(tmp_path, "rd_L4_s0", "rd", 0, 1.9) / "summary.json").write_text("{not json")
-    code, out, _ = run(experiments.main, ["report", tmp_path], capsys)
+def test_a_run_whose_files_cannot_be_read_is_left_out_and_a_duplicate_run_stops_the_report(
+        tmp_path, capsys):
+    hand_run(tmp_path / "a", "block_L4_s0", "block", 0, 2.0)
+    (hand_run(tmp_path / "a", "rd_L4_s0", "rd", 0, 1.9) / "summary.json").write_text("{not json")
+    code, out, _ = run(experiments.main, ["report", tmp_path / "a"], capsys)
     assert code == 0 and "Left out: " in out and "rd_L4_s0: its files cannot be read" in out
     assert "| **block** (baseline) | 0.002 | 2 | 1 |" in out
+    hand_run(tmp_path / "b", "block_L4_s0", "block", 0, 2.2)  # several folders: runs by path
+    err = error_line(experiments.main, ["report", tmp_path / "a", tmp_path / "b"], capsys)
+    assert f"runs {tmp_path / 'a'}/block_L4_s0 and {tmp_path / 'b'}/block_L4_s0 " \
+        "are both block, seed 0" in err
 
 
 # --- Sweeps ---
 
-def test_bad_grid_input_is_one_error_line(demo, tmp_path, capsys):
+def test_bad_input_is_one_error_line(demo, tmp_path, capsys):
     custom = ["sweep", "custom", "--out", tmp_path / "runs", "--dry_run", "--data", demo]
     cases = [
         ([*custom, "--variants", "prenorm,blok"], "--variants prenorm,blok: expected distinct"),
@@ -231,26 +237,20 @@ def test_bad_grid_input_is_one_error_line(demo, tmp_path, capsys):
         (["report", tmp_path, "--", "--baseline", "rd"], "report takes no flags after --"),
         (["report", tmp_path / "nothing"], "no runs in"),
     ]
+    empty_path = [(["sweep", "tiny", "--out"], "--out", "folder"),  # a path of spaces: this line
+                  (["sweep", "custom", "--data"], "--data", "folder"),
+                  (["sweep", "tiny", "--data_root"], "--data_root", "folder"),
+                  (["report"], "folders", "folder"),
+                  (["report", "runs", "--out"], "--out", "file"),
+                  (["report", "runs", "--data"], "--data", "folder"),
+                  (["ablate"], "run_dir", "folder"),
+                  (["ablate", "runs/a", "--data"], "--data", "folder")]
+    cases += [([*argv, " "], f"error: argument {flag}: ' ': give a {kind} name; see --help\n")
+              for argv, flag, kind in empty_path]
     for argv, message in cases:
         code, out, err = run(experiments.main, argv, capsys)
         assert code == 2 and out == "" and err.startswith("error: "), (argv, out, err)
         assert err.count("\n") == 1 and message in err, (argv, err)
-
-
-@pytest.mark.parametrize("argv, flag, kind", [
-    (["sweep", "tiny", "--out"], "--out", "folder"),
-    (["sweep", "custom", "--data"], "--data", "folder"),
-    (["sweep", "tiny", "--data_root"], "--data_root", "folder"),
-    (["report"], "folders", "folder"),
-    (["report", "runs", "--out"], "--out", "file"),
-    (["report", "runs", "--data"], "--data", "folder"),
-    (["ablate"], "run_dir", "folder"),
-    (["ablate", "runs/a", "--data"], "--data", "folder"),
-])
-def test_an_empty_path_is_one_error_line(argv, flag, kind, capsys):
-    code, out, err = run(experiments.main, [*argv, " "], capsys)
-    assert (code, out) == (2, "") and err == f"error: argument {flag}: ' ': give a {kind} name; " \
-        "see --help\n", err
 
 
 def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_path, capsys,
@@ -482,19 +482,6 @@ def test_a_failure_shows_its_last_error_line_and_the_sweep_env_wins_over_the_slo
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tiny's one thread beats --jobs' share
     assert experiments.run_env(dict(env={"OMP_NUM_THREADS": "1"}), {"OMP_NUM_THREADS": "2"}) == \
         {"OMP_NUM_THREADS": "1"}
-
-
-def test_duplicate_runs_stop_the_report_and_several_folders_name_runs_by_path(demo, tmp_path,
-                                                                             capsys):
-    for folder, val in (("a", 2.0), ("b", 2.2)):
-        hand_run(tmp_path / folder, "block_L4_s0", "block", 0, val)
-    hand_run(tmp_path / "a", "block_L4_s1", "block", 1, 2.1)
-    code, _, err = run(experiments.main, ["report", tmp_path / "a", tmp_path / "b"], capsys)
-    assert code == 2 and f"runs {tmp_path / 'a'}/block_L4_s0 and {tmp_path / 'b'}/block_L4_s0 " \
-        "are both block, seed 0" in err
-    code, printed, _ = run(experiments.main, ["sweep", "custom", "--data", demo, "--variants",
-                                              "block", "--dry_run", "--", "--lr", "1e-3"], capsys)
-    assert code == 0 and printed.count("--lr 1e-3") == 3  # --lr without --lrs: every run's
 
 
 def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_path, capsys):
