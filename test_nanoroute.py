@@ -203,21 +203,6 @@ def reference_forward(model, idx):
     return model.lm_head(nanoroute.norm(h)), reads, inputs
 
 
-def ref_full_attnres(model, idx):
-    """Full AttnRes written directly: every sublayer reads [e, u_0, ..., u_{l-1}] (no blocks)."""
-    T = idx.size(1)
-    rope = (model.rope_cos[:T], model.rope_sin[:T])
-    sources = [model.wte(idx)]
-    for l in range(2 * model.config.n_layer):
-        name = f"layer{l // 2}.{'mlp' if l % 2 else 'attn'}"
-        query = model.query[name.replace(".", "_")] if l else torch.zeros(model.config.n_embd)
-        x = nanoroute.norm(ref_read(query, [0.0] * len(sources), sources)[0])
-        sublayer = model.layers[l // 2].mlp if l % 2 else model.layers[l // 2].attn
-        sources.append(sublayer(x) if l % 2 else sublayer(x, rope))
-    h = ref_read(model.query["readout"], [0.0] * len(sources), sources)[0]
-    return model.lm_head(nanoroute.norm(h))
-
-
 def reference_residual(model, idx):
     """SPEC: prenorm x += f(norm(x)); rezero x += α·f(x) (no norm inside); layerscale
     x += γ⊙f(norm(x)); denseformer: PreNorm layers, each layer's input the weighted sum of e and
@@ -293,22 +278,6 @@ def test_wav_split_basis_with_a_short_last_block_equals_reference(n_layer, block
         wav_readout_details=True), fast)
     assert any(n.endswith(".split") for n in reads["readout"][0])  # readout sees details
 
-def test_pool_names_and_short_last_block():
-    model = make_model(residual="attnres", wav=True, attnres_block=4)  # 6 sublayers: 4 + 2
-    by_name = {r["name"]: r["sources"] for r in model(tokens(), return_routes=True)[2]}
-    assert by_name["layer0.attn"] == ["emb"]
-    assert by_name["layer0.mlp"] == ["emb", "P", "P.phase", "P.split"]
-    assert by_name["layer2.attn"] == ["emb", "C0", "C0.phase", "C0.split"]
-    assert by_name["layer2.mlp"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]
-    assert by_name["readout"] == ["emb", "C0", "P"]  # conservative readout: no details
-
-
-def test_full_attnres_is_attnres_block_1():
-    model, idx = randomise_routing(make_model(residual="attnres", attnres_block=1)), tokens()
-    with torch.no_grad():
-        torch.testing.assert_close(model(idx)[0], ref_full_attnres(model, idx),
-                                   atol=1e-5, rtol=1e-5)
-
 
 def test_default_routing_block_is_whole_layers_at_most_8_blocks():
     for n_layer, m in [(1, 2), (4, 2), (8, 2), (12, 4), (16, 4), (24, 6), (48, 12)]:
@@ -358,11 +327,6 @@ def test_wav_bases_are_explicit_signed_sums():
                         ("split", us[0] + us[1] + us[2] - us[3] - us[4] - us[5])):
         scale = torch.clamp(rms(sources["state"]) / (rms(want) + nanoroute.EPS), max=cfg.wav_rho)
         torch.testing.assert_close(sources[basis], scale[..., None] * want)
-    # a partial block keeps the same signs: after 4 of 6 updates, split is u0+u1+u2−u3
-    refs = ref_block_sources(us[:4], 0, "P", cfg.detail_bases, 6, cfg.wav_rho)
-    for src, (rname, rvalue, rbasis) in zip(model.block_sources("P", us[:4], 0), refs, strict=True):
-        assert (src.name, src.basis) == (rname, (None, *cfg.detail_bases)[rbasis])
-        torch.testing.assert_close(src.value, rvalue)
 
 
 def test_kernel_sums_updates_with_equal_coefficients_into_one_term():
@@ -501,7 +465,7 @@ def test_rd_average_feeds_the_mean_route_to_q_k_and_v():
     # checks it is the normed mean of the two routes' mixtures
 
 
-def test_js_divergence():
+def test_js_divergence_and_routing_stats_entropy_and_means():
     p, q = torch.softmax(torch.randn(5, 2, 7), 0), torch.softmax(torch.randn(5, 2, 7), 0)
     assert js_divergence(p, p) == pytest.approx(0.0, abs=1e-12)
     m = 0.5 * (p + q)
@@ -509,9 +473,6 @@ def test_js_divergence():
     assert js_divergence(p, q) == pytest.approx(want, rel=1e-6) and 0 < want < math.log(2)
     one_hot_a, one_hot_b = torch.eye(2)[:, :, None], torch.eye(2).flip(0)[:, :, None]
     assert js_divergence(one_hot_a, one_hot_b) == pytest.approx(math.log(2))  # disjoint: the bound
-
-
-def test_routing_stats_entropy_and_means():
     _, _, routes = make_model(**ATTNRES_MODES["wav"])(tokens(), return_routes=True)
     stats = routing_stats(routes)
     assert list(stats["reads"]) == [r["name"] for r in routes]
@@ -532,18 +493,7 @@ def test_routing_stats_entropy_and_means():
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
-def test_causal(mode):
-    model = randomise_routing(make_model(**ALL_MODES[mode]))
-    a = tokens()
-    b = a.clone()
-    b[:, 7:] = (b[:, 7:] + 1) % VOCAB
-    la, lb = model(a)[0], model(b)[0]
-    torch.testing.assert_close(la[:, :7], lb[:, :7], atol=1e-6, rtol=1e-6)
-    assert not torch.allclose(la[:, 7:], lb[:, 7:])
-
-
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_kv_cache_generate_equals_full_recompute(mode):
+def test_causal_and_kv_cache_generate_equals_full_recompute(mode):
     model = randomise_routing(make_model(**ALL_MODES[mode], sequence_len=8), scale=0.3)
     prompt, rng, seen = tokens(B=2, T=3), torch.get_rng_state(), []
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out))
@@ -564,6 +514,12 @@ def test_kv_cache_generate_equals_full_recompute(mode):
         steps += [model._hidden(idx[:, t:t + 1], cache) for t in range(3, 8)]
         torch.testing.assert_close(torch.cat(steps, 1), model._hidden(idx[:, :8]),
                                    atol=1e-5, rtol=1e-5)
+    # causal: the tokens from position 5 on changed, the logits before it stay as they were
+    changed = idx[:, :8].clone()
+    changed[:, 5:] = (changed[:, 5:] + 1) % VOCAB
+    before, after = model(idx[:, :8])[0], model(changed)[0]
+    torch.testing.assert_close(before[:, :5], after[:, :5], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(before[:, 5:], after[:, 5:])
 
 
 def sample_probs(logits, temperature, k):  # softmax(logits / T) over the top k tokens
@@ -822,7 +778,8 @@ def explicit_sources(block, coefficients):
 
 def kernel_and_reference(inputs, precision, device, n_partial):
     """h and weights of both reads at every length of the block, and the gradients of a random
-    loss of them, by the kernel and by depth_read over the explicit sources."""
+    loss of them (backward outside the precision's context, then inside it), by the kernel and by
+    depth_read over the explicit sources."""
     completed, updates, coefficients, queries, biases = inputs
     coefficients, S, out = coefficients[:n_partial], len(completed), []
     leaves = [queries, biases, *completed, *updates]
@@ -841,9 +798,10 @@ def kernel_and_reference(inputs, precision, device, n_partial):
                         sources = completed + (explicit_sources(updates[:n], coefficients)
                                                * (n_partial > 0))
                         results.append(nanoroute.depth_read(*routes[r], sources))
-        loss = sum((h * torch.randn(h.shape, generator=g).to(device)).sum() for h, _ in results)
+            loss = sum((h * torch.randn(h.shape, generator=g).to(device)).sum() for h, _ in results)
+            inside = torch.autograd.grad(loss, leaves, allow_unused=True, retain_graph=True)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        out.append(([h for h, _ in results], [w for _, w in results], grads))
+        out.append(([h for h, _ in results], [w for _, w in results], grads, inside))
     return out
 
 
@@ -852,19 +810,21 @@ def kernel_and_reference(inputs, precision, device, n_partial):
 @pytest.mark.parametrize("n_partial", [0, 1, 3])
 @pytest.mark.parametrize("learned", [False, True])
 def test_kernel_equals_reference_read_forward_and_gradients(device, precision, n_partial, learned):
-    (h, w, grads), (ref_h, ref_w, ref_grads) = kernel_and_reference(
+    (h, w, grads, inside), (ref_h, ref_w, ref_grads, _) = kernel_and_reference(
         kernel_inputs(device, learned), precision, device, n_partial)
     tol = dict(atol=1e-5, rtol=1e-4) if device.type == "cpu" else dict(atol=1e-4, rtol=1e-3)
     for a, b in zip(h + w, ref_h + ref_w, strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, **tol)
     names = ["queries", "biases"] + ["completed"] * 3 + ["update"] * 5 + ["coefficients"] * learned
-    for name, a, b in zip(names, grads, ref_grads, strict=True):
+    for name, a, b, c in zip(names, grads, ref_grads, inside, strict=True):
         if name in ("update", "coefficients") and n_partial == 0:
             assert a is None and b is None  # no block source: the updates are not read
             continue
         assert a is not None and b is not None, name
         torch.testing.assert_close(a, b, **tol, msg=name)
+        # a user may call backward() inside an autocast block: the kernel's backward stays float32
+        torch.testing.assert_close(c, a, atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.gpu
@@ -878,26 +838,6 @@ def test_kernel_reuses_a_key_norm_only_for_the_same_value(device):
     first = nanoroute.BlockReads(routes, [("x", x), ("y", y)], [[1]], MATCH, None, {0: []})
     then = nanoroute.BlockReads(routes, [("x", 3 * x2), ("y", y)], [[1]], MATCH, first, {0: []})
     torch.testing.assert_close(then(0, [])[0], nanoroute.depth_read(query, bias, [3 * x2, y])[0])
-
-
-@pytest.mark.gpu
-def test_kernel_backward_inside_autocast_equals_outside(device):
-    # a user may call backward() inside an autocast block: the kernel's backward stays float32
-    completed, updates, coefficients, queries, biases = kernel_inputs(device, learned=True)
-    leaves, grads = [queries, biases, *completed, *updates, coefficients], []
-    for inside in (False, True):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            routes = {r: (queries[r], biases[r]) for r in (0, 1)}
-            reads = nanoroute.BlockReads(routes, list(enumerate(completed)), coefficients, MATCH,
-                                         None, routes)
-            loss = sum((reads(r, updates[:n])[0] * (r + 1)).square().sum()
-                       for r in (0, 1) for n in (2, 5))
-            if inside:
-                grads.append(torch.autograd.grad(loss, leaves))
-        if not inside:
-            grads.append(torch.autograd.grad(loss, leaves))
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 # Extending the routing (docs/routing.md walks through each): every change a researcher makes passes
@@ -1037,14 +977,9 @@ def test_backward_inside_bf16_autocast_equals_outside(fast):
     for inside in (False, True):
         model = randomise_routing(make_model(**ATTNRES_MODES["wav_learned_rd"], fast_routing=fast))
         sources = []  # every update written into the pool, to compare the sources' gradients
-        sublayer = model._sublayer
-
-        def keep_update(*args):
-            u = sublayer(*args)
-            u.retain_grad()
-            sources.append(u)
-            return u
-        model._sublayer = keep_update
+        for layer in model.layers:
+            for sub in (layer.attn, layer.mlp):
+                sub.register_forward_hook(lambda mod, args, u: u.retain_grad() or sources.append(u))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(tokens(), tokens(seed=4))
             if inside:
@@ -1173,15 +1108,13 @@ def test_sources_of_any_name_sort_and_have_a_legend():
         "emb: embedding, C<i>: completed block i, P: partial block, stream: named by the model"
 
 
-def test_needs_names_the_model_a_setting_applies_to():
+def test_needs_names_the_model_a_setting_applies_to_and_a_subclass_extends_the_fields():
     # needs= "attnres", or a field that must be off its default (where it applies itself)
     assert nanoroute.missing_need("rd", dict(residual="attnres", rd="decoupled")) is None
     assert "add --rd" in nanoroute.missing_need("rd", dict(residual="attnres"))
     assert "add --residual attnres" in nanoroute.missing_need("rd", dict(rd="decoupled"))
     assert "add --wav True" in nanoroute.missing_need("wav", GPTConfig(residual="attnres"))
-
-
-def test_routing_fields_are_one_list_a_subclass_extends():
+    # the routing fields are one list, which a subclass extends
     @dataclasses.dataclass
     class ConfigWithTemperature(GPTConfig):
         route_temperature: float = nanoroute.setting(1.0, "logit temperature of every read",
@@ -1215,7 +1148,7 @@ class CountTensorsFromLists(torch.overrides.TorchFunctionMode):
 
 
 @pytest.mark.parametrize("learned", [False, True])
-def test_no_tensor_is_built_from_python_data_per_read(learned):
+def test_no_tensor_is_built_from_python_data_per_read_and_constants_once_a_device(learned):
     model = make_model(**ATTNRES_MODES["wav_learned_rd" if learned else "rd_wav"], n_layer=4)
     model(tokens(), tokens(seed=4))[1].backward()  # the first forward may build constants, once
     for grad in (True, False):  # training and evaluation
@@ -1225,9 +1158,7 @@ def test_no_tensor_is_built_from_python_data_per_read(learned):
     with CountTensorsFromLists() as counter:  # the counter sees them: a read building one is caught
         torch.tensor([1.0, 2.0])
     assert counter.count == 1
-
-
-def test_kernel_constants_are_built_once_per_device():
+    # the kernel's constants are built once per device
     a = nanoroute._constant(((1.0, -1.0),), torch.device("cpu"))  # CPU's copy; meta gets its own
     assert nanoroute._constant(((1.0, -1.0),), torch.device("cpu")) is a  # reused
     assert nanoroute._constant(((1.0, -1.0),), torch.device("meta")).device.type == "meta"
