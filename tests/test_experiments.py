@@ -19,7 +19,7 @@ import experiments
 import nanoroute
 import prepare_data
 import train
-from conftest import TINY, error_line, run
+from conftest import TINY, error_line, run, summary, tiny
 
 assert TINY[:2] == ["--n_layer", "2"]
 SWEPT = TINY[2:]  # a sweep sets --n_layer itself (--depths)
@@ -93,29 +93,27 @@ def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path,
     assert "## fineweb_edu, 16 layers" in text and "val ppl" in text
 
 
-def test_report_keeps_unlike_runs_apart_and_names_what_differs(tmp_path):
+def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, capsys):
     """A 40-step 128-wide run is not a seed of a 300-step 64-wide one; where and how a run ran
-    (out_dir, device, compile, the data folder as written) does not split a group."""
+    (out_dir, device, compile, the data folder as written) does not split a group. train.py's
+    `python experiments.py report out out_prenorm`: two run folders without run.json, their
+    variants from their configs; report.md goes to the first folder, or --out."""
+    runs = tmp_path / "runs"
     for seed in (0, 1):
-        hand_run(tmp_path, f"block_s{seed}", "block", seed, 2.0 + seed / 10, n_embd=96,
+        hand_run(runs, f"block_s{seed}", "block", seed, 2.0 + seed / 10, n_embd=96,
                  max_iters=300, device="cpu", out_dir=f"runs/b{seed}", data="demo")
-        hand_run(tmp_path, f"prenorm_s{seed}", "prenorm", seed, 2.2 + seed / 10, n_embd=96,
+        hand_run(runs, f"prenorm_s{seed}", "prenorm", seed, 2.2 + seed / 10, n_embd=96,
                  max_iters=300, compile=True, data="data/demo")
-    hand_run(tmp_path, "block_wide", "block", 0, 1.5, n_embd=192, max_iters=40)
-    narrow, wide = report(tmp_path)
+    hand_run(runs, "block_wide", "block", 0, 1.5, n_embd=192, max_iters=40)
+    narrow, wide = report(runs)
     assert [len(row["runs"]) for row in narrow["rows"]] == [2, 2]  # prenorm, block: 2 seeds each
     assert [len(row["runs"]) for row in wide["rows"]] == [1] and wide["base"] is not None
     assert narrow["rows"][0]["delta"] == pytest.approx(dict(mean=0.2, std=0.0, wins=0, ties=0, n=2))
     assert experiments.titles([narrow, wide]) == ["demo, 4 layers (max_iters 300, n_embd 96)",
                                                   "demo, 4 layers (max_iters 40, n_embd 192)"]
-    assert experiments.main(["report", str(tmp_path)]) == 0
-    text = (tmp_path / "report.md").read_text()
+    assert experiments.main(["report", str(runs)]) == 0
+    text = (runs / "report.md").read_text()
     assert text.count("## demo, 4 layers (") == 2 and "| prenorm | 0.002 | – | 2 |" in text
-
-
-def test_report_of_several_folders_and_of_run_folders_themselves(tmp_path, capsys):
-    """train.py's `python experiments.py report out out_prenorm`: two run folders without run.json,
-    their variants from their configs; report.md goes to the first folder, or --out."""
     out = hand_run(tmp_path, "out", "block", 1337, 2.0, run_json=False)
     base = hand_run(tmp_path, "out_prenorm", "prenorm", 1337, 2.25, run_json=False)
     code, printed, _ = run(experiments.main, ["report", out, base], capsys)
@@ -332,8 +330,8 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     assert f"[2/2] {rd['dir']}: FAILED (exit 2): error: {rd['dir']} already holds a run" in printed
     assert "sweep: 3 runs: 1 skipped, 1 done, 1 failed" in printed
     assert f"\nfailed: {rd['name']}: error: {rd['dir']} already holds a run" in printed
-    summary = json.loads((block["dir"] / "summary.json").read_text())
-    assert summary["step"] == 3 and "resuming" in (block["dir"] / "train.log").read_text()
+    assert summary(block["dir"])["step"] == 3
+    assert "resuming" in (block["dir"] / "train.log").read_text()
     info = json.loads((block["dir"] / "run.json").read_text())
     assert info["attnres_block"] == 2 and info["command"].endswith(" --resume")
     assert info["args"] == block["args"] and info["variant"] == "block"
@@ -350,9 +348,8 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
 def block_run(demo, tmp_path_factory):
     """A finished Block AttnRes run of 3 steps (2 layers: routing blocks of 2 sublayers)."""
     out = tmp_path_factory.mktemp("runs") / "block_L2_s0"
-    code, _, _ = run(train.main, ["--data", demo, "--out_dir", out, *TINY, "--max_iters", 3,
-                                  "--residual", "attnres", "--eval_tokens", 700])  # 3 batches
-    assert code == 0
+    argv = tiny(demo, out, "--max_iters", 3, "--residual", "attnres", "--eval_tokens", 700)
+    assert run(train.main, argv)[0] == 0  # --eval_tokens 700: 3 batches
     return out
 
 
@@ -364,7 +361,8 @@ def evaluate(model, val, offsets, masked):
         return torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
 
 
-def test_ablate_measures_what_two_direct_evaluations_measure(block_run, capsys):
+def test_ablate_measures_what_two_direct_evaluations_measure_with_a_count_matched_control(
+        block_run, capsys):
     code, printed, _ = run(experiments.main, ["ablate", block_run, "--mask", "emb", "--draws", 4],
                            capsys)
     result = json.loads((block_run / "ablate_best_mask-emb.json").read_text())
@@ -395,13 +393,7 @@ def test_ablate_measures_what_two_direct_evaluations_measure(block_run, capsys):
     alone = {reads[name]: set(hidden) for name, hidden in row["masked"].items()}
     assert row["random"][1] == pytest.approx(
         evaluate(model, val, offsets, experiments.random_mask(alone, pools, 1)) - base, abs=1e-6)
-
-
-def test_the_random_control_is_count_matched_per_read_and_never_empties_one(block_run):
-    model = checkpoint.model_from(checkpoint.load(block_run / "best.pt", ""), block_run).eval()
-    x = torch.zeros(1, 8, dtype=torch.long)
-    with torch.no_grad():
-        pools = {r["read"]: r["sources"] for r in model(x, return_routes=True)[2]}
+    # the random control: count-matched per read, and it never empties one
     mask, kept = experiments.chosen_mask(pools, 2, [], older_than=0)
     assert {str(r): h for r, h in mask.items()} == {"layer1.attn": {"C0"}, "layer1.mlp": {"C0"},
                                                      "readout": {"C0", "C1"}} and kept == []
@@ -507,8 +499,7 @@ def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_pat
         assert run(train.main, [*r["args"], "--out_dir", r["dir"]])[0] == 0
     group, = experiments.summarize(experiments.find_runs([tmp_path])[0], "prenorm")
     rows = {row["label"]: row for row in group["rows"]}
-    final = {r["name"]: json.loads((r["dir"] / "summary.json").read_text())["final"]["val_loss"]
-             for r in runs}
+    final = {r["name"]: summary(r["dir"])["final"]["val_loss"] for r in runs}
     diffs = [final[f"wav_L2_s{s}_wav_detail_bias-1"] - final[f"wav_L2_s{s}_wav_detail_bias-2"]
              for s in (0, 1)]
     label = "wav, wav_rho=2.0, wav_detail_bias=-1 (Δ vs wav_detail_bias=-2)"

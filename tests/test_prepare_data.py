@@ -22,7 +22,7 @@ import common
 import prepare_data as pd
 import train
 from common import UsageError
-from conftest import TINY, error_line, run
+from conftest import error_line, run, tiny
 
 SCRIPT = str(Path(pd.__file__).resolve())
 
@@ -199,7 +199,7 @@ def test_tinystories_vocabulary_end_of_text_and_rare_characters(mirror, tmp_path
 
 
 @pytest.mark.optional  # with tiktoken (CI's second stage) it encodes; without, one line says so
-def test_fineweb_edu_shards_split_and_gpt2_decoding(mirror, tmp_path):
+def test_fineweb_edu_shards_split_and_gpt2_decoding(mirror, tmp_path, capsys):
     val = [50256, 1, 2, 3, 50256, 4, 5, 6, 7, 50256, 8, 9, 10, 11, 50256, 12]  # middle: 8
     mirror.serve({"finewebedu_val_000000.bin": shard(val), **gpt2_files(),
                   "finewebedu_train_000001.bin": shard([50256, 100, 101]),
@@ -218,6 +218,9 @@ def test_fineweb_edu_shards_split_and_gpt2_decoding(mirror, tmp_path):
     else:
         with pytest.raises(UsageError, match="pip install tiktoken"):
             pd.encoder(meta, out)
+    mirror.serve({"finewebedu_val_000000.bin": shard([50256, 50257])})  # one id past GPT-2's
+    line = error_line(pd.main, ["fineweb_edu", "--shards", 1, "--out", tmp_path / "bad"], capsys)
+    assert "token id 50257 is not a GPT-2 token" in line
 
 
 def test_textfile_splits_records_its_hash_and_is_made_anew_when_it_changes(tmp_path, monkeypatch,
@@ -249,7 +252,7 @@ def test_a_run_resumes_only_on_its_own_text_by_the_splits_sha256(tmp_path, capsy
     data, out = pd.prepare("textfile", tmp_path / "data", input=story), tmp_path / "run"
     meta = pd.load_meta(data)
     assert meta["sha256"]["val"] == hashlib.sha256((data / "val.bin").read_bytes()).hexdigest()
-    assert run(train.main, ["--data", data, "--out_dir", out, *TINY, "--max_iters", 1])[0] == 0
+    assert run(train.main, tiny(data, out, "--max_iters", 1))[0] == 0
     story.write_text("time upon a once\n" * 120, encoding="utf-8")  # the same characters
     pd.prepare("textfile", data, input=story)
     assert pd.load_meta(data)["chars"] == meta["chars"]
@@ -340,8 +343,19 @@ def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(demo, tmp
     assert files_in(demo) == before
 
 
-def test_a_run_stopped_by_a_failing_write_resumes_and_leaves_no_temporary_file(mirror, tmp_path,
-                                                                               monkeypatch, capsys):
+def test_a_stopped_write_leaves_no_temporary_file_and_a_stopped_run_resumes(mirror, tmp_path,
+                                                                            monkeypatch, capsys):
+    umask = os.umask(0)
+    os.umask(umask)
+    common.write_atomic(tmp_path / "a.json", b"{}")
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file
+
+    def interrupted(f):
+        f.write(b"half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        common.write_atomic(tmp_path / "a.json", interrupted)
+    assert os.listdir(tmp_path) == ["a.json"] and (tmp_path / "a.json").read_bytes() == b"{}"
     text, zipped = text8_zip()
     mirror.serve({"text8.zip": zipped})
     fsync, calls = os.fsync, []
@@ -352,14 +366,16 @@ def test_a_run_stopped_by_a_failing_write_resumes_and_leaves_no_temporary_file(m
             raise OSError(5, "Input/output error")
         fsync(fd)
     monkeypatch.setattr(os, "fsync", fail_once_at_train_bin)
-    assert "Input/output error" in error_line(pd.main, ["text8", "--out", tmp_path], capsys)
-    assert sorted(files_in(tmp_path)) == ["downloads/text8.zip", "progress.json"]
-    pd.prepare("text8", tmp_path)
-    assert sorted(files_in(tmp_path)) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+    out = tmp_path / "t8"
+    assert "Input/output error" in error_line(pd.main, ["text8", "--out", out], capsys)
+    assert sorted(files_in(out)) == ["downloads/text8.zip", "progress.json"]
+    pd.prepare("text8", out)
+    assert sorted(files_in(out)) == ["meta.json", "test.bin", "train.bin", "val.bin"]
     assert [name for name, _ in mirror.log] == ["text8.zip"]  # the download was kept
 
 
-def test_load_meta_names_the_command_and_the_prepared_folders_nearby(tmp_path, monkeypatch):
+def test_load_meta_and_open_split_name_the_fix_and_the_prepared_folders_nearby(tmp_path,
+                                                                              monkeypatch):
     monkeypatch.chdir(tmp_path)
     pd.prepare("demo", demo_mb=0.01)
     with pytest.raises(UsageError) as e:
@@ -383,26 +399,18 @@ def test_load_meta_names_the_command_and_the_prepared_folders_nearby(tmp_path, m
     fix = 'damaged .no "vocab_size" int.; prepare it again: python prepare_data.py demo --demo_mb'
     with pytest.raises(UsageError, match=fix + " 0.01 --out data/demo$"):
         pd.load_meta("data/demo")
-
-
-def test_open_split_checks_the_size_and_every_token_id(tmp_path, monkeypatch):
-    out, fix = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01), "python prepare_data.py demo"
-    monkeypatch.setattr(pd, "CHUNK", 64)  # read in chunks: the bad id below is past the first
-    val = bytearray((out / "val.bin").read_bytes())
-    val[-1] = 200  # id 200 in a 51-symbol vocabulary: a file of another dataset
-    (out / "val.bin").write_bytes(val)
-    with pytest.raises(UsageError, match="holds token id 200, but vocab_size is 51"):
-        pd.open_split(out, "val")
-    val[-1] = 51  # the first id past the vocabulary
-    (out / "val.bin").write_bytes(val)
-    with pytest.raises(UsageError, match="holds token id 51, but vocab_size is 51"):
-        pd.open_split(out, "val")
-    (out / "val.bin").write_bytes(val + b"\0")  # a byte too many
-    with pytest.raises(UsageError, match=f"holds {len(val) + 1} bytes, not {len(val)} tokens"):
-        pd.open_split(out, "val")
-    (out / "val.bin").write_bytes(val[:-7])
-    with pytest.raises(UsageError, match=re.escape(f"again: {fix} --demo_mb 0.01 --out {out}")):
-        pd.open_split(out, "val")
+    # open_split checks the size and every token id, read in chunks: a bad id past the first
+    monkeypatch.setattr(pd, "CHUNK", 64)
+    out, val = Path("runs/demo"), Path("runs/demo/val.bin").read_bytes()
+    fix = f"again: python prepare_data.py demo --demo_mb 0.01 --out {out}"
+    cases = [(val[:-1] + bytes([200]), "holds token id 200, but vocab_size is 51"),  # another's
+             (val[:-1] + bytes([51]), "holds token id 51, but vocab_size is 51"),  # the first past
+             (val + b"\0", f"holds {len(val) + 1} bytes, not {len(val)} tokens"),  # a byte too many
+             (val[:-7], re.escape(fix))]
+    for content, match in cases:
+        (out / "val.bin").write_bytes(content)
+        with pytest.raises(UsageError, match=match):
+            pd.open_split(out, "val")
     pd.prepare("demo", out, demo_mb=0.01)  # the command it names repairs it
     assert len(pd.open_split(out, "val")) == len(val)
 
@@ -444,25 +452,6 @@ def test_training_and_sampling_import_it_without_the_download_packages(tmp_path)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=Path(SCRIPT).parent)
     assert r.returncode == 0 and int(r.stdout.split()[-1]) > 0, r.stderr
-
-
-def test_write_atomic_gives_an_ordinary_file_and_leaves_nothing_when_stopped(tmp_path, mirror,
-                                                                            capsys):
-    umask = os.umask(0)
-    os.umask(umask)
-    common.write_atomic(tmp_path / "a.json", b"{}")
-    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file
-
-    def interrupted(f):
-        f.write(b"half")
-        raise KeyboardInterrupt
-    with pytest.raises(KeyboardInterrupt):
-        common.write_atomic(tmp_path / "a.json", interrupted)
-    assert os.listdir(tmp_path) == ["a.json"] and (tmp_path / "a.json").read_bytes() == b"{}"
-    # 50257: one id past GPT-2's
-    mirror.serve({"finewebedu_val_000000.bin": shard([50256, 50257]), **gpt2_files()})
-    line = error_line(pd.main, ["fineweb_edu", "--shards", 1, "--out", tmp_path / "fw"], capsys)
-    assert "token id 50257 is not a GPT-2 token" in line
 
 
 def test_a_dataset_of_another_level_is_refused_before_it_is_written(tmp_path, monkeypatch):

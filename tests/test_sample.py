@@ -12,7 +12,7 @@ import torch
 import prepare_data
 import sample
 import train
-from conftest import TINY, run
+from conftest import run, tiny
 
 SEP = "-" * 40 + "\n"
 
@@ -27,9 +27,8 @@ def runs(demo, tmp_path_factory):
         patch.chdir(project)
         for name, flags in (("routed", ["--rd", "decoupled", "--wav", True, "--attnres_block", 4]),
                             ("heads", ["--route_heads", 2])):
-            argv = ["--data", "data/demo", "--out_dir", f"runs/{name}", *TINY, "--max_iters", 4,
-                    "--residual", "attnres", *flags]
-            assert run(train.main, argv)[0] == 0
+            argv = tiny("data/demo", f"runs/{name}", "--max_iters", 4, "--residual", "attnres")
+            assert run(train.main, [*argv, *flags])[0] == 0
     return project / "runs" / "routed", project / "runs" / "heads"
 
 
@@ -118,8 +117,8 @@ def test_routes_view(runs, demo, tmp_path, capsys):
 
 def test_routes_view_of_learned_mixing_weights_and_of_a_model_with_none(demo, tmp_path, capsys):
     for residual in ("denseformer", "prenorm"):
-        assert run(train.main, ["--data", demo, "--out_dir", tmp_path / residual, *TINY,
-                                "--max_iters", 1, "--residual", residual], capsys)[0] == 0
+        argv = tiny(demo, tmp_path / residual, "--max_iters", 1, "--residual", residual)
+        assert run(train.main, argv, capsys)[0] == 0
     routes = json.loads((tmp_path / "denseformer" / "summary.json").read_text())["routes"]
     assert routes["entropy_norm_mean"] is None  # train.py records them; no distribution
     ckpt = torch.load(tmp_path / "denseformer" / "best.pt", weights_only=True)
@@ -166,8 +165,8 @@ def test_gpt2_level_run_starts_after_endoftext_and_decodes_its_tokens(tmp_path, 
         np.random.default_rng(n).integers(0, 50257, n, np.uint16).tofile(data / f"{split}.bin")
     meta = dict(dataset="gpt2_standin", level="gpt2", dtype="uint16", vocab_size=50257)
     (data / "meta.json").write_text(json.dumps(dict(meta, splits=splits)))
-    argv = ["--data", data, "--out_dir", tmp_path / "run", *TINY, "--max_iters", 2,
-            "--n_layer", 1, "--n_embd", 16, "--sequence_len", 16]
+    argv = tiny(data, tmp_path / "run", "--max_iters", 2, "--n_layer", 1, "--n_embd", 16,
+                "--sequence_len", 16)
     assert run(train.main, argv, capsys)[0] == 0
     text = sample_text(capsys, tmp_path / "run", "--num_samples", 1, "--max_new_tokens", 4)
     assert re.fullmatch(r"( t\d+|<\|endoftext\|>){4}\n" + SEP, text), text
