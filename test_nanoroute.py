@@ -33,31 +33,30 @@ def _tf32_as_before():
 
 VOCAB, SEQ = 23, 16
 TINY = dict(vocab_size=VOCAB, sequence_len=SEQ, n_layer=3, n_head=2, n_embd=16)
+ATTNRES = dict(residual="attnres")  # the residual every routing setting needs
 
 # The per-mode tests take their cases from the tables, so that an entry is tested the moment it
 # exists: the shapes the kernel treats apart first (n_layer=3 is 6 sublayers: attnres_block=4
 # leaves a shorter last block of 2, attnres_block=1 is Full AttnRes), then every variant of
 # VARIANTS, every residual of RESIDUALS and every mode of RD_MODES.
 SHAPES = {
-    "block_short_last": dict(residual="attnres", attnres_block=4),
-    "full": dict(residual="attnres", attnres_block=1),
-    "wav_split": dict(residual="attnres", wav=True, wav_bases="split", attnres_block=4),
-    "wav_phase_readout": dict(residual="attnres", wav=True, wav_bases="phase",
-                              wav_readout_details=True, attnres_block=4),
-    "wav_wide": dict(residual="attnres", wav=True, attnres_block=6, n_layer=3),
+    "block_short_last": dict(ATTNRES, attnres_block=4),
+    "full": dict(ATTNRES, attnres_block=1),
+    "wav_split": dict(ATTNRES, wav=True, wav_bases="split", attnres_block=4),
+    "wav_phase_readout": dict(ATTNRES, wav=True, wav_bases="phase", wav_readout_details=True,
+                              attnres_block=4),
+    "wav_wide": dict(ATTNRES, wav=True, attnres_block=6, n_layer=3),
     # two completed blocks: the readout reads C0 and C1 but not C0's details (the kernel's slots)
-    "wav_deep": dict(residual="attnres", wav=True, attnres_block=4, n_layer=4),
-    "rd_wav": dict(residual="attnres", rd="decoupled", wav=True, attnres_block=4),
+    "wav_deep": dict(ATTNRES, wav=True, attnres_block=4, n_layer=4),
+    "rd_wav": dict(ATTNRES, rd="decoupled", wav=True, attnres_block=4),
     # SPEC: Learnable bases
-    "wav_learned": dict(residual="attnres", wav=True, wav_learned_bases=True, attnres_block=4),
-    "wav_learned_rd": dict(residual="attnres", wav=True, wav_learned_bases=True,
-                           wav_readout_details=True, rd="decoupled", attnres_block=6),
-    "static": dict(residual="attnres", route_static=True, attnres_block=4),  # SPEC: Controls
-    "static_wav_rd": dict(residual="attnres", route_static=True, wav=True, rd="decoupled",
-                          attnres_block=4),
-    "heads": dict(residual="attnres", route_heads=4, attnres_block=4),  # SPEC: Multi-head reads
-    "heads_wav_rd": dict(residual="attnres", route_heads=2, wav=True, rd="frozen_v",
-                         attnres_block=4),
+    "wav_learned": dict(ATTNRES, wav=True, wav_learned_bases=True, attnres_block=4),
+    "wav_learned_rd": dict(ATTNRES, wav=True, wav_learned_bases=True, wav_readout_details=True,
+                           rd="decoupled", attnres_block=6),
+    "static": dict(ATTNRES, route_static=True, attnres_block=4),  # SPEC: Controls
+    "static_wav_rd": dict(ATTNRES, route_static=True, wav=True, rd="decoupled", attnres_block=4),
+    "heads": dict(ATTNRES, route_heads=4, attnres_block=4),  # SPEC: Multi-head reads
+    "heads_wav_rd": dict(ATTNRES, route_heads=2, wav=True, rd="frozen_v", attnres_block=4),
 }
 
 
@@ -245,7 +244,7 @@ def assert_routed_model_equals_reference(overrides, fast):
     returns the reference's reads."""
     model, idx = randomise_routing(make_model(**overrides, fast_routing=fast)), tokens()
     seen = []  # what each attention and MLP sublayer gets, in forward order
-    hooks = [sub.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+    hooks = [sub.register_forward_pre_hook(lambda mod, args: seen.append(args))
              for layer in model.layers for sub in (layer.attn, layer.mlp)]
     logits, _, routes = model(idx, return_routes=True)
     for hook in hooks:
@@ -260,8 +259,10 @@ def assert_routed_model_equals_reference(overrides, fast):
         torch.testing.assert_close(r["weights"].sum(0), torch.ones_like(r["weights"][0]))
         assert r["weights"].shape[-1] == model.config.route_heads
     assert len(seen) == len(ref_inputs)
-    for got, want in zip(seen, ref_inputs):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for args, want in zip(seen, ref_inputs):
+        torch.testing.assert_close(args[0].detach(), want, atol=1e-5, rtol=1e-5)
+    if nanoroute.RD_MODES[model.config.rd].average:  # one input for Q, K and V: the mean's
+        assert all(args[2] is None for args in seen[::2])
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
     return ref_reads
 
@@ -277,13 +278,6 @@ def test_wav_split_basis_with_a_short_last_block_equals_reference(n_layer, block
         residual="attnres", wav=True, wav_bases=bases, n_layer=n_layer, attnres_block=block,
         wav_readout_details=True), fast)
     assert any(n.endswith(".split") for n in reads["readout"][0])  # readout sees details
-
-
-def test_default_routing_block_is_whole_layers_at_most_8_blocks():
-    for n_layer, m in [(1, 2), (4, 2), (8, 2), (12, 4), (16, 4), (24, 6), (48, 12)]:
-        assert GPTConfig(n_layer=n_layer, residual="attnres").routing_block == m
-        assert math.ceil(2 * n_layer / m) <= 8
-    assert GPTConfig(n_layer=4, residual="attnres", wav=True).routing_block == 4  # WAV needs m >= 4
 
 
 @pytest.mark.parametrize("mode", ATTNRES_MODES)
@@ -315,10 +309,10 @@ def test_combine_is_the_weighted_sum_for_any_coefficients(coefficients):
         torch.testing.assert_close(c.grad, (u * g).sum())
 
 
-def test_wav_bases_are_explicit_signed_sums():
+def test_wav_bases_are_explicit_signed_sums_and_the_kernel_sums_equal_coefficients_once():
     cfg = GPTConfig(**TINY, residual="attnres", wav=True, attnres_block=6)
     model = GPT(cfg)
-    us = [torch.randn(2, 5, 16) for _ in range(6)]
+    us = [torch.randn(2, 5, 16, requires_grad=True) for _ in range(6)]
     sources = {s.basis or "state": s.value for s in model.block_sources("C0", us, 0)}
     torch.testing.assert_close(sources["state"], us[0] + us[1] + us[2] + us[3] + us[4] + us[5])
     rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
@@ -327,13 +321,9 @@ def test_wav_bases_are_explicit_signed_sums():
                         ("split", us[0] + us[1] + us[2] - us[3] - us[4] - us[5])):
         scale = torch.clamp(rms(sources["state"]) / (rms(want) + nanoroute.EPS), max=cfg.wav_rho)
         torch.testing.assert_close(sources[basis], scale[..., None] * want)
-
-
-def test_kernel_sums_updates_with_equal_coefficients_into_one_term():
     # the kernel's representation (below the banner): WAV's two bases make at most four sign
     # patterns (attention / MLP × first / second half), so a block of 6 updates is read through 4
     # terms; with learned coefficients every update is its own term. Either way, the same sources.
-    us = [torch.randn(2, 5, 16, requires_grad=True) for _ in range(6)]
     for learned in (False, True):
         model = randomise_routing(make_model(residual="attnres", wav=True, attnres_block=6,
                                              wav_learned_bases=learned))
@@ -456,15 +446,6 @@ def test_rd_frozen_v_keeps_the_value_route_at_its_init():
             assert not torch.allclose(r["weights"], start["weights"])
 
 
-def test_rd_average_feeds_the_mean_route_to_q_k_and_v():
-    model, seen = randomise_routing(make_model(**ATTNRES_MODES["rd_average"])), []
-    hook = model.layers[1].attn.register_forward_pre_hook(lambda mod, args: seen.append(args))
-    model(tokens())
-    hook.remove()
-    assert seen[0][2] is None  # one input for Q, K and V: test_routed_inputs_equal_reference
-    # checks it is the normed mean of the two routes' mixtures
-
-
 def test_js_divergence_and_routing_stats_entropy_and_means():
     p, q = torch.softmax(torch.randn(5, 2, 7), 0), torch.softmax(torch.randn(5, 2, 7), 0)
     assert js_divergence(p, p) == pytest.approx(0.0, abs=1e-12)
@@ -550,13 +531,27 @@ def test_generate_draws_from_softmax_over_temperature_among_top_k(temperature, t
         assert not counts_fit(counts, sample_probs(logits, temperature, wrong_k), n)
 
 
-def test_flops_per_token_by_hand():
+def test_flops_per_token_by_hand_and_wav_keeps_for_backward_about_what_block_attnres_does():
     # 2 layers, n_embd 32, sequence_len 16, vocabulary 64 (tied embedding, no biases): per layer
     # c_attn 32·96 + c_proj 32·32 + c_fc 32·128 + c_proj 128·32 = 12288; N = 2·12288 + 64·32 =
     # 26624, 6N = 159744; attention (PaLM, appendix B): 12·L·d·T = 12·2·32·16 = 12288
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, sequence_len=16, vocab_size=64))
     assert model.get_num_params() == 26624 and model.flops_per_token() == 159744 + 12288
     assert model.estimate_mfu(1000, 0.5, 1e12) == pytest.approx(172032 * 1000 / 0.5 / 1e12)
+    # Memory (issue 5): a sublayer leaves one new (B, T, d) tensor for the backward, the piece it
+    # wrote, however many WAV bases there are. What WAV keeps beyond Block AttnRes is its completed
+    # detail sources (2 per block that later blocks read) and small per-token statistics, not two
+    # running sums per sublayer (that first design kept 39 extra tensors here, not < 12)
+    shape = dict(vocab_size=64, sequence_len=8, n_layer=8, n_head=2, n_embd=128)
+    x, y, kept = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8)), {}
+    for name, extra in (("block", {}), ("wav", dict(wav=True))):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**shape, residual="attnres", attnres_block=4, **extra))
+        exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        kept[name] = bench.saved_bytes(model, x, y, contextlib.nullcontext(), exclude) \
+            / (8 * 128 * 4)
+    n_sub, n_blocks = 16, 4
+    assert 2 * (n_blocks - 1) <= kept["wav"] - kept["block"] < 2 * n_blocks + 0.25 * n_sub
 
 
 def test_extreme_temperatures_are_greedy_or_even_among_the_top_k_and_bad_settings_raise():
@@ -613,17 +608,15 @@ def test_gradients_reach_every_routing_parameter(mode):
 
 
 def test_optimizer_decays_only_matrices():
-    model = make_model(**ATTNRES_MODES["rd_wav"], bias=True)
-    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3)
-    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
-    for name, p in model.named_parameters():
-        is_matrix = (name.endswith(".weight") and p.dim() == 2
-                     and not name.startswith(("query", "detail_bias")))
-        assert (id(p) in decayed) == is_matrix, name
-    layerscale = make_model(residual="layerscale")
-    opt = layerscale.configure_optimizers(0.1, 1e-3)
-    assert not any(p is layerscale.residual_gain
-                   for g in opt.param_groups if g["weight_decay"] for p in g["params"])
+    # queries, detail biases, learned bases, static logits, gains, DenseFormer's weights: no decay
+    for mode in ("rd_wav", "wav_learned_rd", "static", "layerscale", "denseformer"):
+        model = make_model(**ALL_MODES[mode], bias=True)
+        opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3)
+        decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+        for name, p in model.named_parameters():
+            is_matrix = (name.endswith(".weight") and p.dim() == 2
+                         and not name.startswith(("query", "detail_bias")))
+            assert (id(p) in decayed) == is_matrix, (mode, name)
 
 
 # The kernel and fast == reference checks run on NANOROUTE_TEST_DEVICE (default cpu; cuda on a GPU:
@@ -931,10 +924,6 @@ def test_learned_bases_start_at_the_signs_and_learn(device):
     assert torch.equal(learned.basis_coefficients, signs)  # columns phase, split; m = 4
     idx = tokens()
     torch.testing.assert_close(learned(idx)[0], fixed(idx)[0])  # exactly WAV v1 at init
-    assert "basis_coefficients" in learned.no_decay_parameters()  # no weight decay, as all routing
-    shared = {n: p for n, p in fixed.named_parameters()}
-    for name, p in learned.named_parameters():  # built from constants: shared weights stay paired
-        assert name == "basis_coefficients" or torch.equal(p, shared[name]), name
     opt = learned.configure_optimizers(0.1, 1e-2)
     for _ in range(2):
         learned(idx, idx)[1].backward()
@@ -997,26 +986,11 @@ def test_backward_inside_bf16_autocast_equals_outside(fast):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-7, rtol=1e-5)
 
 
-def test_wav_keeps_no_more_per_sublayer_for_backward_than_block_attnres():
-    # Memory (issue 5): a sublayer leaves one new (B, T, d) tensor for the backward, the piece it
-    # wrote, however many WAV bases there are. What WAV keeps beyond Block AttnRes is its completed
-    # detail sources (2 per block that later blocks read) and small per-token statistics, not two
-    # running sums per sublayer (that first design kept 39 extra tensors here, not < 12)
-    shape = dict(vocab_size=64, sequence_len=8, n_layer=8, n_head=2, n_embd=128)
-    x, y, kept = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8)), {}
-    for name, extra in (("block", {}), ("wav", dict(wav=True))):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**shape, residual="attnres", attnres_block=4, **extra))
-        exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        kept[name] = bench.saved_bytes(model, x, y, contextlib.nullcontext(), exclude) \
-            / (8 * 128 * 4)
-    n_sub, n_blocks = 16, 4
-    assert 2 * (n_blocks - 1) <= kept["wav"] - kept["block"] < 2 * n_blocks + 0.25 * n_sub
-
-
 def test_routing_stays_float32_under_bf16_autocast():
     model = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
-    # choice: sources accumulate in float32, whatever the sublayers' dtype
+    # choice: sources accumulate in float32, whatever the sublayers' dtype, and every routing
+    # statistic (mean squares, logits, softmax, mixtures) is computed in float32 under autocast,
+    # bit for bit as without it (autocast would run vecdot and matmul in bf16)
     pools, complete = [], model.complete
     model.complete = lambda b, block, pool: (pools.append((block, complete(b, block, pool)))
                                              or pools[-1][1])
@@ -1030,11 +1004,6 @@ def test_routing_stays_float32_under_bf16_autocast():
     ref = randomise_routing(make_model(**ATTNRES_MODES["rd_wav"]))
     with torch.no_grad():
         torch.testing.assert_close(logits.float(), ref(tokens())[0], atol=0.1, rtol=0.05)
-
-
-def test_routing_math_ignores_bf16_autocast():
-    # every routing statistic (mean squares, logits, softmax, mixtures) is computed in float32 under
-    # autocast, bit for bit as without it (autocast would run vecdot and matmul in bf16)
     g = torch.Generator().manual_seed(0)
     values = [torch.randn(2, 5, 16, generator=g) for _ in range(3)]
     rinv = [torch.rsqrt(nanoroute.mean_square(v) + nanoroute.EPS) for v in values]
@@ -1058,7 +1027,7 @@ def test_routing_math_ignores_bf16_autocast():
 
 INVALID = [
     (dict(n_embd=30, n_head=4), "n_head=4: must divide n_embd=30"),
-    (dict(residual="attnres", route_heads=3), "route_heads=3: must divide n_embd=16"),
+    (dict(ATTNRES, route_heads=3), "route_heads=3: must divide n_embd=16"),
     (dict(route_heads=2), "route_heads=2: applies only to residual=attnres"),
     (dict(route_static=True), "route_static=True: applies only to residual=attnres"),
     (dict(n_embd=12, n_head=4), "n_head=4: head size"),
@@ -1073,24 +1042,20 @@ INVALID = [
     (dict(wav=True), "wav=True: applies only to residual=attnres"),
     (dict(rd="decoupled"), "rd='decoupled': applies only to residual=attnres"),
     (dict(attnres_block=2), "attnres_block=2: applies only to residual=attnres"),
-    (dict(residual="attnres", wav=True, attnres_block=3),
-     "attnres_block=3: WAV needs an even routing block"),
-    (dict(residual="attnres", wav=True, attnres_block=2),
-     "attnres_block=2: WAV needs an even routing block"),
-    (dict(residual="attnres", attnres_block=99),
-     "attnres_block=99: must be 0 (auto) or 1..2*n_layer"),
-    (dict(residual="attnres", wav=True, wav_rho=0.0), "wav_rho=0.0: must be > 0"),
-    (dict(residual="attnres", wav=True, wav_rho=-1.0), "wav_rho=-1.0: must be > 0"),
-    (dict(residual="attnres", wav=True, wav_bases="haar"),
+    (dict(ATTNRES, wav=True, attnres_block=3), "attnres_block=3: WAV needs an even routing block"),
+    (dict(ATTNRES, wav=True, attnres_block=2), "attnres_block=2: WAV needs an even routing block"),
+    (dict(ATTNRES, attnres_block=99), "attnres_block=99: must be 0 (auto) or 1..2*n_layer"),
+    (dict(ATTNRES, wav=True, wav_rho=0.0), "wav_rho=0.0: must be > 0"),
+    (dict(ATTNRES, wav=True, wav_rho=-1.0), "wav_rho=-1.0: must be > 0"),
+    (dict(ATTNRES, wav=True, wav_bases="haar"),
      "wav_bases='haar': must be one of phase, split, both"),
-    (dict(residual="attnres", wav_rho=2.0), "wav_rho=2.0: applies only with wav=True"),
-    (dict(residual="attnres", wav_readout_details=True),
+    (dict(ATTNRES, wav_rho=2.0), "wav_rho=2.0: applies only with wav=True"),
+    (dict(ATTNRES, wav_readout_details=True),
      "wav_readout_details=True: applies only with wav=True"),
-    (dict(residual="attnres", wav_learned_bases=True),
-     "wav_learned_bases=True: applies only with wav=True"),
+    (dict(ATTNRES, wav_learned_bases=True), "wav_learned_bases=True: applies only with wav=True"),
     (dict(wav_learned_bases=True), "wav_learned_bases=True: applies only to residual=attnres"),
     (dict(fast_routing=False), "fast_routing=False: applies only to residual=attnres"),
-    (dict(residual="attnres", wav=True, n_layer=1), "n_layer=1: WAV needs at least 2 layers"),
+    (dict(ATTNRES, wav=True, n_layer=1), "n_layer=1: WAV needs at least 2 layers"),
 ]
 
 
@@ -1108,7 +1073,12 @@ def test_sources_of_any_name_sort_and_have_a_legend():
         "emb: embedding, C<i>: completed block i, P: partial block, stream: named by the model"
 
 
-def test_needs_names_the_model_a_setting_applies_to_and_a_subclass_extends_the_fields():
+def test_config_default_routing_block_needs_and_the_one_list_of_routing_fields():
+    # the default routing block: whole layers, at most 8 blocks
+    for n_layer, m in [(1, 2), (4, 2), (8, 2), (12, 4), (16, 4), (24, 6), (48, 12)]:
+        assert GPTConfig(n_layer=n_layer, residual="attnres").routing_block == m
+        assert math.ceil(2 * n_layer / m) <= 8
+    assert GPTConfig(n_layer=4, residual="attnres", wav=True).routing_block == 4  # WAV needs m >= 4
     # needs= "attnres", or a field that must be off its default (where it applies itself)
     assert nanoroute.missing_need("rd", dict(residual="attnres", rd="decoupled")) is None
     assert "add --rd" in nanoroute.missing_need("rd", dict(residual="attnres"))
@@ -1242,20 +1212,16 @@ def test_table_entries_differ_from_each_other():
                 assert row_a != row_b, f"{b} is {a} under another name: give it what differs"
 
 
-def test_initial_values_of_the_gains_and_the_controls():
+def test_gains_and_controls_at_init_static_logits_and_multi_head_reads():
     assert torch.equal(make_model(residual="rezero").residual_gain, torch.zeros(6, 1))  # α = 0
     for n_layer, gamma in [(3, 0.1), (18, 0.1), (20, 1e-5), (24, 1e-5), (30, 1e-6)]:  # CaiT's rule
         gain = GPT(GPTConfig(**{**TINY, "n_layer": n_layer}, residual="layerscale")).residual_gain
         assert gain.shape == (2 * n_layer, 16) and torch.all(gain == gamma), n_layer
     static = make_model(residual="attnres", route_static=True)
     assert not static.query and all(p.abs().sum() == 0 for p in static.static_logits.values())
-    assert all(f"static_logits.{k}" in static.no_decay_parameters() for k in static.static_logits)
     dense = make_model(residual="denseformer")
     assert [w.tolist() for w in dense.dwa_weights] == [[0, 1], [0, 0, 1], [0, 0, 0, 1]]
-    assert all(f"dwa_weights.{j}" in dense.no_decay_parameters() for j in range(3))  # no decay
-
-
-def test_static_logits_ignore_the_input_and_multi_head_reads_are_per_head():
+    # static logits ignore the input; multi-head reads are per head
     model = randomise_routing(make_model(**ATTNRES_MODES["static"]))
     a, b = (model(tokens(seed=s), return_routes=True)[2] for s in (1, 2))
     for ra, rb in zip(a, b):  # every token of every input: the same weights
@@ -1307,8 +1273,9 @@ def test_masked_sources_get_no_weight_and_the_rest_renormalise():
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_extension_rd_mode_reading_a_new_role(monkeypatch, fast, device):
-    # docs/routing.md: an RD mode whose keys read a route of their own is one line of RD_MODES
+def test_extension_rd_mode_of_a_new_role_and_reads_no_sublayer_takes(monkeypatch, fast, device):
+    # docs/routing.md: an RD mode whose keys read a route of their own is one line of RD_MODES;
+    # a read the sublayer does not take is refused (a table row, an override of reads_before)
     monkeypatch.setitem(nanoroute.RD_MODES, "qk_split", nanoroute.RD(k="attn.k", v="attn.v"))
     mode = dict(residual="attnres", rd="qk_split", wav=True, attnres_block=4)
     assert_routed_model_equals_reference(mode, fast)  # the reference reads RD_MODES too
@@ -1324,15 +1291,12 @@ def test_extension_rd_mode_reading_a_new_role(monkeypatch, fast, device):
     monkeypatch.setitem(nanoroute.RD_MODES, "bad", nanoroute.RD(v="mlp.v"))
     with pytest.raises(ValueError, match="attention reads attn, attn.<name>"):
         make_model(residual="attnres", rd="bad")
-
-
-def test_a_read_computed_but_not_used_is_an_error():
     class GPTWithAnExtraRead(GPT):  # a read added to reads_before that no sublayer takes
         def reads_before(self, l):
             extra = [nanoroute.Read(l // 2, "mlp.gate")] \
                 if l % 2 and l < 2 * self.config.n_layer else []
             return super().reads_before(l) + extra
-    model = GPTWithAnExtraRead(GPTConfig(**TINY, residual="attnres"))
+    model = GPTWithAnExtraRead(GPTConfig(**TINY, residual="attnres", fast_routing=fast))
     assert "layer0_mlp_gate" in model.query  # it gets its parameters like every read
     with pytest.raises(ValueError, match="reads computed but not used by the sublayer: mlp.gate"):
         model(tokens())
