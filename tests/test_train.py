@@ -28,10 +28,7 @@ from conftest import (ROOT, TINY, error_line, flip_a_stored_byte, metrics, run, 
 ROUTED = ["--residual", "attnres", "--rd", "decoupled", "--wav", "True", "--attnres_block", "4"]
 # what a routing setting where it has no effect names: the variants it applies to, VARIANTS' routed
 ROUTED_VARIANTS = [v for v in nanoroute.VARIANTS if nanoroute.variant(v)["residual"] == "attnres"]
-
-
-def env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))  # train.py's as a command
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +90,7 @@ def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
     assert whole["final"] == part["final"] and whole["best_val_loss"] == part["best_val_loss"]
 
 
-def test_resume_finds_the_data_from_another_folder_and_extends_a_finished_schedule(
-        demo, routed, tmp_path, monkeypatch, capsys):
+def test_resume_from_elsewhere_and_of_a_finished_run(demo, routed, tmp_path, monkeypatch, capsys):
     shutil.copytree(demo, tmp_path / "project" / "data" / "demo")
     monkeypatch.chdir(tmp_path / "project")  # --data demo: data/demo, recorded from runs/r
     assert run(train.main, [*tiny("demo", "runs/r", "--max_iters", "2")])[0] == 0
@@ -165,16 +161,14 @@ def test_logged_losses_are_the_losses_of_their_crops(routed):
     """The eval line's val loss is the model's mean loss over the fixed crops of EVAL_SEED."""
     ckpt = weights(routed)
     model = checkpoint.model_from(ckpt, routed).eval()
-    data = prepare_data.open_split(checkpoint.open_data(ckpt, routed)[0], "val")
+    folder, cpu = checkpoint.open_data(ckpt, routed)[0], torch.device("cpu")
+    data, test = (prepare_data.open_split(folder, split) for split in ("val", "test"))
     a, T = train.resolve_settings({}, ckpt)[0], model.config.sequence_len
     batches = train.eval_offsets(len(data), T, a.batch_size, a.eval_tokens, 1)
-    cpu, folder = torch.device("cpu"), checkpoint.open_data(ckpt, routed)[0]
-    test = prepare_data.open_split(folder, "test")
     with torch.no_grad():
         losses = [model(x, y)[1] for o in batches for x, y in train.get_batch(data, o, T, cpu)]
-        tests = [model(x, y)[1] for o in train.eval_offsets(len(test), T, a.batch_size,
-                                                             a.eval_tokens, 2)
-                 for x, y in train.get_batch(test, o, T, cpu)]
+        offsets = train.eval_offsets(len(test), T, a.batch_size, a.eval_tokens, 2)
+        tests = [model(x, y)[1] for o in offsets for x, y in train.get_batch(test, o, T, cpu)]
         (x, y), = train.get_batch(data, batches[0][:8], T, cpu)  # the routes: 8 val crops
         routes = nanoroute.routing_stats(model(x, y, return_routes=True)[2])
     assert torch.stack(losses).mean().item() == pytest.approx(metrics(routed)[-1]["val_loss"],
@@ -205,8 +199,7 @@ def test_the_printed_baseline_runs_and_is_the_same_run_without_routing(demo, tmp
         {k: v for k, v in baseline["train"].items() if k != "out_dir"}
 
 
-def test_the_route_entropy_loss_trains_the_routes_and_is_the_mean_over_reads_of_several_sources(
-        demo, tmp_path):
+def test_the_route_entropy_loss_trains_the_routes_and_its_value(demo, tmp_path):
     for name, extra in (("none", []), ("0", ["--route_entropy_coef", 0]),
                         ("1", ["--route_entropy_coef", 1])):
         assert run(train.main, tiny(demo, tmp_path / name, "--max_iters", 3, *extra))[0] == 0
@@ -258,16 +251,7 @@ def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
     assert train.build_parser().parse_args(["--compile"]).compile is True  # alone: True
 
 
-def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(demo, tmp_path, capsys):
-    out = tmp_path / "r"
-    err = error_line(train.main, tiny(demo, out, "--lr", "1e6", "--grad_clip", "0", "--max_iters",
-                                      "40", "--eval_interval", "1", "--warmup_iters", "0"), capsys)
-    assert err.startswith("error: non-finite") and "last.pt is the last good step" in err
-    assert all(p.isfinite().all() for p in weights(out)["model"].values())
-
-
-def test_a_run_folder_is_refused_to_a_new_run_and_to_another_model_or_dataset(demo, routed,
-                                                                              tmp_path, capsys):
+def test_a_run_folder_refuses_a_new_run_another_model_or_dataset(demo, routed, tmp_path, capsys):
     for name in checkpoint.RUN_FILES:  # any file of a run, also a finished run without checkpoints
         folder = tmp_path / name
         folder.mkdir()
@@ -314,7 +298,7 @@ def test_a_damaged_or_foreign_checkpoint_is_one_line(routed, tmp_path, capsys):
 def stopped_after_step_3(cmd, stop):
     """cmd run until it logs step 3, then stop(proc): (exit code, stdout, stderr)."""
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env())
+                            text=True, env=ENV)
     try:
         while "step 3 " not in proc.stdout.readline():
             assert proc.poll() is None, proc.stderr.read()
@@ -354,7 +338,7 @@ def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path
 
     def two_processes(out, *extra):
         cmd = torchrun(*flags, "--data", demo, "--out_dir", out, *extra)
-        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env(),
+        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=ENV,
                               timeout=240)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         return done.stdout
@@ -464,11 +448,11 @@ def test_bad_input_is_one_error_line_and_exit_2(argv, words, demo, tmp_path, cap
 
 def test_as_a_command_bad_input_is_one_line_and_a_bare_data_name_is_under_data(tmp_path):
     done = subprocess.run([sys.executable, ROOT / "train.py", "--max_itres", "3"],
-                          capture_output=True, text=True, env=env(), cwd=tmp_path)
+                          capture_output=True, text=True, env=ENV, cwd=tmp_path)
     assert done.returncode == 2 and done.stderr == "error: unrecognized arguments: --max_itres 3 " \
         "(did you mean --max_iters?); see --help\n"
     done = subprocess.run([sys.executable, ROOT / "train.py", "--data", "text8", "--device", "cpu"],
-                          capture_output=True, text=True, env=env(), cwd=tmp_path)
+                          capture_output=True, text=True, env=ENV, cwd=tmp_path)
     assert done.returncode == 2 and "data/text8" in done.stderr \
         and "python prepare_data.py text8" in done.stderr
     assert not (tmp_path / "text8").exists() and not (tmp_path / "out" / "last.pt").exists()
@@ -509,8 +493,13 @@ def test_explicit_flags_beat_a_preset_and_the_printed_baseline_keeps_all_but_the
         ["readout", "C0", "0.50", "emb", "0.20", "P", "0.20", "..."]  # the heaviest first
 
 
-def test_best_is_the_lowest_val_loss_and_survives_a_crash_between_the_two_files(demo, tmp_path,
-                                                                                  monkeypatch):
+def test_best_is_the_lowest_and_failures_keep_good_checkpoints(demo, tmp_path, monkeypatch, capsys):
+    # a divergence stops the run and keeps the last good checkpoint
+    err = error_line(train.main, tiny(demo, tmp_path / "d", "--lr", "1e6", "--grad_clip", "0",
+                                      "--max_iters", "40", "--eval_interval", "1",
+                                      "--warmup_iters", "0"), capsys)
+    assert err.startswith("error: non-finite") and "last.pt is the last good step" in err
+    assert all(p.isfinite().all() for p in weights(tmp_path / "d")["model"].values())
     out, flags = tmp_path / "r", ["--max_iters", 2, "--eval_interval", 1]
     assert run(train.main, tiny(demo, out, *flags))[0] == 0
     assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", 4, "--lr", 3.0])[0] == 0
