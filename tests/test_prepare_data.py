@@ -263,8 +263,7 @@ def test_a_run_resumes_only_on_its_own_text_by_the_splits_sha256(tmp_path, capsy
 # -----------------------------------------------------------------------------
 # Downloads: resumed, retried, checked by name
 
-def test_each_retry_says_so_and_waits_twice_as_long_then_one_error_line(mirror, tmp_path,
-                                                                        monkeypatch, capsys):
+def test_retries_say_so_wait_twice_as_long_then_fail(mirror, tmp_path, monkeypatch, capsys):
     waits = []
     monkeypatch.setattr(pd.time, "sleep", waits.append)
     monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "150")
@@ -296,8 +295,8 @@ def test_a_mirror_page_gzip_body_or_empty_file_is_refused(mirror, tmp_path, caps
     assert "deleted: re-run" in line and list(files_in(tmp_path)) == ["progress.json"]
 
 
-def test_an_official_file_of_another_size_or_hash_is_refused_by_its_name(mirror, tmp_path, capsys):
-    _, zipped = text8_zip()
+def test_a_download_not_the_official_file_is_refused_by_name_or_ids(mirror, tmp_path, capsys):
+    text, zipped = text8_zip()
     mirror.serve({"text8.zip": zipped, **gpt2_files()})
     pd.OFFICIAL["text8.zip"] = (len(zipped) + 1, None)
     line = error_line(pd.main, ["text8", "--out", tmp_path / "t8"], capsys)
@@ -306,21 +305,16 @@ def test_an_official_file_of_another_size_or_hash_is_refused_by_its_name(mirror,
     line = error_line(pd.main, ["fineweb_edu", "--out", tmp_path / "fw"], capsys)
     assert "encoder.json" in line and "SHA-256 is not the official file's" in line
     assert list(files_in(tmp_path / "fw")) == ["progress.json"]
-
-
-def test_a_text8_zip_of_other_text_is_refused_by_its_ids_and_downloaded_again(mirror, tmp_path,
-                                                                              capsys):
-    other = io.BytesIO()  # no official SHA-256 is known: the size alone lets it through
-    with zipfile.ZipFile(other, "w") as z:
+    other, out = io.BytesIO(), tmp_path / "other"  # no official SHA-256 is known for text8.zip:
+    with zipfile.ZipFile(other, "w") as z:  # the size alone lets other text through
         z.writestr("text8", "Other text, 2 digits and CAPITALS.")
     mirror.serve({"text8.zip": other.getvalue()})
-    line = error_line(pd.main, ["text8", "--out", tmp_path], capsys)
+    line = error_line(pd.main, ["text8", "--out", out], capsys)
     assert "holds token id 255, but vocab_size is 27" in line
-    assert sorted(files_in(tmp_path)) == ["progress.json", "test.bin", "train.bin", "val.bin"]
-    text, zipped = text8_zip()
+    assert sorted(files_in(out)) == ["progress.json", "test.bin", "train.bin", "val.bin"]
     mirror.serve({"text8.zip": zipped})
-    pd.prepare("text8", tmp_path)  # the same command downloads it again
-    assert pd.decoder(pd.load_meta(tmp_path), tmp_path)(pd.open_split(tmp_path, "test")) in text
+    pd.prepare("text8", out)  # the same command downloads it again
+    assert pd.decoder(pd.load_meta(out), out)(pd.open_split(out, "test")) in text
 
 
 # -----------------------------------------------------------------------------
@@ -374,8 +368,7 @@ def test_a_stopped_write_leaves_no_temporary_file_and_a_stopped_run_resumes(mirr
     assert [name for name, _ in mirror.log] == ["text8.zip"]  # the download was kept
 
 
-def test_load_meta_and_open_split_name_the_fix_and_the_prepared_folders_nearby(tmp_path,
-                                                                              monkeypatch):
+def test_load_meta_and_open_split_name_the_fix_and_datasets_nearby(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     pd.prepare("demo", demo_mb=0.01)
     with pytest.raises(UsageError) as e:
@@ -435,14 +428,6 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, argv, words)
     assert words in error_line(pd.main, [a.format(tmp=tmp_path) for a in argv], capsys)
 
 
-def test_help_lists_the_datasets_and_their_options(capsys):
-    with pytest.raises(SystemExit):
-        pd.main(["--help"])
-    out = capsys.readouterr().out
-    assert all(name in out for name in pd.DATASETS)
-    assert all(f"--{k}" in out for d in pd.DATASETS.values() for k in d.options)
-
-
 def test_training_and_sampling_import_it_without_the_download_packages(tmp_path):
     blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in ["requests", "urllib3", "tqdm",
                                                                   "tiktoken"])
@@ -454,7 +439,13 @@ def test_training_and_sampling_import_it_without_the_download_packages(tmp_path)
     assert r.returncode == 0 and int(r.stdout.split()[-1]) > 0, r.stderr
 
 
-def test_a_dataset_of_another_level_is_refused_before_it_is_written(tmp_path, monkeypatch):
+def test_help_lists_the_datasets_and_another_level_is_refused(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        pd.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in pd.DATASETS)
+    assert all(f"--{k}" in out for d in pd.DATASETS.values() for k in d.options)
+
     # decoder, encoder and train.py's bpc know char and gpt2: "byte" would decode as code points
     def bytes_of_text(o, fetch):
         return dict(level="byte", dtype="uint8", vocab_size=256), dict(train=np.arange(9))
