@@ -38,16 +38,22 @@ def hand_run(root, name, variant, seed, val, *, lr=2e-3, depth=4, dataset="demo"
     routes = dict(entropy_norm_mean=0.5 + seed % 10 / 10,
                   js_mean=seed / 10 if variant == "rd" else None)
     settings = dataclasses.asdict(train.TrainSettings(seed=seed, lr=lr, **flags))
-    summary = dict(config=config, train=settings,
-                   dataset=dataset, level=level, final=dict(val_loss=val), wall_time_s=10.0,
-                   milestones={k: dict(step=1, tokens=t, val_loss=v) for k, t, v in milestones},
-                   routes=routes if routed else None)
+    summary = dict(config=config, train=settings, dataset=dataset, level=level,
+                   final=dict(val_loss=val), wall_time_s=10.0, routes=routes if routed else None,
+                   milestones={k: dict(step=1, tokens=t, val_loss=v) for k, t, v in milestones})
     (d / "summary.json").write_text(json.dumps(summary))
     lines = [dict(type="eval", step=i, tokens=t, val_loss=v) for i, (t, v) in enumerate(evals)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     if run_json:
         (d / "run.json").write_text(json.dumps(dict(variant=variant, seed=seed, args=[])))
     return d
+
+
+def plan(*argv):
+    """The runs `experiments.py ARGV` plans (train.py's flags after --)."""
+    argv = [str(a) for a in argv]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    return experiments.plan(experiments.build_parser().parse_args(argv[:cut]), argv[cut + 1:])
 
 
 def report(*argv):
@@ -155,9 +161,7 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
     warning = "WARNING: lr 0.001 is the lowest of the grid for rd: the best rate may be below " \
         "it; extend --lrs\n"  # block's 0.002 lies inside its grid: no warning
     assert warning in text and warning in out and text.count("WARNING") == 1
-    args = experiments.build_parser().parse_args(["sweep", "tiny", "--lrs", "1e-3,2e-3",
-                                                  "--variants", "block", "--seeds", "0"])
-    runs = experiments.plan(args)
+    runs = plan("sweep", "tiny", "--lrs", "1e-3,2e-3", "--variants", "block", "--seeds", 0)
     assert [r["name"] for r in runs] == ["block_L4_s0_lr0.001", "block_L4_s0_lr0.002"]
     assert [experiments.flag_dict(r["args"])["--lr"] for r in runs] == ["0.001", "0.002"]
     code, printed, _ = run(experiments.main, ["sweep", "custom", "--data", demo, "--variants",
@@ -178,8 +182,7 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
     assert five["delta"] == pytest.approx(dict(mean=0.15, std=0.0707107, wins=0, ties=0, n=2))
 
 
-def test_a_run_whose_files_cannot_be_read_is_left_out_and_a_duplicate_run_stops_the_report(
-        tmp_path, capsys):
+def test_an_unreadable_run_is_left_out_and_a_duplicate_run_stops_the_report(tmp_path, capsys):
     hand_run(tmp_path / "a", "block_L4_s0", "block", 0, 2.0)
     (hand_run(tmp_path / "a", "rd_L4_s0", "rd", 0, 1.9) / "summary.json").write_text("{not json")
     code, out, _ = run(experiments.main, ["report", tmp_path / "a"], capsys)
@@ -269,8 +272,7 @@ def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_p
         assert all(flags[f"--{k}"] == str(v) for k, v in nanoroute.variant(name).items()), command
         routed = nanoroute.VARIANTS[name]["residual"] == "attnres"
         assert flags.get("--attnres_block") == ("4" if routed else None)  # WAV's 4 for all
-    args = experiments.build_parser().parse_args(["sweep", "rd_paper", "--seeds", "0"])
-    rd = experiments.plan(args)
+    rd = plan("sweep", "rd_paper", "--seeds", 0)
     assert {r["attnres_block"] for r in rd} == {4, 6} and all(r["args"][:2] == ["--preset", "rd_s"]
                                                               for r in rd[:5])
     assert all(experiments.flag_dict(r["args"])["--rd"] == nanoroute.variant(r["variant"])["rd"]
@@ -279,12 +281,12 @@ def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_p
                                           0, "--variants", "rd", "--out", tmp_path], capsys)
     assert code == 0 and " -m torch.distributed.run --standalone --nproc_per_node=2 " \
         f"{experiments.TRAIN} -- --data data/demo " in out  # "--": torchrun keeps off --rd
-    args = experiments.build_parser().parse_args(["sweep", "wav_paper", "--depths", "12"])
-    assert [r["name"] for r in experiments.plan(args)][:2] == ["tinystories/prenorm_L12_s0",
-                                                               "tinystories/rezero_L12_s0"]
+    assert [r["name"] for r in plan("sweep", "wav_paper", "--depths", 12)][:2] == [
+        "tinystories/prenorm_L12_s0", "tinystories/rezero_L12_s0"]
 
 
-def test_job_slots_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+def test_job_slots_share_the_cores_the_sweep_env_wins_and_a_failure_says_its_error(tmp_path,
+                                                                                   monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
     assert experiments.job_slots(1) == [{}]
@@ -292,8 +294,14 @@ def test_job_slots_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
         {"OMP_NUM_THREADS": str(max(1, cores // 2))}] * 2
     assert experiments.job_slots(2 * cores + 1, extra=["--device", "cpu"])[0] == {
         "OMP_NUM_THREADS": "1"}  # more runs than cores: never 0 threads
+    assert experiments.run_env(dict(env={"OMP_NUM_THREADS": "1"}), {"OMP_NUM_THREADS": "2"}) == \
+        {"OMP_NUM_THREADS": "1"}  # tiny's one thread beats --jobs' share
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert experiments.job_slots(2, extra=["--device", "cpu"]) == [{}, {}]
+    d = tmp_path / "run"  # a failed run: its last error line
+    d.mkdir()
+    (d / "train.log").write_text("note: an error of no consequence\nerror: the real one\n")
+    assert experiments.ended(dict(dir=d), 2, "[1/1]", 1.0) == "error: the real one"
 
 
 def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_failure(
@@ -304,10 +312,7 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     out = tmp_path / "runs"
     argv = ["sweep", "custom", "--data", demo, "--variants", "prenorm,block,rd", "--depths", "2",
             "--seeds", "0", "--jobs", "2", "--out", out, "--", *SWEPT, "--max_iters", "3"]
-    argv = [str(a) for a in argv]
-    cut = argv.index("--")
-    runs = {r["variant"]: r for r in experiments.plan(experiments.build_parser().parse_args(
-        argv[:cut]), argv[cut + 1:])}
+    runs = {r["variant"]: r for r in plan(*argv)}
     prenorm, block, rd = (runs[v] for v in ("prenorm", "block", "rd"))
     assert run(train.main, [*prenorm["args"], "--out_dir", prenorm["dir"]])[0] == 0
     before = [a.replace("3", "5") if a == "3" and prev == "--max_iters" else a
@@ -361,8 +366,7 @@ def evaluate(model, val, offsets, masked):
         return torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
 
 
-def test_ablate_measures_what_two_direct_evaluations_measure_with_a_count_matched_control(
-        block_run, capsys):
+def test_ablate_measures_what_direct_evaluations_measure_and_its_control(block_run, capsys):
     code, printed, _ = run(experiments.main, ["ablate", block_run, "--mask", "emb", "--draws", 4],
                            capsys)
     result = json.loads((block_run / "ablate_best_mask-emb.json").read_text())
@@ -465,17 +469,6 @@ def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block
     assert not (tmp_path / "val_loss.png").exists()
 
 
-def test_a_failure_shows_its_last_error_line_and_the_sweep_env_wins_over_the_slot(tmp_path,
-                                                                                  monkeypatch):
-    d = tmp_path / "run"
-    d.mkdir()
-    (d / "train.log").write_text("note: an error of no consequence\nerror: the real one\n")
-    assert experiments.ended(dict(dir=d), 2, "[1/1]", 1.0) == "error: the real one"
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tiny's one thread beats --jobs' share
-    assert experiments.run_env(dict(env={"OMP_NUM_THREADS": "1"}), {"OMP_NUM_THREADS": "2"}) == \
-        {"OMP_NUM_THREADS": "1"}
-
-
 def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_path, capsys):
     """--set wav_detail_bias=-1,-2: wav runs at each value, prenorm once without it (as without
     the routing-only --wav_rho after --); -2, the default, is the baseline -1 pairs with by seed."""
@@ -486,14 +479,14 @@ def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_pat
     code, out, _ = run(experiments.main, [*argv[:cut], "--dry_run", *argv[cut:]], capsys)
     assert code == 0 and "# --wav_rho is left out of the prenorm runs: it has no effect there\n" \
         "# --wav_detail_bias is left out of the prenorm runs: it has no effect there\n" in out
-    args = experiments.build_parser().parse_args([str(a) for a in argv[:cut]])
-    runs = experiments.plan(args, [str(a) for a in argv[cut + 1:]])
+    runs = plan(*argv)
     assert {r["name"]: experiments.flag_dict(r["args"]).get("--wav_detail_bias") for r in runs
             if r["seed"] == 0} == {"prenorm_L2_s0": None, "wav_L2_s0_wav_detail_bias-2": "-2",
                                    "wav_L2_s0_wav_detail_bias-1": "-1"}  # seed 1 likewise
     assert all(("--wav_rho" in r["args"]) == (r["variant"] == "wav") for r in runs)
-    args.set = ["wav_rho=3,2"]  # no default (4) among them: the first given is the baseline
-    assert {r["set_base"]["wav_rho"] for r in experiments.plan(args) if r["set"]} == {"3"}
+    # no default (wav_rho's is 4) among the values: the first given is the baseline
+    wav_rho = plan("sweep", "custom", "--data", demo, "--variants", "wav", "--set", "wav_rho=3,2")
+    assert {r["set_base"]["wav_rho"] for r in wav_rho if r["set"]} == {"3"}
     for r in runs:  # run.json as the sweep writes it (a no-op command), then train.py's run
         experiments.start(r, [sys.executable, "-c", ""], r["name"], {}).wait()
         assert run(train.main, [*r["args"], "--out_dir", r["dir"]])[0] == 0
