@@ -12,7 +12,7 @@ import torch
 import prepare_data
 import sample
 import train
-from conftest import run, tiny
+from conftest import error_line, run, tiny
 
 SEP = "-" * 40 + "\n"
 
@@ -38,7 +38,7 @@ def sample_text(capsys, out_dir, *flags):
     return out
 
 
-def test_text_prompts_seed_temperature_and_top_k(runs, tmp_path, monkeypatch, capsys):
+def test_text_prompts_settings_checkpoint_and_data(runs, demo, tmp_path, monkeypatch, capsys):
     routed, _ = runs
 
     def text(*flags):
@@ -65,6 +65,24 @@ def test_text_prompts_seed_temperature_and_top_k(runs, tmp_path, monkeypatch, ca
     default = text()  # char level: after a newline, which is not printed
     assert [s for s in default.split(SEP) if s] == \
         [s[1:] for s in text("--start", "\n").split(SEP) if s]
+    # --ckpt last, and the data of a run sampled from another folder, or moved
+    flags = ["--num_samples", 1, "--max_new_tokens", 5, "--start", "Once"]
+    only_last = routed.parent / "only_last"  # next to it: the same way to the data
+    only_last.mkdir(exist_ok=True)
+    shutil.copy(routed / "last.pt", only_last)
+    assert sample_text(capsys, only_last, "--ckpt", "last", *flags).startswith("Once")
+    code, _, err = run(sample.main, ["--out_dir", only_last, *flags], capsys)
+    assert code == 2 and err == f"error: no checkpoint at {only_last / 'best.pt'}: train one " \
+                                f"with python train.py --out_dir {only_last}\n"
+    monkeypatch.chdir(tmp_path)  # another working folder: the data is found from the run's
+    assert sample_text(capsys, routed, *flags).startswith("Once")
+    monkeypatch.chdir(routed.parent)
+    assert sample_text(capsys, routed.name, *flags).startswith("Once")
+    moved = tmp_path / "far" / "away" / "run"
+    shutil.copytree(routed, moved)
+    err = error_line(sample.main, ["--out_dir", moved, *flags], capsys)
+    assert "give --data with the demo dataset" in err
+    assert sample_text(capsys, moved, "--data", demo, *flags).startswith("Once")
 
 
 def cells(line):
@@ -113,9 +131,7 @@ def test_routes_view(runs, demo, tmp_path, capsys):
     assert all(abs(m - (a + b) / 2) <= 1 for m, a, b in zip(mean, head0, head1))
     shades = [sample.shade(w) for w in (0, .25, .26, .5, .51, .75, .76, 1)]
     assert shades == list("░░▒▒▓▓██")
-
-
-def test_routes_view_of_learned_mixing_weights_and_of_a_model_with_none(demo, tmp_path, capsys):
+    # learned mixing weights (DenseFormer's), and a model with none
     for residual in ("denseformer", "prenorm"):
         argv = tiny(demo, tmp_path / residual, "--max_iters", 1, "--residual", residual)
         assert run(train.main, argv, capsys)[0] == 0
@@ -133,27 +149,6 @@ def test_routes_view_of_learned_mixing_weights_and_of_a_model_with_none(demo, tm
     code, out, err = run(sample.main, ["--out_dir", tmp_path / "prenorm", "--routes"], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "residual=prenorm model: it has no depth routing or learned mixing weights" in err
-
-
-def test_ckpt_last_and_the_data_of_a_moved_run(runs, demo, tmp_path, monkeypatch, capsys):
-    routed, _ = runs
-    flags = ["--num_samples", 1, "--max_new_tokens", 5, "--start", "Once"]
-    only_last = routed.parent / "only_last"  # next to it: the same way to the data
-    only_last.mkdir(exist_ok=True)
-    shutil.copy(routed / "last.pt", only_last)
-    assert sample_text(capsys, only_last, "--ckpt", "last", *flags).startswith("Once")
-    code, _, err = run(sample.main, ["--out_dir", only_last, *flags], capsys)
-    assert code == 2 and err == f"error: no checkpoint at {only_last / 'best.pt'}: train one " \
-                                f"with python train.py --out_dir {only_last}\n"
-    monkeypatch.chdir(tmp_path)  # another working folder: the data is found from the run's
-    assert sample_text(capsys, routed, *flags).startswith("Once")
-    monkeypatch.chdir(routed.parent)
-    assert sample_text(capsys, routed.name, *flags).startswith("Once")
-    moved = tmp_path / "far" / "away" / "run"
-    shutil.copytree(routed, moved)
-    code, _, err = run(sample.main, ["--out_dir", moved, *flags], capsys)
-    assert code == 2 and "give --data with the demo dataset" in err and err.count("\n") == 1
-    assert sample_text(capsys, moved, "--data", demo, *flags).startswith("Once")
 
 
 def test_gpt2_level_run_starts_after_endoftext_and_decodes_its_tokens(tmp_path, capsys):
