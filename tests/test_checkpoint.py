@@ -47,8 +47,7 @@ def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, m
         assert same_weights(whole, state, "best.pt") and same_weights(whole, state), i
 
 
-def test_resume_checks_best_pt_and_reads_only_a_file_and_a_run_past_its_first_save_stays(
-        demo, tmp_path, capsys):
+def test_resume_checks_best_pt_and_reads_files_and_a_saved_run_stays(demo, tmp_path, capsys):
     out = tmp_path / "r"
     assert run(train.main, tiny(demo, out, *FLAGS))[0] == 0
     best = (out / "best.pt").read_bytes()
