@@ -607,16 +607,16 @@ def test_gradients_reach_every_routing_parameter(mode):
         assert len(model.query) + len(model.static_logits) == len(learned)
 
 
-def test_optimizer_decays_only_matrices():
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_optimizer_decays_only_matrices(mode):
     # queries, detail biases, learned bases, static logits, gains, DenseFormer's weights: no decay
-    for mode in ("rd_wav", "wav_learned_rd", "static", "layerscale", "denseformer"):
-        model = make_model(**ALL_MODES[mode], bias=True)
-        opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3)
-        decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
-        for name, p in model.named_parameters():
-            is_matrix = (name.endswith(".weight") and p.dim() == 2
-                         and not name.startswith(("query", "detail_bias")))
-            assert (id(p) in decayed) == is_matrix, (mode, name)
+    model = make_model(**ALL_MODES[mode], bias=True)
+    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3)
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    for name, p in model.named_parameters():
+        is_matrix = (name.endswith(".weight") and p.dim() == 2
+                     and not name.startswith(("query", "detail_bias")))
+        assert (id(p) in decayed) == is_matrix, name
 
 
 # The kernel and fast == reference checks run on NANOROUTE_TEST_DEVICE (default cpu; cuda on a GPU:
@@ -1273,7 +1273,7 @@ def test_masked_sources_get_no_weight_and_the_rest_renormalise():
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_extension_rd_mode_of_a_new_role_and_reads_no_sublayer_takes(monkeypatch, fast, device):
+def test_extension_rd_mode_reading_a_new_role(monkeypatch, fast, device):
     # docs/routing.md: an RD mode whose keys read a route of their own is one line of RD_MODES;
     # a read the sublayer does not take is refused (a table row, an override of reads_before)
     monkeypatch.setitem(nanoroute.RD_MODES, "qk_split", nanoroute.RD(k="attn.k", v="attn.v"))
