@@ -43,6 +43,11 @@ def run(main, argv, capsys=None):
     return code, out, err
 
 
+def tiny(data, out_dir, *extra):
+    """train.py's flags of a TINY run of the dataset data into out_dir, then extra."""
+    return ["--data", data, "--out_dir", out_dir, *TINY, *extra]
+
+
 def error_line(main, argv, capsys):
     """main(argv) must fail with exit code 2 and one `error: ` line; returns that line."""
     code, _, err = run(main, argv, capsys)

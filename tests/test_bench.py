@@ -138,7 +138,6 @@ def test_bad_input_is_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
     assert re.search(says, err), err
 
 
-
 def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     def check(folder):
         return subprocess.run(["bash", ROOT / "tools" / "gpu_check.sh", "cpu", folder], text=True,

@@ -9,8 +9,7 @@ import torch
 
 import checkpoint
 import train
-from conftest import TINY, error_line, flip_a_stored_byte, metrics, run, same_weights, \
-    without_times
+from conftest import error_line, flip_a_stored_byte, metrics, run, same_weights, tiny, without_times
 
 FLAGS = ["--max_iters", 2, "--eval_interval", 1, "--device", "cpu"]  # saves at steps 0, 1, 2
 NOT_MINE = ".last.pt.notmine.tmp"  # a name write_atomic never makes (7 characters, not 8)
@@ -30,7 +29,7 @@ def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, m
         states.append(state)
         real(path, data)
     monkeypatch.setattr(checkpoint, "write_atomic", copy_then_write)
-    assert run(train.main, ["--data", demo, "--out_dir", whole, *TINY, *FLAGS])[0] == 0
+    assert run(train.main, tiny(demo, whole, *FLAGS))[0] == 0
     monkeypatch.setattr(checkpoint, "write_atomic", real)
     assert len(states) >= 7  # metrics.jsonl, best.pt, last.pt at step 0, and on
     for i, state in enumerate(states):
@@ -40,8 +39,7 @@ def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, m
             code, _, err = run(train.main, ["--out_dir", state, "--resume"], capsys)
             assert code == 2 and "train without --resume first" in err, (i, err)
             started = (state / "metrics.jsonl").exists()
-            code, out, err = run(train.main, ["--data", demo, "--out_dir", state, *TINY, *FLAGS],
-                                 capsys)
+            code, out, err = run(train.main, tiny(demo, state, *FLAGS), capsys)
             assert ("stopped in its first save" in out) == started, (i, out)
         assert code == 0, (i, err)
         assert [p.name for p in state.glob(".*")] == [NOT_MINE], i  # its own leftovers alone go
@@ -49,20 +47,10 @@ def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, m
         assert same_weights(whole, state, "best.pt") and same_weights(whole, state), i
 
 
-def test_a_run_past_its_first_save_is_never_started_over(demo, tmp_path, capsys):
+def test_resume_checks_best_pt_and_reads_files_and_a_saved_run_stays(demo, tmp_path, capsys):
     out = tmp_path / "r"
-    assert run(train.main, ["--data", demo, "--out_dir", out, *TINY, *FLAGS])[0] == 0
-    for name in ("last.pt", "summary.json"):  # a user kept best.pt and the metrics of the run
-        (out / name).unlink()
+    assert run(train.main, tiny(demo, out, *FLAGS))[0] == 0
     best = (out / "best.pt").read_bytes()
-    err = error_line(train.main, ["--data", demo, "--out_dir", out, *TINY, *FLAGS], capsys)
-    assert "already holds a run (best.pt, metrics.jsonl)" in err
-    assert (out / "best.pt").read_bytes() == best
-
-
-def test_resume_checks_best_pt_and_reads_only_a_file(demo, tmp_path, capsys):
-    out = tmp_path / "r"
-    assert run(train.main, ["--data", demo, "--out_dir", out, *TINY, *FLAGS])[0] == 0
     flip_a_stored_byte(out / "best.pt")
     torch.load(out / "best.pt", weights_only=True)  # the damage a bare torch.load does not see
     err = error_line(train.main, ["--out_dir", out, "--resume", "--max_iters", 3], capsys)
@@ -73,3 +61,8 @@ def test_resume_checks_best_pt_and_reads_only_a_file(demo, tmp_path, capsys):
         assert "last.pt is not a file" in error_line(train.main, ["--out_dir", out, "--resume"],
                                                      capsys)
         shutil.rmtree(out / "last.pt") if (out / "last.pt").is_dir() else (out / "last.pt").unlink()
+    (out / "best.pt").write_bytes(best)
+    (out / "summary.json").unlink()  # a user kept best.pt and the metrics of the run: no new run
+    err = error_line(train.main, tiny(demo, out, *FLAGS), capsys)
+    assert "already holds a run (best.pt, metrics.jsonl)" in err
+    assert (out / "best.pt").read_bytes() == best

@@ -19,7 +19,7 @@ import experiments
 import nanoroute
 import prepare_data
 import train
-from conftest import TINY, run
+from conftest import TINY, error_line, run, summary, tiny
 
 assert TINY[:2] == ["--n_layer", "2"]
 SWEPT = TINY[2:]  # a sweep sets --n_layer itself (--depths)
@@ -38,16 +38,22 @@ def hand_run(root, name, variant, seed, val, *, lr=2e-3, depth=4, dataset="demo"
     routes = dict(entropy_norm_mean=0.5 + seed % 10 / 10,
                   js_mean=seed / 10 if variant == "rd" else None)
     settings = dataclasses.asdict(train.TrainSettings(seed=seed, lr=lr, **flags))
-    summary = dict(config=config, train=settings,
-                   dataset=dataset, level=level, final=dict(val_loss=val), wall_time_s=10.0,
-                   milestones={k: dict(step=1, tokens=t, val_loss=v) for k, t, v in milestones},
-                   routes=routes if routed else None)
+    summary = dict(config=config, train=settings, dataset=dataset, level=level,
+                   final=dict(val_loss=val), wall_time_s=10.0, routes=routes if routed else None,
+                   milestones={k: dict(step=1, tokens=t, val_loss=v) for k, t, v in milestones})
     (d / "summary.json").write_text(json.dumps(summary))
     lines = [dict(type="eval", step=i, tokens=t, val_loss=v) for i, (t, v) in enumerate(evals)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     if run_json:
         (d / "run.json").write_text(json.dumps(dict(variant=variant, seed=seed, args=[])))
     return d
+
+
+def plan(*argv):
+    """The runs `experiments.py ARGV` plans (train.py's flags after --)."""
+    argv = [str(a) for a in argv]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    return experiments.plan(experiments.build_parser().parse_args(argv[:cut]), argv[cut + 1:])
 
 
 def report(*argv):
@@ -93,29 +99,27 @@ def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path,
     assert "## fineweb_edu, 16 layers" in text and "val ppl" in text
 
 
-def test_report_keeps_unlike_runs_apart_and_names_what_differs(tmp_path):
+def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, capsys):
     """A 40-step 128-wide run is not a seed of a 300-step 64-wide one; where and how a run ran
-    (out_dir, device, compile, the data folder as written) does not split a group."""
+    (out_dir, device, compile, the data folder as written) does not split a group. train.py's
+    `python experiments.py report out out_prenorm`: two run folders without run.json, their
+    variants from their configs; report.md goes to the first folder, or --out."""
+    runs = tmp_path / "runs"
     for seed in (0, 1):
-        hand_run(tmp_path, f"block_s{seed}", "block", seed, 2.0 + seed / 10, n_embd=96,
+        hand_run(runs, f"block_s{seed}", "block", seed, 2.0 + seed / 10, n_embd=96,
                  max_iters=300, device="cpu", out_dir=f"runs/b{seed}", data="demo")
-        hand_run(tmp_path, f"prenorm_s{seed}", "prenorm", seed, 2.2 + seed / 10, n_embd=96,
+        hand_run(runs, f"prenorm_s{seed}", "prenorm", seed, 2.2 + seed / 10, n_embd=96,
                  max_iters=300, compile=True, data="data/demo")
-    hand_run(tmp_path, "block_wide", "block", 0, 1.5, n_embd=192, max_iters=40)
-    narrow, wide = report(tmp_path)
+    hand_run(runs, "block_wide", "block", 0, 1.5, n_embd=192, max_iters=40)
+    narrow, wide = report(runs)
     assert [len(row["runs"]) for row in narrow["rows"]] == [2, 2]  # prenorm, block: 2 seeds each
     assert [len(row["runs"]) for row in wide["rows"]] == [1] and wide["base"] is not None
     assert narrow["rows"][0]["delta"] == pytest.approx(dict(mean=0.2, std=0.0, wins=0, ties=0, n=2))
     assert experiments.titles([narrow, wide]) == ["demo, 4 layers (max_iters 300, n_embd 96)",
                                                   "demo, 4 layers (max_iters 40, n_embd 192)"]
-    assert experiments.main(["report", str(tmp_path)]) == 0
-    text = (tmp_path / "report.md").read_text()
+    assert experiments.main(["report", str(runs)]) == 0
+    text = (runs / "report.md").read_text()
     assert text.count("## demo, 4 layers (") == 2 and "| prenorm | 0.002 | – | 2 |" in text
-
-
-def test_report_of_several_folders_and_of_run_folders_themselves(tmp_path, capsys):
-    """train.py's `python experiments.py report out out_prenorm`: two run folders without run.json,
-    their variants from their configs; report.md goes to the first folder, or --out."""
     out = hand_run(tmp_path, "out", "block", 1337, 2.0, run_json=False)
     base = hand_run(tmp_path, "out_prenorm", "prenorm", 1337, 2.25, run_json=False)
     code, printed, _ = run(experiments.main, ["report", out, base], capsys)
@@ -135,7 +139,7 @@ def test_report_of_several_folders_and_of_run_folders_themselves(tmp_path, capsy
         "block" in err
 
 
-def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(tmp_path, capsys):
+def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys):
     finals = {("block", 1e-3): [2.0, 2.2], ("block", 2e-3): [1.9, 2.1], ("block", 4e-3): [2.3, 2.4],
               ("rd", 1e-3): [1.8, 2.0], ("rd", 2e-3): [2.0, 2.0],
               # the mean picks 2e-3 (inside the grid), the median would pick 1e-3
@@ -157,39 +161,42 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(tmp_path, capsys):
     warning = "WARNING: lr 0.001 is the lowest of the grid for rd: the best rate may be below " \
         "it; extend --lrs\n"  # block's 0.002 lies inside its grid: no warning
     assert warning in text and warning in out and text.count("WARNING") == 1
-    args = experiments.build_parser().parse_args(["sweep", "tiny", "--lrs", "1e-3,2e-3",
-                                                  "--variants", "block", "--seeds", "0"])
-    runs = experiments.plan(args)
+    runs = plan("sweep", "tiny", "--lrs", "1e-3,2e-3", "--variants", "block", "--seeds", 0)
     assert [r["name"] for r in runs] == ["block_L4_s0_lr0.001", "block_L4_s0_lr0.002"]
     assert [experiments.flag_dict(r["args"])["--lr"] for r in runs] == ["0.001", "0.002"]
-
-
-def test_a_set_value_pairs_with_its_baseline_value_at_its_own_lr(tmp_path):
+    code, printed, _ = run(experiments.main, ["sweep", "custom", "--data", demo, "--variants",
+                                              "block", "--dry_run", "--", "--lr", "1e-3"], capsys)
+    assert code == 0 and printed.count("--lr 1e-3") == 3  # --lr without --lrs: every run's
+    # a --set value pairs with its baseline value at its own lr
     for lr, at_base, at_five in [(1e-3, [2.0, 2.2], [1.9, 2.0]), (2e-3, [1.5, 1.7], [1.6, 1.9])]:
         for seed in (0, 1):
             for value, finals in (("20", at_base), ("5", at_five)):
-                d = hand_run(tmp_path, f"block_s{seed}_lr{lr:g}_w{value}", "block", seed,
+                d = hand_run(tmp_path / "set", f"block_s{seed}_lr{lr:g}_w{value}", "block", seed,
                              finals[seed], lr=lr, warmup_iters=int(value))
                 (d / "run.json").write_text(json.dumps(dict(
                     variant="block", seed=seed, args=[], set={"warmup_iters": value},
                     set_base={"warmup_iters": "20"})))
-    group, = report(tmp_path)
+    group, = report(tmp_path / "set")
     five, = [row for row in group["rows"] if row["off"]]
     assert five["lr"] == 2e-3  # paired with warmup_iters=20 at 2e-3, not at the other rate
     assert five["delta"] == pytest.approx(dict(mean=0.15, std=0.0707107, wins=0, ties=0, n=2))
 
 
-def test_a_run_whose_files_cannot_be_read_is_left_out_with_a_note(tmp_path, capsys):
-    hand_run(tmp_path, "block_L4_s0", "block", 0, 2.0)
-    (hand_run(tmp_path, "rd_L4_s0", "rd", 0, 1.9) / "summary.json").write_text("{not json")
-    code, out, _ = run(experiments.main, ["report", tmp_path], capsys)
+def test_an_unreadable_run_is_left_out_and_a_duplicate_run_stops_the_report(tmp_path, capsys):
+    hand_run(tmp_path / "a", "block_L4_s0", "block", 0, 2.0)
+    (hand_run(tmp_path / "a", "rd_L4_s0", "rd", 0, 1.9) / "summary.json").write_text("{not json")
+    code, out, _ = run(experiments.main, ["report", tmp_path / "a"], capsys)
     assert code == 0 and "Left out: " in out and "rd_L4_s0: its files cannot be read" in out
     assert "| **block** (baseline) | 0.002 | 2 | 1 |" in out
+    hand_run(tmp_path / "b", "block_L4_s0", "block", 0, 2.2)  # several folders: runs by path
+    err = error_line(experiments.main, ["report", tmp_path / "a", tmp_path / "b"], capsys)
+    assert f"runs {tmp_path / 'a'}/block_L4_s0 and {tmp_path / 'b'}/block_L4_s0 " \
+        "are both block, seed 0" in err
 
 
 # --- Sweeps ---
 
-def test_bad_grid_input_is_one_error_line(demo, tmp_path, capsys):
+def test_bad_input_is_one_error_line(demo, tmp_path, capsys):
     custom = ["sweep", "custom", "--out", tmp_path / "runs", "--dry_run", "--data", demo]
     cases = [
         ([*custom, "--variants", "prenorm,blok"], "--variants prenorm,blok: expected distinct"),
@@ -231,26 +238,20 @@ def test_bad_grid_input_is_one_error_line(demo, tmp_path, capsys):
         (["report", tmp_path, "--", "--baseline", "rd"], "report takes no flags after --"),
         (["report", tmp_path / "nothing"], "no runs in"),
     ]
+    empty_path = [(["sweep", "tiny", "--out"], "--out", "folder"),  # a path of spaces: this line
+                  (["sweep", "custom", "--data"], "--data", "folder"),
+                  (["sweep", "tiny", "--data_root"], "--data_root", "folder"),
+                  (["report"], "folders", "folder"),
+                  (["report", "runs", "--out"], "--out", "file"),
+                  (["report", "runs", "--data"], "--data", "folder"),
+                  (["ablate"], "run_dir", "folder"),
+                  (["ablate", "runs/a", "--data"], "--data", "folder")]
+    cases += [([*argv, " "], f"error: argument {flag}: ' ': give a {kind} name; see --help\n")
+              for argv, flag, kind in empty_path]
     for argv, message in cases:
         code, out, err = run(experiments.main, argv, capsys)
         assert code == 2 and out == "" and err.startswith("error: "), (argv, out, err)
         assert err.count("\n") == 1 and message in err, (argv, err)
-
-
-@pytest.mark.parametrize("argv, flag, kind", [
-    (["sweep", "tiny", "--out"], "--out", "folder"),
-    (["sweep", "custom", "--data"], "--data", "folder"),
-    (["sweep", "tiny", "--data_root"], "--data_root", "folder"),
-    (["report"], "folders", "folder"),
-    (["report", "runs", "--out"], "--out", "file"),
-    (["report", "runs", "--data"], "--data", "folder"),
-    (["ablate"], "run_dir", "folder"),
-    (["ablate", "runs/a", "--data"], "--data", "folder"),
-])
-def test_an_empty_path_is_one_error_line(argv, flag, kind, capsys):
-    code, out, err = run(experiments.main, [*argv, " "], capsys)
-    assert (code, out) == (2, "") and err == f"error: argument {flag}: ' ': give a {kind} name; " \
-        "see --help\n", err
 
 
 def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_path, capsys,
@@ -271,8 +272,7 @@ def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_p
         assert all(flags[f"--{k}"] == str(v) for k, v in nanoroute.variant(name).items()), command
         routed = nanoroute.VARIANTS[name]["residual"] == "attnres"
         assert flags.get("--attnres_block") == ("4" if routed else None)  # WAV's 4 for all
-    args = experiments.build_parser().parse_args(["sweep", "rd_paper", "--seeds", "0"])
-    rd = experiments.plan(args)
+    rd = plan("sweep", "rd_paper", "--seeds", 0)
     assert {r["attnres_block"] for r in rd} == {4, 6} and all(r["args"][:2] == ["--preset", "rd_s"]
                                                               for r in rd[:5])
     assert all(experiments.flag_dict(r["args"])["--rd"] == nanoroute.variant(r["variant"])["rd"]
@@ -281,12 +281,12 @@ def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_p
                                           0, "--variants", "rd", "--out", tmp_path], capsys)
     assert code == 0 and " -m torch.distributed.run --standalone --nproc_per_node=2 " \
         f"{experiments.TRAIN} -- --data data/demo " in out  # "--": torchrun keeps off --rd
-    args = experiments.build_parser().parse_args(["sweep", "wav_paper", "--depths", "12"])
-    assert [r["name"] for r in experiments.plan(args)][:2] == ["tinystories/prenorm_L12_s0",
-                                                               "tinystories/rezero_L12_s0"]
+    assert [r["name"] for r in plan("sweep", "wav_paper", "--depths", 12)][:2] == [
+        "tinystories/prenorm_L12_s0", "tinystories/rezero_L12_s0"]
 
 
-def test_job_slots_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+def test_job_slots_share_the_cores_the_sweep_env_wins_and_a_failure_says_its_error(tmp_path,
+                                                                                   monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
     assert experiments.job_slots(1) == [{}]
@@ -294,8 +294,14 @@ def test_job_slots_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
         {"OMP_NUM_THREADS": str(max(1, cores // 2))}] * 2
     assert experiments.job_slots(2 * cores + 1, extra=["--device", "cpu"])[0] == {
         "OMP_NUM_THREADS": "1"}  # more runs than cores: never 0 threads
+    assert experiments.run_env(dict(env={"OMP_NUM_THREADS": "1"}), {"OMP_NUM_THREADS": "2"}) == \
+        {"OMP_NUM_THREADS": "1"}  # tiny's one thread beats --jobs' share
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert experiments.job_slots(2, extra=["--device", "cpu"]) == [{}, {}]
+    d = tmp_path / "run"  # a failed run: its last error line
+    d.mkdir()
+    (d / "train.log").write_text("note: an error of no consequence\nerror: the real one\n")
+    assert experiments.ended(dict(dir=d), 2, "[1/1]", 1.0) == "error: the real one"
 
 
 def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_failure(
@@ -306,10 +312,7 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     out = tmp_path / "runs"
     argv = ["sweep", "custom", "--data", demo, "--variants", "prenorm,block,rd", "--depths", "2",
             "--seeds", "0", "--jobs", "2", "--out", out, "--", *SWEPT, "--max_iters", "3"]
-    argv = [str(a) for a in argv]
-    cut = argv.index("--")
-    runs = {r["variant"]: r for r in experiments.plan(experiments.build_parser().parse_args(
-        argv[:cut]), argv[cut + 1:])}
+    runs = {r["variant"]: r for r in plan(*argv)}
     prenorm, block, rd = (runs[v] for v in ("prenorm", "block", "rd"))
     assert run(train.main, [*prenorm["args"], "--out_dir", prenorm["dir"]])[0] == 0
     before = [a.replace("3", "5") if a == "3" and prev == "--max_iters" else a
@@ -332,8 +335,8 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     assert f"[2/2] {rd['dir']}: FAILED (exit 2): error: {rd['dir']} already holds a run" in printed
     assert "sweep: 3 runs: 1 skipped, 1 done, 1 failed" in printed
     assert f"\nfailed: {rd['name']}: error: {rd['dir']} already holds a run" in printed
-    summary = json.loads((block["dir"] / "summary.json").read_text())
-    assert summary["step"] == 3 and "resuming" in (block["dir"] / "train.log").read_text()
+    assert summary(block["dir"])["step"] == 3
+    assert "resuming" in (block["dir"] / "train.log").read_text()
     info = json.loads((block["dir"] / "run.json").read_text())
     assert info["attnres_block"] == 2 and info["command"].endswith(" --resume")
     assert info["args"] == block["args"] and info["variant"] == "block"
@@ -350,9 +353,8 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
 def block_run(demo, tmp_path_factory):
     """A finished Block AttnRes run of 3 steps (2 layers: routing blocks of 2 sublayers)."""
     out = tmp_path_factory.mktemp("runs") / "block_L2_s0"
-    code, _, _ = run(train.main, ["--data", demo, "--out_dir", out, *TINY, "--max_iters", 3,
-                                  "--residual", "attnres", "--eval_tokens", 700])  # 3 batches
-    assert code == 0
+    argv = tiny(demo, out, "--max_iters", 3, "--residual", "attnres", "--eval_tokens", 700)
+    assert run(train.main, argv)[0] == 0  # --eval_tokens 700: 3 batches
     return out
 
 
@@ -364,7 +366,7 @@ def evaluate(model, val, offsets, masked):
         return torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
 
 
-def test_ablate_measures_what_two_direct_evaluations_measure(block_run, capsys):
+def test_ablate_measures_what_direct_evaluations_measure_and_its_control(block_run, capsys):
     code, printed, _ = run(experiments.main, ["ablate", block_run, "--mask", "emb", "--draws", 4],
                            capsys)
     result = json.loads((block_run / "ablate_best_mask-emb.json").read_text())
@@ -395,13 +397,7 @@ def test_ablate_measures_what_two_direct_evaluations_measure(block_run, capsys):
     alone = {reads[name]: set(hidden) for name, hidden in row["masked"].items()}
     assert row["random"][1] == pytest.approx(
         evaluate(model, val, offsets, experiments.random_mask(alone, pools, 1)) - base, abs=1e-6)
-
-
-def test_the_random_control_is_count_matched_per_read_and_never_empties_one(block_run):
-    model = checkpoint.model_from(checkpoint.load(block_run / "best.pt", ""), block_run).eval()
-    x = torch.zeros(1, 8, dtype=torch.long)
-    with torch.no_grad():
-        pools = {r["read"]: r["sources"] for r in model(x, return_routes=True)[2]}
+    # the random control: count-matched per read, and it never empties one
     mask, kept = experiments.chosen_mask(pools, 2, [], older_than=0)
     assert {str(r): h for r, h in mask.items()} == {"layer1.attn": {"C0"}, "layer1.mlp": {"C0"},
                                                      "readout": {"C0", "C1"}} and kept == []
@@ -473,30 +469,6 @@ def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block
     assert not (tmp_path / "val_loss.png").exists()
 
 
-def test_a_failure_shows_its_last_error_line_and_the_sweep_env_wins_over_the_slot(tmp_path,
-                                                                                  monkeypatch):
-    d = tmp_path / "run"
-    d.mkdir()
-    (d / "train.log").write_text("note: an error of no consequence\nerror: the real one\n")
-    assert experiments.ended(dict(dir=d), 2, "[1/1]", 1.0) == "error: the real one"
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tiny's one thread beats --jobs' share
-    assert experiments.run_env(dict(env={"OMP_NUM_THREADS": "1"}), {"OMP_NUM_THREADS": "2"}) == \
-        {"OMP_NUM_THREADS": "1"}
-
-
-def test_duplicate_runs_stop_the_report_and_several_folders_name_runs_by_path(demo, tmp_path,
-                                                                             capsys):
-    for folder, val in (("a", 2.0), ("b", 2.2)):
-        hand_run(tmp_path / folder, "block_L4_s0", "block", 0, val)
-    hand_run(tmp_path / "a", "block_L4_s1", "block", 1, 2.1)
-    code, _, err = run(experiments.main, ["report", tmp_path / "a", tmp_path / "b"], capsys)
-    assert code == 2 and f"runs {tmp_path / 'a'}/block_L4_s0 and {tmp_path / 'b'}/block_L4_s0 " \
-        "are both block, seed 0" in err
-    code, printed, _ = run(experiments.main, ["sweep", "custom", "--data", demo, "--variants",
-                                              "block", "--dry_run", "--", "--lr", "1e-3"], capsys)
-    assert code == 0 and printed.count("--lr 1e-3") == 3  # --lr without --lrs: every run's
-
-
 def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_path, capsys):
     """--set wav_detail_bias=-1,-2: wav runs at each value, prenorm once without it (as without
     the routing-only --wav_rho after --); -2, the default, is the baseline -1 pairs with by seed."""
@@ -507,21 +479,20 @@ def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_pat
     code, out, _ = run(experiments.main, [*argv[:cut], "--dry_run", *argv[cut:]], capsys)
     assert code == 0 and "# --wav_rho is left out of the prenorm runs: it has no effect there\n" \
         "# --wav_detail_bias is left out of the prenorm runs: it has no effect there\n" in out
-    args = experiments.build_parser().parse_args([str(a) for a in argv[:cut]])
-    runs = experiments.plan(args, [str(a) for a in argv[cut + 1:]])
+    runs = plan(*argv)
     assert {r["name"]: experiments.flag_dict(r["args"]).get("--wav_detail_bias") for r in runs
             if r["seed"] == 0} == {"prenorm_L2_s0": None, "wav_L2_s0_wav_detail_bias-2": "-2",
                                    "wav_L2_s0_wav_detail_bias-1": "-1"}  # seed 1 likewise
     assert all(("--wav_rho" in r["args"]) == (r["variant"] == "wav") for r in runs)
-    args.set = ["wav_rho=3,2"]  # no default (4) among them: the first given is the baseline
-    assert {r["set_base"]["wav_rho"] for r in experiments.plan(args) if r["set"]} == {"3"}
+    # no default (wav_rho's is 4) among the values: the first given is the baseline
+    wav_rho = plan("sweep", "custom", "--data", demo, "--variants", "wav", "--set", "wav_rho=3,2")
+    assert {r["set_base"]["wav_rho"] for r in wav_rho if r["set"]} == {"3"}
     for r in runs:  # run.json as the sweep writes it (a no-op command), then train.py's run
         experiments.start(r, [sys.executable, "-c", ""], r["name"], {}).wait()
         assert run(train.main, [*r["args"], "--out_dir", r["dir"]])[0] == 0
     group, = experiments.summarize(experiments.find_runs([tmp_path])[0], "prenorm")
     rows = {row["label"]: row for row in group["rows"]}
-    final = {r["name"]: json.loads((r["dir"] / "summary.json").read_text())["final"]["val_loss"]
-             for r in runs}
+    final = {r["name"]: summary(r["dir"])["final"]["val_loss"] for r in runs}
     diffs = [final[f"wav_L2_s{s}_wav_detail_bias-1"] - final[f"wav_L2_s{s}_wav_detail_bias-2"]
              for s in (0, 1)]
     label = "wav, wav_rho=2.0, wav_detail_bias=-1 (Δ vs wav_detail_bias=-2)"

@@ -22,7 +22,7 @@ import common
 import prepare_data as pd
 import train
 from common import UsageError
-from conftest import TINY, error_line, run
+from conftest import error_line, run, tiny
 
 SCRIPT = str(Path(pd.__file__).resolve())
 
@@ -139,28 +139,34 @@ def test_demo_is_deterministic_whole_stories_and_every_split_in_the_vocabulary(t
     capsys.readouterr()
     pd.prepare("demo", tmp_path / "a", demo_mb=0.05)
     assert "already prepared" in capsys.readouterr().out and files_in(a) == files_in(b)
-
-
-def test_char_encoder_round_trip_and_unknown_characters(tmp_path):
-    out = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01)
-    meta = pd.load_meta(out)
-    encode, decode = pd.encoder(meta, out), pd.decoder(meta, out)
+    encode = pd.encoder(meta, a)  # the char encoder: a round trip, and unknown characters named
     assert decode(encode('Lily said, "Hi!"\n')) == 'Lily said, "Hi!"\n'
     with pytest.raises(UsageError, match="'€' '☃'; remove or replace them"):
         encode("10 € ☃")
 
 
-def test_text8_from_a_mirror_and_its_downloads(mirror, tmp_path):
+def test_text8_from_a_mirror_its_download_resumed_by_range_or_from_zero(mirror, tmp_path, capsys):
     text, zipped = text8_zip(2099)  # no multiple of 100: val is [90 %, 95 %), test the rest
     mirror.serve({"text8.zip": zipped})
+    mirror.cut_once.add("text8.zip")  # half the file, then the server hangs up: resumed by Range
     out = pd.prepare("text8", tmp_path / "t8")
+    asked = [r for name, r in mirror.log if r]
+    assert len(asked) == 1 and 0 < int(asked[0][len("bytes="):-1]) < len(zipped)
     meta = pd.load_meta(out)
     ids = np.array([" abcdefghijklmnopqrstuvwxyz".index(c) for c in text])
     assert meta["vocab_size"] == 27 and meta["source"] == [mirror.url + "/text8.zip"]
     for split, part in zip(pd.SPLITS, (ids[:1889], ids[1889:1994], ids[1994:])):
         assert pd.open_split(out, split).tolist() == part.tolist()
     assert sorted(files_in(out)) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+    # cut again, without retries: it fails and keeps the part; a server ignoring Range sends it all
+    mirror.cut_once.add("text8.zip")
+    line = error_line(pd.main, ["text8", "--out", tmp_path / "kept", "--retries", 0], capsys)
+    assert "failed after 1 tries" in line and "it resumes" in line
+    part = tmp_path / "kept" / "downloads" / "text8.zip.part"
+    assert 0 < part.stat().st_size < len(zipped)
+    mirror.ignore_range = True
     out = pd.prepare("text8", tmp_path / "kept", keep_downloads=True)
+    assert mirror.log[-1] == ("text8.zip", f"bytes={len(zipped) // 2}-")  # asked, got it all
     assert (out / "downloads" / "text8.zip").read_bytes() == zipped
 
 
@@ -193,7 +199,7 @@ def test_tinystories_vocabulary_end_of_text_and_rare_characters(mirror, tmp_path
 
 
 @pytest.mark.optional  # with tiktoken (CI's second stage) it encodes; without, one line says so
-def test_fineweb_edu_shards_split_and_gpt2_decoding(mirror, tmp_path):
+def test_fineweb_edu_shards_split_and_gpt2_decoding(mirror, tmp_path, capsys):
     val = [50256, 1, 2, 3, 50256, 4, 5, 6, 7, 50256, 8, 9, 10, 11, 50256, 12]  # middle: 8
     mirror.serve({"finewebedu_val_000000.bin": shard(val), **gpt2_files(),
                   "finewebedu_train_000001.bin": shard([50256, 100, 101]),
@@ -212,6 +218,9 @@ def test_fineweb_edu_shards_split_and_gpt2_decoding(mirror, tmp_path):
     else:
         with pytest.raises(UsageError, match="pip install tiktoken"):
             pd.encoder(meta, out)
+    mirror.serve({"finewebedu_val_000000.bin": shard([50256, 50257])})  # one id past GPT-2's
+    line = error_line(pd.main, ["fineweb_edu", "--shards", 1, "--out", tmp_path / "bad"], capsys)
+    assert "token id 50257 is not a GPT-2 token" in line
 
 
 def test_textfile_splits_records_its_hash_and_is_made_anew_when_it_changes(tmp_path, monkeypatch,
@@ -243,63 +252,36 @@ def test_a_run_resumes_only_on_its_own_text_by_the_splits_sha256(tmp_path, capsy
     data, out = pd.prepare("textfile", tmp_path / "data", input=story), tmp_path / "run"
     meta = pd.load_meta(data)
     assert meta["sha256"]["val"] == hashlib.sha256((data / "val.bin").read_bytes()).hexdigest()
-    assert run(train.main, ["--data", data, "--out_dir", out, *TINY, "--max_iters", 1])[0] == 0
+    assert run(train.main, tiny(data, out, "--max_iters", 1))[0] == 0
     story.write_text("time upon a once\n" * 120, encoding="utf-8")  # the same characters
     pd.prepare("textfile", data, input=story)
     assert pd.load_meta(data)["chars"] == meta["chars"]
-    code, _, err = run(train.main, ["--out_dir", out, "--resume"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "is not the dataset the run in" in err
+    err = error_line(train.main, ["--out_dir", out, "--resume"], capsys)
+    assert "is not the dataset the run in" in err
 
 
 # -----------------------------------------------------------------------------
 # Downloads: resumed, retried, checked by name
 
-def test_a_cut_download_resumes_with_range(mirror, tmp_path):
-    text, zipped = text8_zip(5000)
-    mirror.serve({"text8.zip": zipped})
-    mirror.cut_once.add("text8.zip")
-    out = pd.prepare("text8", tmp_path / "t8")
-    asked = [r for name, r in mirror.log if r]
-    assert len(asked) == 1 and 0 < int(asked[0][len("bytes="):-1]) < len(zipped)
-    assert pd.decoder(pd.load_meta(out), out)(pd.open_split(out, "train")) == text[:4500]
-
-
-def test_a_server_ignoring_range_restarts_from_zero(mirror, tmp_path, capsys):
-    text, zipped = text8_zip()
-    mirror.serve({"text8.zip": zipped})
-    mirror.cut_once.add("text8.zip")
-    line = error_line(pd.main, ["text8", "--out", tmp_path, "--retries", 0], capsys)
-    assert "failed after 1 tries" in line and "it resumes" in line
-    part = tmp_path / "downloads" / "text8.zip.part"
-    assert 0 < part.stat().st_size < len(zipped)
-    mirror.ignore_range = True
-    pd.prepare("text8", tmp_path, keep_downloads=True)
-    assert mirror.log[-1] == ("text8.zip", f"bytes={len(zipped) // 2}-")  # asked, got it all
-    assert (tmp_path / "downloads" / "text8.zip").read_bytes() == zipped
-
-
-def test_retries_print_a_line_each_then_fail_as_one_line(mirror, tmp_path, capsys):
-    mirror.status["text8.zip"] = 503
-    line = error_line(pd.main, ["text8", "--out", tmp_path / "a", "--retries", 2], capsys)
-    assert "failed after 3 tries (HTTP 503)" in line and "re-run" in line and len(mirror.log) == 3
-    mirror.status["text8.zip"] = 404
-    line = error_line(pd.main, ["text8", "--out", tmp_path / "b"], capsys)
-    assert f"HTTP 404 Not Found for {mirror.url}/text8.zip" in line and "--base_url" in line
-
-
-def test_each_retry_says_so_and_waits_twice_as_long(mirror, tmp_path, monkeypatch, capsys):
+def test_retries_say_so_wait_twice_as_long_then_fail(mirror, tmp_path, monkeypatch, capsys):
     waits = []
     monkeypatch.setattr(pd.time, "sleep", waits.append)
     monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "150")
-    mirror.status["text8.zip"] = 500
-    with pytest.raises(SystemExit):
-        pd.main(["text8", "--out", str(tmp_path), "--retries", "4"])
+    mirror.status["text8.zip"] = 503
+    code, out, err = run(pd.main, ["text8", "--out", tmp_path / "a", "--retries", 4], capsys)
     assert waits == [150, 300, 600, 600]  # doubling, at most 600 s a wait
-    assert capsys.readouterr().out.count("text8.zip: HTTP 500; retry") == 4
+    assert out.count("text8.zip: HTTP 503; retry") == 4 and len(mirror.log) == 5
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "re-run" in err
+    assert "failed after 5 tries (HTTP 503)" in err
     mirror.status["text8.zip"], mirror.log[:] = 429, []  # too many requests: retried, not fatal
-    with pytest.raises(SystemExit):
-        pd.main(["text8", "--out", str(tmp_path / "b"), "--retries", "1"])
+    error_line(pd.main, ["text8", "--out", tmp_path / "b", "--retries", 1], capsys)
     assert len(mirror.log) == 2
+    mirror.status["text8.zip"] = 404
+    line = error_line(pd.main, ["text8", "--out", tmp_path / "c"], capsys)
+    assert f"HTTP 404 Not Found for {mirror.url}/text8.zip" in line and "--base_url" in line
+    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "soon")
+    line = error_line(pd.main, ["text8", "--out", tmp_path / "d"], capsys)
+    assert "NANOROUTE_RETRY_BACKOFF=soon" in line
 
 
 @pytest.mark.parametrize("served, why", [
@@ -313,8 +295,8 @@ def test_a_mirror_page_gzip_body_or_empty_file_is_refused(mirror, tmp_path, caps
     assert "deleted: re-run" in line and list(files_in(tmp_path)) == ["progress.json"]
 
 
-def test_an_official_file_of_another_size_or_hash_is_refused_by_its_name(mirror, tmp_path, capsys):
-    _, zipped = text8_zip()
+def test_a_download_not_the_official_file_is_refused_by_name_or_ids(mirror, tmp_path, capsys):
+    text, zipped = text8_zip()
     mirror.serve({"text8.zip": zipped, **gpt2_files()})
     pd.OFFICIAL["text8.zip"] = (len(zipped) + 1, None)
     line = error_line(pd.main, ["text8", "--out", tmp_path / "t8"], capsys)
@@ -323,27 +305,22 @@ def test_an_official_file_of_another_size_or_hash_is_refused_by_its_name(mirror,
     line = error_line(pd.main, ["fineweb_edu", "--out", tmp_path / "fw"], capsys)
     assert "encoder.json" in line and "SHA-256 is not the official file's" in line
     assert list(files_in(tmp_path / "fw")) == ["progress.json"]
-
-
-def test_a_text8_zip_of_other_text_is_refused_by_its_ids_and_downloaded_again(mirror, tmp_path,
-                                                                              capsys):
-    other = io.BytesIO()  # no official SHA-256 is known: the size alone lets it through
-    with zipfile.ZipFile(other, "w") as z:
+    other, out = io.BytesIO(), tmp_path / "other"  # no official SHA-256 is known for text8.zip:
+    with zipfile.ZipFile(other, "w") as z:  # the size alone lets other text through
         z.writestr("text8", "Other text, 2 digits and CAPITALS.")
     mirror.serve({"text8.zip": other.getvalue()})
-    line = error_line(pd.main, ["text8", "--out", tmp_path], capsys)
+    line = error_line(pd.main, ["text8", "--out", out], capsys)
     assert "holds token id 255, but vocab_size is 27" in line
-    assert sorted(files_in(tmp_path)) == ["progress.json", "test.bin", "train.bin", "val.bin"]
-    text, zipped = text8_zip()
+    assert sorted(files_in(out)) == ["progress.json", "test.bin", "train.bin", "val.bin"]
     mirror.serve({"text8.zip": zipped})
-    pd.prepare("text8", tmp_path)  # the same command downloads it again
-    assert pd.decoder(pd.load_meta(tmp_path), tmp_path)(pd.open_split(tmp_path, "test")) in text
+    pd.prepare("text8", out)  # the same command downloads it again
+    assert pd.decoder(pd.load_meta(out), out)(pd.open_split(out, "test")) in text
 
 
 # -----------------------------------------------------------------------------
 # Folders: only this script's, resumed after a failure, read back with clear errors
 
-def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(tmp_path, capsys):
+def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(demo, tmp_path, capsys):
     mine = tmp_path / "mine"
     for name in ("train.bin", "progress.json", "downloads/photo.jpg"):
         (mine / name).parent.mkdir(parents=True, exist_ok=True)
@@ -355,14 +332,24 @@ def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(tmp_path,
     (dotted / ".git").mkdir(parents=True)
     assert "give a new or empty folder" in error_line(pd.main, ["demo", "--out", dotted], capsys)
     assert [p.name for p in dotted.iterdir()] == [".git"]
-    demo = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01)
     before = files_in(demo)
     assert "holds the demo dataset" in error_line(pd.main, ["text8", "--out", demo], capsys)
     assert files_in(demo) == before
 
 
-def test_a_run_stopped_by_a_failing_write_resumes_and_leaves_no_temporary_file(mirror, tmp_path,
-                                                                               monkeypatch, capsys):
+def test_a_stopped_write_leaves_no_temporary_file_and_a_stopped_run_resumes(mirror, tmp_path,
+                                                                            monkeypatch, capsys):
+    umask = os.umask(0)
+    os.umask(umask)
+    common.write_atomic(tmp_path / "a.json", b"{}")
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file
+
+    def interrupted(f):
+        f.write(b"half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        common.write_atomic(tmp_path / "a.json", interrupted)
+    assert os.listdir(tmp_path) == ["a.json"] and (tmp_path / "a.json").read_bytes() == b"{}"
     text, zipped = text8_zip()
     mirror.serve({"text8.zip": zipped})
     fsync, calls = os.fsync, []
@@ -373,14 +360,15 @@ def test_a_run_stopped_by_a_failing_write_resumes_and_leaves_no_temporary_file(m
             raise OSError(5, "Input/output error")
         fsync(fd)
     monkeypatch.setattr(os, "fsync", fail_once_at_train_bin)
-    assert "Input/output error" in error_line(pd.main, ["text8", "--out", tmp_path], capsys)
-    assert sorted(files_in(tmp_path)) == ["downloads/text8.zip", "progress.json"]
-    pd.prepare("text8", tmp_path)
-    assert sorted(files_in(tmp_path)) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+    out = tmp_path / "t8"
+    assert "Input/output error" in error_line(pd.main, ["text8", "--out", out], capsys)
+    assert sorted(files_in(out)) == ["downloads/text8.zip", "progress.json"]
+    pd.prepare("text8", out)
+    assert sorted(files_in(out)) == ["meta.json", "test.bin", "train.bin", "val.bin"]
     assert [name for name, _ in mirror.log] == ["text8.zip"]  # the download was kept
 
 
-def test_load_meta_names_the_command_and_the_prepared_folders_nearby(tmp_path, monkeypatch):
+def test_load_meta_and_open_split_name_the_fix_and_datasets_nearby(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     pd.prepare("demo", demo_mb=0.01)
     with pytest.raises(UsageError) as e:
@@ -404,26 +392,18 @@ def test_load_meta_names_the_command_and_the_prepared_folders_nearby(tmp_path, m
     fix = 'damaged .no "vocab_size" int.; prepare it again: python prepare_data.py demo --demo_mb'
     with pytest.raises(UsageError, match=fix + " 0.01 --out data/demo$"):
         pd.load_meta("data/demo")
-
-
-def test_open_split_checks_the_size_and_every_token_id(tmp_path, monkeypatch):
-    out, fix = pd.prepare("demo", tmp_path / "demo", demo_mb=0.01), "python prepare_data.py demo"
-    monkeypatch.setattr(pd, "CHUNK", 64)  # read in chunks: the bad id below is past the first
-    val = bytearray((out / "val.bin").read_bytes())
-    val[-1] = 200  # id 200 in a 51-symbol vocabulary: a file of another dataset
-    (out / "val.bin").write_bytes(val)
-    with pytest.raises(UsageError, match="holds token id 200, but vocab_size is 51"):
-        pd.open_split(out, "val")
-    val[-1] = 51  # the first id past the vocabulary
-    (out / "val.bin").write_bytes(val)
-    with pytest.raises(UsageError, match="holds token id 51, but vocab_size is 51"):
-        pd.open_split(out, "val")
-    (out / "val.bin").write_bytes(val + b"\0")  # a byte too many
-    with pytest.raises(UsageError, match=f"holds {len(val) + 1} bytes, not {len(val)} tokens"):
-        pd.open_split(out, "val")
-    (out / "val.bin").write_bytes(val[:-7])
-    with pytest.raises(UsageError, match=re.escape(f"again: {fix} --demo_mb 0.01 --out {out}")):
-        pd.open_split(out, "val")
+    # open_split checks the size and every token id, read in chunks: a bad id past the first
+    monkeypatch.setattr(pd, "CHUNK", 64)
+    out, val = Path("runs/demo"), Path("runs/demo/val.bin").read_bytes()
+    fix = f"again: python prepare_data.py demo --demo_mb 0.01 --out {out}"
+    cases = [(val[:-1] + bytes([200]), "holds token id 200, but vocab_size is 51"),  # another's
+             (val[:-1] + bytes([51]), "holds token id 51, but vocab_size is 51"),  # the first past
+             (val + b"\0", f"holds {len(val) + 1} bytes, not {len(val)} tokens"),  # a byte too many
+             (val[:-7], re.escape(fix))]
+    for content, match in cases:
+        (out / "val.bin").write_bytes(content)
+        with pytest.raises(UsageError, match=match):
+            pd.open_split(out, "val")
     pd.prepare("demo", out, demo_mb=0.01)  # the command it names repairs it
     assert len(pd.open_split(out, "val")) == len(val)
 
@@ -448,20 +428,6 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, argv, words)
     assert words in error_line(pd.main, [a.format(tmp=tmp_path) for a in argv], capsys)
 
 
-def test_a_bad_retry_backoff_is_one_error_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "soon")
-    line = error_line(pd.main, ["text8", "--out", tmp_path], capsys)
-    assert "NANOROUTE_RETRY_BACKOFF=soon" in line
-
-
-def test_help_lists_the_datasets_and_their_options(capsys):
-    with pytest.raises(SystemExit):
-        pd.main(["--help"])
-    out = capsys.readouterr().out
-    assert all(name in out for name in pd.DATASETS)
-    assert all(f"--{k}" in out for d in pd.DATASETS.values() for k in d.options)
-
-
 def test_training_and_sampling_import_it_without_the_download_packages(tmp_path):
     blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in ["requests", "urllib3", "tqdm",
                                                                   "tiktoken"])
@@ -473,26 +439,13 @@ def test_training_and_sampling_import_it_without_the_download_packages(tmp_path)
     assert r.returncode == 0 and int(r.stdout.split()[-1]) > 0, r.stderr
 
 
-def test_write_atomic_gives_an_ordinary_file_and_leaves_nothing_when_stopped(tmp_path, mirror,
-                                                                            capsys):
-    umask = os.umask(0)
-    os.umask(umask)
-    common.write_atomic(tmp_path / "a.json", b"{}")
-    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file
+def test_help_lists_the_datasets_and_another_level_is_refused(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        pd.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in pd.DATASETS)
+    assert all(f"--{k}" in out for d in pd.DATASETS.values() for k in d.options)
 
-    def interrupted(f):
-        f.write(b"half")
-        raise KeyboardInterrupt
-    with pytest.raises(KeyboardInterrupt):
-        common.write_atomic(tmp_path / "a.json", interrupted)
-    assert os.listdir(tmp_path) == ["a.json"] and (tmp_path / "a.json").read_bytes() == b"{}"
-    # 50257: one id past GPT-2's
-    mirror.serve({"finewebedu_val_000000.bin": shard([50256, 50257]), **gpt2_files()})
-    line = error_line(pd.main, ["fineweb_edu", "--shards", 1, "--out", tmp_path / "fw"], capsys)
-    assert "token id 50257 is not a GPT-2 token" in line
-
-
-def test_a_dataset_of_another_level_is_refused_before_it_is_written(tmp_path, monkeypatch):
     # decoder, encoder and train.py's bpc know char and gpt2: "byte" would decode as code points
     def bytes_of_text(o, fetch):
         return dict(level="byte", dtype="uint8", vocab_size=256), dict(train=np.arange(9))

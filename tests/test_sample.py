@@ -12,8 +12,7 @@ import torch
 import prepare_data
 import sample
 import train
-from conftest import TINY, run
-from nanoroute import GPT, GPTConfig
+from conftest import error_line, run, tiny
 
 SEP = "-" * 40 + "\n"
 
@@ -28,9 +27,8 @@ def runs(demo, tmp_path_factory):
         patch.chdir(project)
         for name, flags in (("routed", ["--rd", "decoupled", "--wav", True, "--attnres_block", 4]),
                             ("heads", ["--route_heads", 2])):
-            argv = ["--data", "data/demo", "--out_dir", f"runs/{name}", *TINY, "--max_iters", 4,
-                    "--residual", "attnres", *flags]
-            assert run(train.main, argv)[0] == 0
+            argv = tiny("data/demo", f"runs/{name}", "--max_iters", 4, "--residual", "attnres")
+            assert run(train.main, [*argv, *flags])[0] == 0
     return project / "runs" / "routed", project / "runs" / "heads"
 
 
@@ -40,7 +38,7 @@ def sample_text(capsys, out_dir, *flags):
     return out
 
 
-def test_text_prompts_seed_temperature_and_top_k(runs, tmp_path, monkeypatch, capsys):
+def test_text_prompts_settings_checkpoint_and_data(runs, demo, tmp_path, monkeypatch, capsys):
     routed, _ = runs
 
     def text(*flags):
@@ -67,22 +65,24 @@ def test_text_prompts_seed_temperature_and_top_k(runs, tmp_path, monkeypatch, ca
     default = text()  # char level: after a newline, which is not printed
     assert [s for s in default.split(SEP) if s] == \
         [s[1:] for s in text("--start", "\n").split(SEP) if s]
-
-
-def test_extreme_temperatures_are_greedy_or_even_among_the_top_k():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=23, sequence_len=16, n_layer=1, n_head=2, n_embd=16))
-    torch.nn.init.normal_(model.lm_head.weight, 0, 0.3)  # logits units apart: uneven at 1
-    prompt = torch.randint(0, 23, (4, 3))
-    assert torch.equal(model.generate(prompt, 6, 1e-45, 5), model.generate(prompt, 6, top_k=1))
-    n, top5 = 20000, model(prompt[:1])[0][0, -1].topk(5).indices
-    for temperature, even in ((1e30, True), (1.0, False)):
-        counts = model.generate(prompt[:1].expand(n, -1), 1, temperature, 5)[:, -1].bincount()
-        assert counts.sum() == counts[top5].sum() == n  # only the top 5 are drawn
-        deviation = (counts[top5] - n / 5).abs() / math.sqrt(n * 0.2 * 0.8)  # binomial sds
-        assert (deviation < 6).all() == even, counts[top5]
-    with pytest.raises(ValueError, match="must be > 0 and finite"):  # NaN: the same check
-        model.generate(prompt, 1, math.inf)
+    # --ckpt last, and the data of a run sampled from another folder, or moved
+    flags = ["--num_samples", 1, "--max_new_tokens", 5, "--start", "Once"]
+    only_last = routed.parent / "only_last"  # next to it: the same way to the data
+    only_last.mkdir(exist_ok=True)
+    shutil.copy(routed / "last.pt", only_last)
+    assert sample_text(capsys, only_last, "--ckpt", "last", *flags).startswith("Once")
+    code, _, err = run(sample.main, ["--out_dir", only_last, *flags], capsys)
+    assert code == 2 and err == f"error: no checkpoint at {only_last / 'best.pt'}: train one " \
+                                f"with python train.py --out_dir {only_last}\n"
+    monkeypatch.chdir(tmp_path)  # another working folder: the data is found from the run's
+    assert sample_text(capsys, routed, *flags).startswith("Once")
+    monkeypatch.chdir(routed.parent)
+    assert sample_text(capsys, routed.name, *flags).startswith("Once")
+    moved = tmp_path / "far" / "away" / "run"
+    shutil.copytree(routed, moved)
+    err = error_line(sample.main, ["--out_dir", moved, *flags], capsys)
+    assert "give --data with the demo dataset" in err
+    assert sample_text(capsys, moved, "--data", demo, *flags).startswith("Once")
 
 
 def cells(line):
@@ -131,12 +131,10 @@ def test_routes_view(runs, demo, tmp_path, capsys):
     assert all(abs(m - (a + b) / 2) <= 1 for m, a, b in zip(mean, head0, head1))
     shades = [sample.shade(w) for w in (0, .25, .26, .5, .51, .75, .76, 1)]
     assert shades == list("░░▒▒▓▓██")
-
-
-def test_routes_view_of_learned_mixing_weights_and_of_a_model_with_none(demo, tmp_path, capsys):
+    # learned mixing weights (DenseFormer's), and a model with none
     for residual in ("denseformer", "prenorm"):
-        assert run(train.main, ["--data", demo, "--out_dir", tmp_path / residual, *TINY,
-                                "--max_iters", 1, "--residual", residual], capsys)[0] == 0
+        argv = tiny(demo, tmp_path / residual, "--max_iters", 1, "--residual", residual)
+        assert run(train.main, argv, capsys)[0] == 0
     routes = json.loads((tmp_path / "denseformer" / "summary.json").read_text())["routes"]
     assert routes["entropy_norm_mean"] is None  # train.py records them; no distribution
     ckpt = torch.load(tmp_path / "denseformer" / "best.pt", weights_only=True)
@@ -153,27 +151,6 @@ def test_routes_view_of_learned_mixing_weights_and_of_a_model_with_none(demo, tm
     assert "residual=prenorm model: it has no depth routing or learned mixing weights" in err
 
 
-def test_ckpt_last_and_the_data_of_a_moved_run(runs, demo, tmp_path, monkeypatch, capsys):
-    routed, _ = runs
-    flags = ["--num_samples", 1, "--max_new_tokens", 5, "--start", "Once"]
-    only_last = routed.parent / "only_last"  # next to it: the same way to the data
-    only_last.mkdir(exist_ok=True)
-    shutil.copy(routed / "last.pt", only_last)
-    assert sample_text(capsys, only_last, "--ckpt", "last", *flags).startswith("Once")
-    code, _, err = run(sample.main, ["--out_dir", only_last, *flags], capsys)
-    assert code == 2 and err == f"error: no checkpoint at {only_last / 'best.pt'}: train one " \
-                                f"with python train.py --out_dir {only_last}\n"
-    monkeypatch.chdir(tmp_path)  # another working folder: the data is found from the run's
-    assert sample_text(capsys, routed, *flags).startswith("Once")
-    monkeypatch.chdir(routed.parent)
-    assert sample_text(capsys, routed.name, *flags).startswith("Once")
-    moved = tmp_path / "far" / "away" / "run"
-    shutil.copytree(routed, moved)
-    code, _, err = run(sample.main, ["--out_dir", moved, *flags], capsys)
-    assert code == 2 and "give --data with the demo dataset" in err and err.count("\n") == 1
-    assert sample_text(capsys, moved, "--data", demo, *flags).startswith("Once")
-
-
 def test_gpt2_level_run_starts_after_endoftext_and_decodes_its_tokens(tmp_path, capsys):
     data, splits = tmp_path / "gpt2", {"train": 4000, "val": 1000}  # random ids, made-up tokens
     data.mkdir()
@@ -183,8 +160,8 @@ def test_gpt2_level_run_starts_after_endoftext_and_decodes_its_tokens(tmp_path, 
         np.random.default_rng(n).integers(0, 50257, n, np.uint16).tofile(data / f"{split}.bin")
     meta = dict(dataset="gpt2_standin", level="gpt2", dtype="uint16", vocab_size=50257)
     (data / "meta.json").write_text(json.dumps(dict(meta, splits=splits)))
-    argv = ["--data", data, "--out_dir", tmp_path / "run", *TINY, "--max_iters", 2,
-            "--n_layer", 1, "--n_embd", 16, "--sequence_len", 16]
+    argv = tiny(data, tmp_path / "run", "--max_iters", 2, "--n_layer", 1, "--n_embd", 16,
+                "--sequence_len", 16)
     assert run(train.main, argv, capsys)[0] == 0
     text = sample_text(capsys, tmp_path / "run", "--num_samples", 1, "--max_new_tokens", 4)
     assert re.fullmatch(r"( t\d+|<\|endoftext\|>){4}\n" + SEP, text), text

@@ -23,17 +23,12 @@ import nanoroute
 import prepare_data
 import train
 from conftest import (ROOT, TINY, error_line, flip_a_stored_byte, metrics, run, same_weights,
-                      summary, weights, without_times)
+                      summary, tiny, weights, without_times)
 
 ROUTED = ["--residual", "attnres", "--rd", "decoupled", "--wav", "True", "--attnres_block", "4"]
-
-
-def tiny(demo, out, *extra):
-    return ["--data", demo, "--out_dir", out, *TINY, *extra]
-
-
-def env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+# what a routing setting where it has no effect names: the variants it applies to, VARIANTS' routed
+ROUTED_VARIANTS = [v for v in nanoroute.VARIANTS if nanoroute.variant(v)["residual"] == "attnres"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))  # train.py's as a command
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +90,7 @@ def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
     assert whole["final"] == part["final"] and whole["best_val_loss"] == part["best_val_loss"]
 
 
-def test_resume_from_another_folder_finds_the_data_and_extends_the_schedule(demo, tmp_path,
-                                                                           monkeypatch):
+def test_resume_from_elsewhere_and_of_a_finished_run(demo, routed, tmp_path, monkeypatch, capsys):
     shutil.copytree(demo, tmp_path / "project" / "data" / "demo")
     monkeypatch.chdir(tmp_path / "project")  # --data demo: data/demo, recorded from runs/r
     assert run(train.main, [*tiny("demo", "runs/r", "--max_iters", "2")])[0] == 0
@@ -107,6 +101,16 @@ def test_resume_from_another_folder_finds_the_data_and_extends_the_schedule(demo
     out = tmp_path / "moved" / "runs" / "r"
     assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", "3"])[0] == 0
     assert metrics(out)[-1]["step"] == 3 and weights(out)["settings"]["max_iters"] == 3
+    out = tmp_path / "done"  # a finished run resumed with nothing to add rewrites nothing
+    shutil.copytree(routed, out)  # with the files' times
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
+    capsys.readouterr()
+    code, printed, _ = run(train.main, ["--out_dir", out, "--resume"], capsys)
+    assert code == 0 and printed.count("\n") == 1 and "finished run (step 4" in printed
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
+    # a larger budget in tokens continues it (8 x 32 tokens a step: 6 steps)
+    assert run(train.main, ["--out_dir", out, "--resume", "--max_tokens", 6 * 256], capsys)[0] == 0
+    assert summary(out)["step"] == 6
 
 
 def test_same_seed_runs_start_paired_across_variants_and_batches_ignore_processes(demo, tmp_path):
@@ -157,16 +161,14 @@ def test_logged_losses_are_the_losses_of_their_crops(routed):
     """The eval line's val loss is the model's mean loss over the fixed crops of EVAL_SEED."""
     ckpt = weights(routed)
     model = checkpoint.model_from(ckpt, routed).eval()
-    data = prepare_data.open_split(checkpoint.open_data(ckpt, routed)[0], "val")
+    folder, cpu = checkpoint.open_data(ckpt, routed)[0], torch.device("cpu")
+    data, test = (prepare_data.open_split(folder, split) for split in ("val", "test"))
     a, T = train.resolve_settings({}, ckpt)[0], model.config.sequence_len
     batches = train.eval_offsets(len(data), T, a.batch_size, a.eval_tokens, 1)
-    cpu, folder = torch.device("cpu"), checkpoint.open_data(ckpt, routed)[0]
-    test = prepare_data.open_split(folder, "test")
     with torch.no_grad():
         losses = [model(x, y)[1] for o in batches for x, y in train.get_batch(data, o, T, cpu)]
-        tests = [model(x, y)[1] for o in train.eval_offsets(len(test), T, a.batch_size,
-                                                             a.eval_tokens, 2)
-                 for x, y in train.get_batch(test, o, T, cpu)]
+        offsets = train.eval_offsets(len(test), T, a.batch_size, a.eval_tokens, 2)
+        tests = [model(x, y)[1] for o in offsets for x, y in train.get_batch(test, o, T, cpu)]
         (x, y), = train.get_batch(data, batches[0][:8], T, cpu)  # the routes: 8 val crops
         routes = nanoroute.routing_stats(model(x, y, return_routes=True)[2])
     assert torch.stack(losses).mean().item() == pytest.approx(metrics(routed)[-1]["val_loss"],
@@ -199,8 +201,7 @@ def test_the_printed_baseline_runs_and_is_the_same_run_without_routing(demo, tmp
         {k: v for k, v in baseline["train"].items() if k != "out_dir"}
 
 
-def test_the_route_entropy_loss_trains_the_routes_and_coef_0_is_the_run_without_it(demo,
-                                                                                    tmp_path):
+def test_the_route_entropy_loss_trains_the_routes_and_its_value(demo, tmp_path):
     for name, extra in (("none", []), ("0", ["--route_entropy_coef", 0]),
                         ("1", ["--route_entropy_coef", 1])):
         assert run(train.main, tiny(demo, tmp_path / name, "--max_iters", 3, *extra))[0] == 0
@@ -213,18 +214,21 @@ def test_the_route_entropy_loss_trains_the_routes_and_coef_0_is_the_run_without_
     logged = [[x["loss"] for x in metrics(tmp_path / d) if x["type"] == "train"] for d in "01"]
     assert logged[0][0] == logged[1][0]  # the logged loss: the cross-entropy alone
     entropy = [summary(tmp_path / d)["routes"]["entropy_norm_mean"] for d in "01"]
-    assert entropy[1] < entropy[0]  # it sharpens the routes
-
-
-def test_a_routing_setting_where_it_has_no_effect_names_the_variants_it_applies_to(demo,
-                                                                                  tmp_path, capsys):
-    err = error_line(train.main, tiny(demo, tmp_path, "--residual", "denseformer",
-                                      "--route_entropy_coef", "0.1"), capsys)
-    assert err.startswith("error: --route_entropy_coef 0.1: applies only to residual=attnres")
-    named = err.split("applies to: ")[1].rstrip(")\n").split(", ")
-    assert named == [v for v in nanoroute.VARIANTS if nanoroute.variant(v)["residual"] ==
-                     "attnres"]
-    assert not (tmp_path / "last.pt").exists()
+    assert entropy[1] < entropy[0]  # it sharpens the routes; coef 0 is the run without it
+    # its value: the mean over the reads of several sources, each read once (RD tied: two names)
+    torch.manual_seed(0)
+    shape = dict(vocab_size=23, sequence_len=16, n_layer=2, n_head=2, n_embd=16, residual="attnres")
+    off, tied = (nanoroute.GPT(nanoroute.GPTConfig(**shape, rd=rd)) for rd in ("off", "tied"))
+    with torch.no_grad():
+        for p, q in zip(off.parameters(), tied.parameters()):  # the same parameters: tied is off
+            p.normal_()
+            q.copy_(p)
+    idx = torch.randint(0, 23, (2, 12))
+    routes = off(idx, return_routes=True)[2]
+    several = [r["weights"] for r in routes if len(r["sources"]) > 1]  # not layer0.attn (e alone)
+    want = sum(-torch.xlogy(w, w).sum(0).mean() for w in several) / len(several)
+    torch.testing.assert_close(train.route_entropy(routes), want)
+    torch.testing.assert_close(train.route_entropy(tied(idx, return_routes=True)[2]), want)
 
 
 def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
@@ -244,97 +248,59 @@ def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
     assert code == 0 and "--label_smoothing 0.2" in printed
     code, _, err = run(train.main, tiny(demo, tmp_path / "s", "--label_smoothing", "2"), capsys)
     assert code == 2 and "--label_smoothing 2.0: must be in [0, 1)" in err
+    for text, value in [("True", True), ("1", True), ("false", False), ("0", False)]:  # bool flags
+        assert train.build_parser().parse_args(["--route_static", text]).route_static is value
+    assert train.build_parser().parse_args(["--compile"]).compile is True  # alone: True
 
 
-def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(demo, tmp_path, capsys):
-    out = tmp_path / "r"
-    code, _, err = run(train.main, tiny(demo, out, "--lr", "1e6", "--grad_clip", "0",
-                                        "--max_iters", "40", "--eval_interval", "1",
-                                        "--warmup_iters", "0"), capsys)
-    assert code == 2 and err.startswith("error: non-finite") \
-        and "last.pt is the last good step" in err
-    assert all(p.isfinite().all() for p in weights(out)["model"].values())
-
-
-def test_a_folder_that_holds_a_run_is_refused_unless_resumed(demo, routed, tmp_path, capsys):
+def test_a_run_folder_refuses_a_new_run_another_model_or_dataset(demo, routed, tmp_path, capsys):
     for name in checkpoint.RUN_FILES:  # any file of a run, also a finished run without checkpoints
         folder = tmp_path / name
         folder.mkdir()
         (folder / name).write_text("x")
-        code, _, err = run(train.main, tiny(demo, folder, "--max_iters", "1"), capsys)
-        assert code == 2 and f"already holds a run ({name})" in err and "--resume" in err
+        err = error_line(train.main, tiny(demo, folder, "--max_iters", "1"), capsys)
+        assert f"already holds a run ({name})" in err and "--resume" in err
         assert (folder / name).read_text() == "x"
-    code, _, err = run(train.main, ["--out_dir", tmp_path / "none", "--resume"], capsys)
-    assert code == 2 and "no last.pt" in err
-
-
-class Unpicklable:
-    pass
-
-
-def damaged_copies(routed, tmp_path):
-    """Copies of a run whose last.pt is damaged or does not fit: {case: (folder, words)}."""
-    def copy(name, edit):
-        folder = tmp_path / name
-        folder.mkdir()
-        (folder / "last.pt").write_bytes(edit((routed / "last.pt").read_bytes()))
-        return folder
-
-    def pickled(data):  # an object weights_only=True refuses to unpickle (it could run code)
-        ckpt = torch.load(routed / "last.pt", weights_only=True)
-        torch.save(dict(ckpt, extra=Unpicklable()), tmp_path / "pickled.pt")
-        return (tmp_path / "pickled.pt").read_bytes()
-
-    def foreign(data):  # a checkpoint of another code version: a tensor more in its model
-        ckpt = torch.load(routed / "last.pt", weights_only=True)
-        ckpt["model"]["query.layer9_mlp"] = torch.zeros(32)
-        path = tmp_path / "foreign.pt"
-        torch.save(ckpt, path)
-        return path.read_bytes()
-    flipped = copy("flipped", lambda data: data)
-    flip_a_stored_byte(flipped / "last.pt")
-    return {"flipped bytes": (flipped, "damaged (CRC"),
-            "truncated": (copy("truncated", lambda d: d[:len(d) // 2]), "damaged"),
-            "not a checkpoint": (copy("text", lambda d: b"hello"), "damaged"),
-            "another version": (copy("foreign", foreign), "does not fit this version of nanoroute"),
-            "a pickled object": (copy("pickled", pickled), "damaged (UnpicklingError")}
-
-
-def test_a_damaged_or_foreign_checkpoint_is_one_line(routed, tmp_path, capsys):
-    for case, (folder, words) in damaged_copies(routed, tmp_path).items():
-        code, _, err = run(train.main, ["--out_dir", folder, "--resume"], capsys)
-        assert code == 2 and err.count("\n") == 1 and words in err, (case, err)
-
-
-def test_a_finished_run_resumed_with_nothing_to_add_rewrites_nothing(routed, tmp_path, capsys):
-    out = tmp_path / "done"
-    shutil.copytree(routed, out)  # with the files' times
-    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
-    code, printed, _ = run(train.main, ["--out_dir", out, "--resume"], capsys)
-    assert code == 0 and printed.count("\n") == 1 and "finished run (step 4" in printed
-    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
-    # a larger budget in tokens continues it (8 x 32 tokens a step: 6 steps)
-    assert run(train.main, ["--out_dir", out, "--resume", "--max_tokens", 6 * 256], capsys)[0] == 0
-    assert summary(out)["step"] == 6
-
-
-def test_resume_refuses_another_model_or_dataset(demo, routed, tmp_path, capsys):
-    code, _, err = run(train.main, ["--out_dir", routed, "--resume", "--n_embd", "64"], capsys)
-    assert code == 2 and "--n_embd 64 differs from the run's n_embd=32" in err
+    err = error_line(train.main, ["--out_dir", tmp_path / "none", "--resume"], capsys)
+    assert "no last.pt" in err
+    err = error_line(train.main, ["--out_dir", routed, "--resume", "--n_embd", "64"], capsys)
+    assert "--n_embd 64 differs from the run's n_embd=32" in err
     other = tmp_path / "other"
     prepare_data.prepare("demo", other, demo_mb=0.2, seed=3)  # another text, another vocabulary?
     meta = json.loads((other / "meta.json").read_text())
     if meta.get("chars") == json.loads((Path(demo) / "meta.json").read_text()).get("chars"):
         meta["dataset"] = "renamed"
         (other / "meta.json").write_text(json.dumps(meta))
-    code, _, err = run(train.main, ["--out_dir", routed, "--resume", "--data", other], capsys)
-    assert code == 2 and "is not the dataset" in err
+    err = error_line(train.main, ["--out_dir", routed, "--resume", "--data", other], capsys)
+    assert "is not the dataset" in err
+
+
+class Unpicklable:  # an object weights_only=True refuses to unpickle (it could run code)
+    pass
+
+
+def test_a_damaged_or_foreign_checkpoint_is_one_line(routed, tmp_path, capsys):
+    data, ckpt = (routed / "last.pt").read_bytes(), weights(routed)
+    # a checkpoint of another code version: a tensor more in its model
+    foreign = dict(ckpt, model={**ckpt["model"], "query.layer9_mlp": torch.zeros(32)})
+    cases = {"flipped bytes": (data, "damaged (CRC"),
+             "truncated": (data[:len(data) // 2], "damaged"),
+             "not a checkpoint": (b"hello", "damaged"),
+             "another version": (foreign, "does not fit this version of nanoroute"),
+             "a pickled object": (dict(ckpt, extra=Unpicklable()), "damaged (UnpicklingError")}
+    for case, (content, words) in cases.items():
+        path = tmp_path / case / "last.pt"
+        path.parent.mkdir()
+        path.write_bytes(content) if isinstance(content, bytes) else torch.save(content, path)
+        if case == "flipped bytes":
+            flip_a_stored_byte(path)
+        assert words in error_line(train.main, ["--out_dir", path.parent, "--resume"], capsys), case
 
 
 def stopped_after_step_3(cmd, stop):
     """cmd run until it logs step 3, then stop(proc): (exit code, stdout, stderr)."""
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env())
+                            text=True, env=ENV)
     try:
         while "step 3 " not in proc.stdout.readline():
             assert proc.poll() is None, proc.stderr.read()
@@ -374,7 +340,7 @@ def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path
 
     def two_processes(out, *extra):
         cmd = torchrun(*flags, "--data", demo, "--out_dir", out, *extra)
-        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env(),
+        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=ENV,
                               timeout=240)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         return done.stdout
@@ -463,6 +429,9 @@ def test_peak_flops_of_known_gpus_only(monkeypatch):
     (["--preset", "rd_x"], "invalid choice: 'rd_x'"),
     (["--n_embd", "30"], "n_head=4: must divide n_embd=30"),
     (["--residual", "prenorm", "--wav", "True"], "applies only to"),  # routing without attnres
+    (["--residual", "denseformer", "--route_entropy_coef", "0.1"],  # a training setting of it too
+     "error: --route_entropy_coef 0.1: applies only to residual=attnres: add --residual attnres "
+     f"(the variants it applies to: {', '.join(ROUTED_VARIANTS)})\n"),
     (["--sequence_len", "200000"], "does not fit"),
     # its first layer asks the CPU for 12 TB: refused at once, nothing touched
     (["--n_embd", "1000000"], "out of memory: lower --micro_batch"),
@@ -479,57 +448,19 @@ def test_bad_input_is_one_error_line_and_exit_2(argv, words, demo, tmp_path, cap
     assert not list(tmp_path.glob("*/last.pt")) and not list(tmp_path.glob("*.pt"))
 
 
-def test_the_route_entropy_is_the_mean_over_reads_of_several_sources_each_once():
-    torch.manual_seed(0)
-    tiny = dict(vocab_size=23, sequence_len=16, n_layer=2, n_head=2, n_embd=16, residual="attnres")
-    off, tied = (nanoroute.GPT(nanoroute.GPTConfig(**tiny, rd=rd)) for rd in ("off", "tied"))
-    with torch.no_grad():
-        for p, q in zip(off.parameters(), tied.parameters()):  # the same parameters: tied is off
-            p.normal_()
-            q.copy_(p)
-    idx = torch.randint(0, 23, (2, 12))
-    routes = off(idx, return_routes=True)[2]
-    several = [r["weights"] for r in routes if len(r["sources"]) > 1]  # not layer0.attn (e alone)
-    want = sum(-torch.xlogy(w, w).sum(0).mean() for w in several) / len(several)
-    torch.testing.assert_close(train.route_entropy(routes), want)
-    torch.testing.assert_close(train.route_entropy(tied(idx, return_routes=True)[2]), want)
-
-
-def test_bool_flags_take_true_false_1_0_and_alone_mean_true():
-    for text, value in [("True", True), ("1", True), ("false", False), ("0", False)]:
-        assert train.build_parser().parse_args(["--route_static", text]).route_static is value
-    assert train.build_parser().parse_args(["--compile"]).compile is True
-
-
 def test_as_a_command_bad_input_is_one_line_and_a_bare_data_name_is_under_data(tmp_path):
     done = subprocess.run([sys.executable, ROOT / "train.py", "--max_itres", "3"],
-                          capture_output=True, text=True, env=env(), cwd=tmp_path)
+                          capture_output=True, text=True, env=ENV, cwd=tmp_path)
     assert done.returncode == 2 and done.stderr == "error: unrecognized arguments: --max_itres 3 " \
         "(did you mean --max_iters?); see --help\n"
     done = subprocess.run([sys.executable, ROOT / "train.py", "--data", "text8", "--device", "cpu"],
-                          capture_output=True, text=True, env=env(), cwd=tmp_path)
+                          capture_output=True, text=True, env=ENV, cwd=tmp_path)
     assert done.returncode == 2 and "data/text8" in done.stderr \
         and "python prepare_data.py text8" in done.stderr
     assert not (tmp_path / "text8").exists() and not (tmp_path / "out" / "last.pt").exists()
 
 
-def test_the_baseline_of_a_token_budget_and_of_a_named_wandb_run():
-    a, model = train.resolve_settings({"preset": "rd_s", "wandb_project": "p", "wandb_run": "r"})
-    a.max_iters = 3815  # as setup computes it from the preset's --max_tokens 2B
-    flags, out = train.baseline_flags(a, nanoroute.GPTConfig(**dict(model, vocab_size=50257)))
-    flags = list(map(str, flags))
-    assert "--max_iters" not in flags and flags[flags.index("--wandb_run") + 1] == "r_prenorm"
-    given = {k: v for k, v in vars(train.build_parser().parse_args(flags)).items() if v is not None}
-    b, model = train.resolve_settings(given)  # the printed command is a run train.py accepts
-    assert b.max_tokens == a.max_tokens and model["residual"] == "prenorm"
-    stats = dict(reads={"readout": dict(sources=["emb", "C0", "C1", "P"],
-                                        mean_weight=[0.2, 0.5, 0.1, 0.2])}, js_mean=None,
-                 sources=["emb", "C0", "C1", "P"])  # as routing_stats gives them
-    assert train.routing_summary(stats).splitlines()[1].split() == \
-        ["readout", "C0", "0.50", "emb", "0.20", "P", "0.20", "..."]  # the heaviest first
-
-
-def test_explicit_flags_beat_a_preset_and_its_baseline_keeps_all_but_the_routing():
+def test_explicit_flags_beat_a_preset_and_the_printed_baseline_keeps_all_but_the_routing():
     a, model = train.resolve_settings({"preset": "wav12", "residual": "prenorm", "lr": 0.01})
     assert model["residual"] == "prenorm" and not model["wav"] and a.lr == 0.01
     assert a.max_iters == train.PRESETS["wav12"]["max_iters"]  # the preset's other settings stay
@@ -548,10 +479,29 @@ def test_explicit_flags_beat_a_preset_and_its_baseline_keeps_all_but_the_routing
         assert {k: v for k, v in {**dataclasses.asdict(a), **model}.items() if k not in skip} == \
             {k: v for k, v in {**dataclasses.asdict(b), **baseline}.items() if k not in skip}
         assert baseline["residual"] == "prenorm" and not baseline["wav"]
+    # the baseline of a token budget and of a named wandb run
+    a, model = train.resolve_settings({"preset": "rd_s", "wandb_project": "p", "wandb_run": "r"})
+    a.max_iters = 3815  # as setup computes it from the preset's --max_tokens 2B
+    flags, _ = train.baseline_flags(a, nanoroute.GPTConfig(**dict(model, vocab_size=50257)))
+    flags = list(map(str, flags))
+    assert "--max_iters" not in flags and flags[flags.index("--wandb_run") + 1] == "r_prenorm"
+    given = {k: v for k, v in vars(train.build_parser().parse_args(flags)).items() if v is not None}
+    b, model = train.resolve_settings(given)  # the printed command is a run train.py accepts
+    assert b.max_tokens == a.max_tokens and model["residual"] == "prenorm"
+    stats = dict(reads={"readout": dict(sources=["emb", "C0", "C1", "P"],
+                                        mean_weight=[0.2, 0.5, 0.1, 0.2])}, js_mean=None,
+                 sources=["emb", "C0", "C1", "P"])  # as routing_stats gives them
+    assert train.routing_summary(stats).splitlines()[1].split() == \
+        ["readout", "C0", "0.50", "emb", "0.20", "P", "0.20", "..."]  # the heaviest first
 
 
-def test_best_is_the_lowest_val_loss_and_survives_a_crash_between_the_two_files(demo, tmp_path,
-                                                                                  monkeypatch):
+def test_best_is_the_lowest_and_failures_keep_good_checkpoints(demo, tmp_path, monkeypatch, capsys):
+    # a divergence stops the run and keeps the last good checkpoint
+    err = error_line(train.main, tiny(demo, tmp_path / "d", "--lr", "1e6", "--grad_clip", "0",
+                                      "--max_iters", "40", "--eval_interval", "1",
+                                      "--warmup_iters", "0"), capsys)
+    assert err.startswith("error: non-finite") and "last.pt is the last good step" in err
+    assert all(p.isfinite().all() for p in weights(tmp_path / "d")["model"].values())
     out, flags = tmp_path / "r", ["--max_iters", 2, "--eval_interval", 1]
     assert run(train.main, tiny(demo, out, *flags))[0] == 0
     assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", 4, "--lr", 3.0])[0] == 0
