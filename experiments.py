@@ -33,7 +33,8 @@ import common
 import prepare_data
 import train
 from common import UsageError, write_atomic, write_json
-from nanoroute import VARIANTS, GPTConfig, missing_need, source_block, variant
+from diagnostics import source_block
+from nanoroute import VARIANTS, GPTConfig, missing_need, variant
 
 # an absolute path: a sweep runs from any working folder
 TRAIN = str(Path(__file__).resolve().parent / "train.py")

@@ -7,7 +7,8 @@ nanoroute: a minimal GPT whose residual stream is a choice of depth routing.
                         route_heads = H (multi-head depth reads), route_static = True (a control)
 
 Read top-down: config, Transformer pieces, the routing (pool, read, write, RD's routes, readout),
-the GPT, generation, diagnostics; below the banner, a generic fast kernel for the reads.
+the GPT, generation; below the banner, a generic fast kernel for the reads. What the routes say
+(routing_stats) is in diagnostics.py.
 "# SPEC: <section>" points to SPEC.md, "# choice:" to its list of choices the papers leave open;
 docs/routing.md says how to change the routing.
 
@@ -26,7 +27,6 @@ References:
 import contextlib
 import functools
 import math
-import re
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -724,74 +724,6 @@ class GPT(DepthRouting, nn.Module):
                 idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
-
-# -----------------------------------------------------------------------------
-# Routing diagnostics
-
-# What a source's name says, for legends: a letter and a number (C<i>: block i), or a word
-SOURCE_KINDS = {"emb": "embedding", "C": "completed block i", "P": "partial block",
-                "L": "layer i's output"}
-
-def source_block(name):
-    """The block of a source, by its name: -1 for emb, b for C<b> (L<b>) and its details, inf for P
-    and any other name (pool order; a read in block b sees C<j> of age b - j)."""
-    block = name.partition(".")[0]
-    numbered = re.fullmatch(r"[A-Za-z]+(\d+)", block)
-    return -1 if block == "emb" else int(numbered[1]) if numbered else math.inf
-
-def source_legend(sources):
-    """"emb: embedding, C<i>: completed block i, ..." for the kinds of name in `sources`."""
-    kinds = {}  # "C<i>": "C", "emb": "emb", in pool order
-    for source in sources:
-        block = source.partition(".")[0]
-        kind = re.sub(r"\d+$", "", block)
-        kinds[f"{kind}<i>" if kind != block else block] = kind
-    return ", ".join(f"{label}: {SOURCE_KINDS.get(kind, 'named by the model')}"
-                     for label, kind in kinds.items())
-
-def js_divergence(p, q):
-    """Jensen-Shannon divergence (nats, ≤ ln 2) of two routes (S, ...), mean over the rest."""
-    p, q = p.double(), q.double()
-    mid = 0.5 * (p + q)
-    kl = lambda a: (torch.xlogy(a, a) - torch.xlogy(a, mid)).sum(0)  # noqa: E731
-    return (0.5 * kl(p) + 0.5 * kl(q)).clamp(min=0).mean().item()
-
-def routing_stats(routes):
-    """Summary of model(..., return_routes=True)'s routes. "reads": {name: {"role", "sources",
-    "mean_weight" (per source, mean over tokens and route heads), "head_weight" (per head, per
-    source), "entropy" (nats, mean over tokens and heads; None where the route says
-    distribution=False: DenseFormer's weights), "entropy_norm" (entropy / ln(number of sources):
-    1 = uniform, so pools of different sizes compare; None for one source or no entropy)}};
-    "sources": every source, in pool order; "entropy_norm_mean": over the reads of more than one
-    source that every variant has (one a sublayer, RD: the one feeding the queries, and the
-    readout); "js": {"layer{j}": nats} (RD: the route feeding the queries vs the one feeding the
-    values; not layer 0, whose routes both read e alone), "js_mean", "js_pair": what the two
-    routes feed, e.g. "QK‖V" (RD_MODES says it), None without two routes."""
-    reads = {}
-    for r in routes:
-        w, n = r["weights"], len(r["sources"])  # (S, B, T, H)
-        entropy = None  # for learned weights (DenseFormer's), not a distribution
-        if r.get("distribution", True):
-            entropy = max(0.0, -torch.xlogy(w, w).sum(0).mean().item())  # max: no -0.0
-        reads[r["name"]] = dict(role=r["read"].role, feeds=r.get("feeds", ""),
-                                sources=r["sources"], mean_weight=w.mean((1, 2, 3)).tolist(),
-                                head_weight=w.mean((1, 2)).t().tolist(), entropy=entropy,
-                                entropy_norm=None if n == 1 or entropy is None else
-                                entropy / math.log(n))
-    # sorted by block (stable: a block keeps its own order, C0, C0.phase, C0.split)
-    sources = sorted(dict.fromkeys(s for r in routes for s in r["sources"]), key=source_block)
-    queries = {r["read"].layer: r for r in routes if "Q" in r.get("feeds", "")}
-    values = {r["read"].layer: r for r in routes if "V" in r.get("feeds", "")}
-    pairs = {j: (queries[j], values[j]) for j in queries if values[j] is not queries[j]}
-    js = {f"layer{j}": js_divergence(q["weights"], v["weights"])
-          for j, (q, v) in pairs.items() if j > 0}
-    pair = next((f"{q['feeds']}‖{v['feeds']}" for q, v in pairs.values()), None)
-    # a read that feeds keys or values alone is RD's extra route: the other variants lack it
-    norms = [s["entropy_norm"] for s in reads.values() if s["entropy_norm"] is not None
-             and ("Q" in s["feeds"] or not s["feeds"])]
-    return dict(reads=reads, sources=sources, js=js, js_pair=pair,
-                js_mean=sum(js.values()) / len(js) if js else None,
-                entropy_norm_mean=sum(norms) / len(norms) if norms else None)
 
 # =============================================================================
 # Below this banner: a fast kernel for depth reads, and nothing of the model. It is given a pool

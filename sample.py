@@ -20,7 +20,7 @@ import checkpoint
 import common
 import prepare_data
 from common import UsageError, command
-from nanoroute import routing_stats, source_legend
+from diagnostics import routing_stats, source_legend
 from train import pick_device
 
 SHADES = " ░▒▓█"  # a weight in (0, .25], (.25, .5], (.5, .75], (.75, 1]; blank: not seen

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 import bench
+import diagnostics
 import nanoroute
-from nanoroute import GPT, GPTConfig, js_divergence, routing_stats
+from diagnostics import js_divergence, routing_stats
+from nanoroute import GPT, GPTConfig
 
 
 @pytest.fixture(autouse=True)
@@ -1150,7 +1152,7 @@ def test_sources_of_any_name_sort_and_have_a_legend():
         w = torch.full((len(names), 1, 1, 1), 1 / len(names))
         fake = [dict(read=nanoroute.Read(0, "mix"), name="layer0.mix", weights=w, sources=names)]
         assert routing_stats(fake)["sources"] == order
-    assert nanoroute.source_legend(["emb", "C0", "C0.phase", "C1", "P", "stream"]) == \
+    assert diagnostics.source_legend(["emb", "C0", "C0.phase", "C1", "P", "stream"]) == \
         "emb: embedding, C<i>: completed block i, P: partial block, stream: named by the model"
 
 

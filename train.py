@@ -33,8 +33,8 @@ import checkpoint
 import common
 import prepare_data
 from common import UsageError, command, count, write_json
-from nanoroute import (GPT, VARIANTS, GPTConfig, missing_need, routing_fields, routing_stats,
-                       source_legend, variant)
+from diagnostics import routing_stats, source_legend
+from nanoroute import GPT, VARIANTS, GPTConfig, missing_need, routing_fields, variant
 
 # -----------------------------------------------------------------------------
 # Settings: every training flag is a TrainSettings field, every model flag a GPTConfig field

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import checkpoint
+import diagnostics
 import nanoroute
 import prepare_data
 import train
@@ -170,7 +171,7 @@ def test_logged_losses_are_the_losses_of_their_crops(routed):
         offsets = train.eval_offsets(len(test), T, a.batch_size, a.eval_tokens, 2)
         tests = [model(x, y)[1] for o in offsets for x, y in train.get_batch(test, o, T, cpu)]
         (x, y), = train.get_batch(data, batches[0][:8], T, cpu)  # the routes: 8 val crops
-        routes = nanoroute.routing_stats(model(x, y, return_routes=True)[2])
+        routes = diagnostics.routing_stats(model(x, y, return_routes=True)[2])
     assert torch.stack(losses).mean().item() == pytest.approx(metrics(routed)[-1]["val_loss"],
                                                               rel=1e-6)
     done = summary(routed)
