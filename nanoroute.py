@@ -160,9 +160,11 @@ class GPTConfig:
         rd = RD_MODES[self.rd]
         if any(role.partition(".")[0] != "attn" for role in rd.roles):
             bad("rd", f"RD_MODES[{self.rd!r}] reads {rd.roles}: attention reads attn, attn.<name>")
-        if set(rd.frozen) - set(rd.roles) or (rd.average or rd.tied) and len(rd.roles) < 2:
-            bad("rd", f"RD_MODES[{self.rd!r}] = {rd}: frozen names roles it does not read, or "
-                "average/tied is given without a second read (it would be rd=off)")
+        if set(rd.frozen) - set(rd.roles):
+            bad("rd", f"RD_MODES[{self.rd!r}] freezes {rd.frozen}, but reads only {rd.roles}")
+        if (rd.average or rd.tied) and len(rd.roles) < 2:
+            bad("rd", f"RD_MODES[{self.rd!r}] = {rd}: average or tied needs a second read "
+                "(with one it would be rd=off)")
 
     @property
     def routing_block(self):
@@ -202,8 +204,10 @@ VARIANTS = {
 def variant(name):
     """VARIANTS[name] with every field a variant may set (the others' defaults), so that nothing of
     a preset or another variant leaks into it (a wav preset run as block gets wav=False)."""
-    defaults = {f.name: f.default for f in fields(GPTConfig)}
-    every_field = {k: defaults[k] for row in VARIANTS.values() for k in row}
+    every_field = {}
+    for row in VARIANTS.values():
+        for field_name in row:
+            every_field[field_name] = CONFIG_FIELDS[field_name].default
     return every_field | VARIANTS[name]
 
 # -----------------------------------------------------------------------------
@@ -255,7 +259,9 @@ class CausalSelfAttention(nn.Module):
         if x_k is None and x_v is None:
             q, k, v = self.c_attn(x).split(C, dim=2)
         else:  # SPEC: RD-AttnRes, Q, K and V each from its own read, with the same weights
-            inputs = (x, x if x_k is None else x_k, x if x_v is None else x_v)
+            x_k = x if x_k is None else x_k
+            x_v = x if x_v is None else x_v
+            inputs = (x, x_k, x_v)
             bias = self.c_attn.bias
             biases = bias.split(C) if bias is not None else (None, None, None)
             weights = self.c_attn.weight.split(C)
@@ -482,8 +488,10 @@ class DepthRouting:
             return None
         details = sublayers[0] < 2 * self.config.n_layer or self.config.wav_readout_details
         partial = [s for s in self.block_source_names("P") if details or s.basis is None]
-        sources = {read: pool + (partial if l > first else [])
-                   for l in sublayers for read in self.reads_before(l)}
+        sources = {}  # what each read sees: the block's own sources from its second sublayer on
+        for l in sublayers:
+            for read in self.reads_before(l):
+                sources[read] = pool + partial if l > first else pool
         rows = self.block_coefficients(first, sublayers[-1] - first)[:len(partial)]
         match = functools.partial(matching_scale, rho=self.config.wav_rho)
         routes = {read: self.route(read, s) for read, s in sources.items()}
@@ -534,7 +542,11 @@ class DepthRouting:
         if rd.average and l % 2 == 0:  # Q, K and V read the mean of the reads, ½(h^QK + h^V)
             return sum(h.values()) / len(h), None, None
         x, x_k, x_v = (h[role] if role in h else h[rd.q] for role in roles)  # tied: q's read
-        return x, None if x_k is x else x_k, None if x_v is x else x_v
+        if x_k is x:  # x feeds the keys too: attention's one fused projection
+            x_k = None
+        if x_v is x:
+            x_v = None
+        return x, x_k, x_v
 
     # ----- the forward loop ------------------------------------------------------
     def _attnres(self, e, rope, cache, routes):
@@ -639,7 +651,10 @@ class GPT(DepthRouting, nn.Module):
         RD-AttnRes's inputs of the keys and values, None where x feeds them."""
         layer = self.layers[l // 2]
         prep = (lambda t: t) if self.config.residual == "rezero" else norm
-        x_k, x_v = (None if t is None else prep(t) for t in (x_k, x_v))
+        if x_k is not None:
+            x_k = prep(x_k)
+        if x_v is not None:
+            x_v = prep(x_v)
         if l % 2 == 0:
             return layer.attn(prep(x), rope, x_k, x_v, cache, l // 2)
         return layer.mlp(prep(x))
@@ -1011,8 +1026,9 @@ class PartialMerge(torch.autograd.Function):
                 for j, t in enumerate(terms):
                     dt.addcmul_(M[k, j], t)
                 dterms.append(dt)
-            dmix, dlse, dbias = a[0][..., None] * dh.view(heads), -dlogit.sum(0), \
-                dlogit.sum((1, 2, 3))
+            dmix = a[0][..., None] * dh.view(heads)
+            dlse = -dlogit.sum(0)
+            dbias = dlogit.sum((1, 2, 3))
             dcoeffs = None
             if ctx.needs_input_grad[6]:
                 # ⟨dv_p, t_k⟩ = s_p a_p ⟨dh, t_k⟩ + c_p ⟨w, t_k⟩ − norm_p Σ_j c_pj ⟨t_j, t_k⟩
