@@ -1,6 +1,10 @@
-"""Fixtures the scripts' tests share: a tiny demo dataset, one thread, running a script's main."""
+"""Fixtures the scripts' tests share: a tiny demo dataset, a routed run, one thread, running a
+script's main."""
 
+import contextlib
+import io
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -8,12 +12,14 @@ import pytest
 import torch
 
 import prepare_data
+import train
 
 ROOT = Path(__file__).resolve().parent.parent  # the scripts, for subprocesses
 # 2 layers x 32 wide, 32-token crops, 8 per batch: a step takes milliseconds
 TINY = ["--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--sequence_len", "32",
         "--batch_size", "8", "--eval_tokens", "256", "--log_interval", "1", "--warmup_iters", "2",
         "--device", "cpu"]
+ROUTED = ["--residual", "attnres", "--rd", "decoupled", "--wav", "True", "--attnres_block", "4"]
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +39,21 @@ def demo(tmp_path_factory):
     return prepare_data.prepare("demo", tmp_path_factory.mktemp("data") / "demo", demo_mb=0.2)
 
 
+@pytest.fixture(scope="session")
+def routed(demo, tmp_path_factory):
+    """A finished routed run (ROUTED) of 4 steps with milestones, made in project/ as runs/routed
+    with --data demo (data/demo, recorded relative to the run); what it printed: routed.out."""
+    project = tmp_path_factory.mktemp("project")
+    shutil.copytree(demo, project / "data" / "demo")
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.chdir(project)
+        trained("demo", "runs/routed", *ROUTED, "--max_iters", 4, "--eval_interval", 2,
+                "--milestones", "512,1K")
+    (project / "runs" / "routed.out").write_text(printed.getvalue())
+    return project / "runs" / "routed"
+
+
 def run(main, argv, capsys=None):
     """A script's main(argv) in this process: (exit code, stdout, stderr)."""
     try:
@@ -48,10 +69,17 @@ def tiny(data, out_dir, *extra):
     return ["--data", data, "--out_dir", out_dir, *TINY, *extra]
 
 
-def error_line(main, argv, capsys):
-    """main(argv) must fail with exit code 2 and one `error: ` line; returns that line."""
-    code, _, err = run(main, argv, capsys)
+def trained(data, out_dir, *extra, capsys=None):
+    """A TINY run of data into out_dir, then extra, which train.py must finish; returns out_dir."""
+    assert run(train.main, tiny(data, out_dir, *extra), capsys)[0] == 0
+    return out_dir
+
+
+def error_line(main, argv, capsys, quiet=False):
+    """main(argv) must fail with exit 2 and one `error: ` line (quiet: nothing else); returns it."""
+    code, out, err = run(main, argv, capsys)
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (code, err)
+    assert out == "" or not quiet, out
     return err
 
 

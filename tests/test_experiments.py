@@ -19,7 +19,7 @@ import experiments
 import nanoroute
 import prepare_data
 import train
-from conftest import TINY, error_line, run, summary, tiny
+from conftest import TINY, error_line, run, summary, trained
 
 assert TINY[:2] == ["--n_layer", "2"]
 SWEPT = TINY[2:]  # a sweep sets --n_layer itself (--depths)
@@ -134,9 +134,18 @@ def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, ca
     text = (tmp_path / "both.md").read_text()
     assert code == 0 and "| wav | 0.002 | 4 | 1 | 1.7500 ± – |" in text
     assert "-0.2500 ± – | 1/1" in text
-    code, _, err = run(experiments.main, ["report", out, "--baseline", "rd"], capsys)
-    assert code == 2 and "--baseline rd: no finished run of that variant; finished variants: " \
-        "block" in err
+    err = error_line(experiments.main, ["report", out, "--baseline", "rd"], capsys)
+    assert "--baseline rd: no finished run of that variant; finished variants: block" in err
+    # an unreadable run is left out; the same run in two folders stops the report
+    hand_run(tmp_path / "a", "block_L4_s0", "block", 0, 2.0)
+    (hand_run(tmp_path / "a", "rd_L4_s0", "rd", 0, 1.9) / "summary.json").write_text("{not json")
+    code, printed, _ = run(experiments.main, ["report", tmp_path / "a"], capsys)
+    assert code == 0 and "Left out: " in printed and "rd_L4_s0: its files cannot be read" in printed
+    assert "| **block** (baseline) | 0.002 | 2 | 1 |" in printed
+    hand_run(tmp_path / "b", "block_L4_s0", "block", 0, 2.2)  # several folders: runs by path
+    err = error_line(experiments.main, ["report", tmp_path / "a", tmp_path / "b"], capsys)
+    assert f"runs {tmp_path / 'a'}/block_L4_s0 and {tmp_path / 'b'}/block_L4_s0 " \
+        "are both block, seed 0" in err
 
 
 def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys):
@@ -182,21 +191,9 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
     assert five["delta"] == pytest.approx(dict(mean=0.15, std=0.0707107, wins=0, ties=0, n=2))
 
 
-def test_an_unreadable_run_is_left_out_and_a_duplicate_run_stops_the_report(tmp_path, capsys):
-    hand_run(tmp_path / "a", "block_L4_s0", "block", 0, 2.0)
-    (hand_run(tmp_path / "a", "rd_L4_s0", "rd", 0, 1.9) / "summary.json").write_text("{not json")
-    code, out, _ = run(experiments.main, ["report", tmp_path / "a"], capsys)
-    assert code == 0 and "Left out: " in out and "rd_L4_s0: its files cannot be read" in out
-    assert "| **block** (baseline) | 0.002 | 2 | 1 |" in out
-    hand_run(tmp_path / "b", "block_L4_s0", "block", 0, 2.2)  # several folders: runs by path
-    err = error_line(experiments.main, ["report", tmp_path / "a", tmp_path / "b"], capsys)
-    assert f"runs {tmp_path / 'a'}/block_L4_s0 and {tmp_path / 'b'}/block_L4_s0 " \
-        "are both block, seed 0" in err
-
-
 # --- Sweeps ---
 
-def test_bad_input_is_one_error_line(demo, tmp_path, capsys):
+def test_bad_input_is_one_error_line(demo, block_run, tmp_path, capsys):
     custom = ["sweep", "custom", "--out", tmp_path / "runs", "--dry_run", "--data", demo]
     cases = [
         ([*custom, "--variants", "prenorm,blok"], "--variants prenorm,blok: expected distinct"),
@@ -237,6 +234,13 @@ def test_bad_input_is_one_error_line(demo, tmp_path, capsys):
         (["sweep", "wav_paper", "--dry_run", "--depths", "8"], "has presets for depths 12, 24"),
         (["report", tmp_path, "--", "--baseline", "rd"], "report takes no flags after --"),
         (["report", tmp_path / "nothing"], "no runs in"),
+        (["ablate", block_run, "--draws", 0], "--draws 0: give 1 or more"),
+        (["ablate", block_run, "--draws", -1], "--draws -1: give 1 or more"),
+        (["ablate", block_run, "--older_than", -1], "--older_than -1: give 0 or more"),
+        (["ablate", block_run, "--mask", "C7"], "--mask C7 --read None: the sources are"),
+        (["ablate", block_run, "--mask", "emb", "--read", "layer9.mlp"], "the reads layer0.attn"),
+        (["ablate", block_run, "--read", "layer0.attn", "--mask", "emb"], "hide a source of some"),
+        (["ablate", block_run], "give --mask NAMES and/or --older_than K"),
     ]
     empty_path = [(["sweep", "tiny", "--out"], "--out", "folder"),  # a path of spaces: this line
                   (["sweep", "custom", "--data"], "--data", "folder"),
@@ -249,9 +253,7 @@ def test_bad_input_is_one_error_line(demo, tmp_path, capsys):
     cases += [([*argv, " "], f"error: argument {flag}: ' ': give a {kind} name; see --help\n")
               for argv, flag, kind in empty_path]
     for argv, message in cases:
-        code, out, err = run(experiments.main, argv, capsys)
-        assert code == 2 and out == "" and err.startswith("error: "), (argv, out, err)
-        assert err.count("\n") == 1 and message in err, (argv, err)
+        assert message in error_line(experiments.main, argv, capsys, quiet=True), argv
 
 
 def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_path, capsys,
@@ -283,11 +285,7 @@ def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_p
         f"{experiments.TRAIN} -- --data data/demo " in out  # "--": torchrun keeps off --rd
     assert [r["name"] for r in plan("sweep", "wav_paper", "--depths", 12)][:2] == [
         "tinystories/prenorm_L12_s0", "tinystories/rezero_L12_s0"]
-
-
-def test_job_slots_share_the_cores_the_sweep_env_wins_and_a_failure_says_its_error(tmp_path,
-                                                                                   monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    # job slots share the cores, the sweep's env wins, and a failure says its error
     cores = len(os.sched_getaffinity(0))
     assert experiments.job_slots(1) == [{}]
     assert experiments.job_slots(2, extra=["--device", "cpu"]) == [
@@ -352,10 +350,8 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
 @pytest.fixture(scope="module")
 def block_run(demo, tmp_path_factory):
     """A finished Block AttnRes run of 3 steps (2 layers: routing blocks of 2 sublayers)."""
-    out = tmp_path_factory.mktemp("runs") / "block_L2_s0"
-    argv = tiny(demo, out, "--max_iters", 3, "--residual", "attnres", "--eval_tokens", 700)
-    assert run(train.main, argv)[0] == 0  # --eval_tokens 700: 3 batches
-    return out
+    out = tmp_path_factory.mktemp("runs") / "block_L2_s0"  # --eval_tokens 700: 3 batches
+    return trained(demo, out, "--max_iters", 3, "--residual", "attnres", "--eval_tokens", 700)
 
 
 def evaluate(model, val, offsets, masked):
@@ -366,7 +362,7 @@ def evaluate(model, val, offsets, masked):
         return torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
 
 
-def test_ablate_measures_what_direct_evaluations_measure_and_its_control(block_run, capsys):
+def test_ablate_matches_direct_evaluations_its_control_and_one_read(block_run, tmp_path, capsys):
     code, printed, _ = run(experiments.main, ["ablate", block_run, "--mask", "emb", "--draws", 4],
                            capsys)
     result = json.loads((block_run / "ablate_best_mask-emb.json").read_text())
@@ -417,9 +413,7 @@ def test_ablate_measures_what_direct_evaluations_measure_and_its_control(block_r
             assert len(hidden) == len(mask[read]) < len(pools[read]) and hidden <= set(pools[read])
     assert len({frozenset(d[max(mask, key=lambda r: len(pools[r]))]) for d in draws}) > 1
     assert experiments.random_mask(mask, pools, 7) == experiments.random_mask(mask, pools, 7)
-
-
-def test_ablate_one_read_and_its_errors(block_run, tmp_path, capsys):
+    # one read, from last.pt too; without best.pt, the error says --ckpt last
     code, printed, _ = run(experiments.main, ["ablate", block_run, "--older_than", 0, "--read",
                                               "readout", "--draws", 2], capsys)
     result = json.loads((block_run / "ablate_best_read-readout_older0.json").read_text())
@@ -432,17 +426,8 @@ def test_ablate_one_read_and_its_errors(block_run, tmp_path, capsys):
     assert (saved["best"]["draws"], saved["last"]["draws"]) == (2, 1)  # last's never over best's
     shutil.copytree(block_run, tmp_path / "no_best")
     (tmp_path / "no_best" / "best.pt").unlink()
-    code, _, err = run(experiments.main, ["ablate", tmp_path / "no_best", "--mask", "emb"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "(it has a last.pt: --ckpt last)" in err
-    for argv, message in [(["--draws", 0], "--draws 0: give 1 or more"),
-                          (["--draws", -1], "--draws -1: give 1 or more"),
-                          (["--older_than", -1], "--older_than -1: give 0 or more"),
-                          (["--mask", "C7"], "--mask C7 --read None: the sources are"),
-                          (["--mask", "emb", "--read", "layer9.mlp"], "the reads layer0.attn"),
-                          (["--read", "layer0.attn", "--mask", "emb"], "hide a source of some"),
-                          ([], "give --mask NAMES and/or --older_than K")]:
-        code, _, err = run(experiments.main, ["ablate", block_run, *argv], capsys)
-        assert code == 2 and err.count("\n") == 1 and message in err, err
+    err = error_line(experiments.main, ["ablate", tmp_path / "no_best", "--mask", "emb"], capsys)
+    assert "(it has a last.pt: --ckpt last)" in err
 
 
 @pytest.mark.optional

@@ -22,7 +22,7 @@ import common
 import prepare_data as pd
 import train
 from common import UsageError
-from conftest import error_line, run, tiny
+from conftest import error_line, run, trained
 
 SCRIPT = str(Path(pd.__file__).resolve())
 
@@ -244,19 +244,15 @@ def test_textfile_splits_records_its_hash_and_is_made_anew_when_it_changes(tmp_p
     pd.prepare("textfile", input="story.txt")
     assert "wrote data/story" in capsys.readouterr().out
     assert pd.load_meta(out)["splits"] == {"train": 12, "val": 1, "test": 1}
-
-
-def test_a_run_resumes_only_on_its_own_text_by_the_splits_sha256(tmp_path, capsys):
-    story = tmp_path / "story.txt"
-    story.write_text("once upon a time\n" * 120, encoding="utf-8")
-    data, out = pd.prepare("textfile", tmp_path / "data", input=story), tmp_path / "run"
-    meta = pd.load_meta(data)
-    assert meta["sha256"]["val"] == hashlib.sha256((data / "val.bin").read_bytes()).hexdigest()
-    assert run(train.main, tiny(data, out, "--max_iters", 1))[0] == 0
-    story.write_text("time upon a once\n" * 120, encoding="utf-8")  # the same characters
-    pd.prepare("textfile", data, input=story)
-    assert pd.load_meta(data)["chars"] == meta["chars"]
-    err = error_line(train.main, ["--out_dir", out, "--resume"], capsys)
+    # a run resumes only on its own text, told apart by the splits' SHA-256
+    Path("story.txt").write_text("once upon a time\n" * 120, encoding="utf-8")
+    meta = pd.load_meta(pd.prepare("textfile", input="story.txt"))
+    assert meta["sha256"]["val"] == hashlib.sha256((out / "val.bin").read_bytes()).hexdigest()
+    trained(out, "run", "--max_iters", 1)
+    Path("story.txt").write_text("time upon a once\n" * 120, encoding="utf-8")  # same characters
+    pd.prepare("textfile", input="story.txt")
+    assert pd.load_meta(out)["chars"] == meta["chars"]
+    err = error_line(train.main, ["--out_dir", "run", "--resume"], capsys)
     assert "is not the dataset the run in" in err
 
 
@@ -284,18 +280,14 @@ def test_retries_say_so_wait_twice_as_long_then_fail(mirror, tmp_path, monkeypat
     assert "NANOROUTE_RETRY_BACKOFF=soon" in line
 
 
-@pytest.mark.parametrize("served, why", [
-    (b"\n<!DOCTYPE html><html>404</html>", "an HTML or XML page"),
-    (gzip.compress(b"Once upon a time"), "a gzip-compressed body"),
-    (b"", "an empty file")])
-def test_a_mirror_page_gzip_body_or_empty_file_is_refused(mirror, tmp_path, capsys, served, why):
-    mirror.serve({TS_TRAIN: served, TS_VALID: b"Once upon a time"})
-    line = error_line(pd.main, ["tinystories", "--out", tmp_path], capsys)
-    assert f"TinyStoriesV2-GPT4-train.txt from {mirror.url}" in line and why in line
-    assert "deleted: re-run" in line and list(files_in(tmp_path)) == ["progress.json"]
-
-
 def test_a_download_not_the_official_file_is_refused_by_name_or_ids(mirror, tmp_path, capsys):
+    for served, why in [(b"\n<!DOCTYPE html><html>404</html>", "an HTML or XML page"),
+                        (gzip.compress(b"Once upon a time"), "a gzip-compressed body"),
+                        (b"", "an empty file")]:  # a mirror's page, a gzip body, an empty file
+        mirror.serve({TS_TRAIN: served, TS_VALID: b"Once upon a time"})
+        line = error_line(pd.main, ["tinystories", "--out", tmp_path / why], capsys)
+        assert f"TinyStoriesV2-GPT4-train.txt from {mirror.url}" in line and why in line
+        assert "deleted: re-run" in line and list(files_in(tmp_path / why)) == ["progress.json"]
     text, zipped = text8_zip()
     mirror.serve({"text8.zip": zipped, **gpt2_files()})
     pd.OFFICIAL["text8.zip"] = (len(zipped) + 1, None)

@@ -23,29 +23,17 @@ import diagnostics
 import nanoroute
 import prepare_data
 import train
-from conftest import (ROOT, TINY, error_line, flip_a_stored_byte, metrics, run, same_weights,
-                      summary, tiny, weights, without_times)
+from conftest import (ROOT, ROUTED, TINY, error_line, flip_a_stored_byte, metrics, run,
+                      same_weights, summary, tiny, trained, weights, without_times)
 
-ROUTED = ["--residual", "attnres", "--rd", "decoupled", "--wav", "True", "--attnres_block", "4"]
 # what a routing setting where it has no effect names: the variants it applies to, VARIANTS' routed
 ROUTED_VARIANTS = [v for v in nanoroute.VARIANTS if nanoroute.variant(v)["residual"] == "attnres"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))  # train.py's as a command
 
 
-@pytest.fixture(scope="module")
-def routed(demo, tmp_path_factory):
-    """A finished routed run (attnres + WAV + RD) with milestones, and what it printed."""
-    out = tmp_path_factory.mktemp("runs") / "routed"
-    assert run(train.main, tiny(demo, out, *ROUTED, "--max_iters", 4, "--eval_interval", 2,
-                                "--milestones", "512,1K"))[0] == 0
-    return out
-
-
-def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(demo, tmp_path, capsys):
-    out = tmp_path / "run"
-    code, printed, _ = run(train.main, tiny(demo, out, *ROUTED, "--max_iters", 4, "--eval_interval",
-                                            2, "--milestones", "512,1K"), capsys)
-    assert code == 0 and sorted(p.name for p in out.iterdir()) == sorted(checkpoint.RUN_FILES)
+def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(routed):
+    out, printed = routed, (routed.parent / "routed.out").read_text()  # conftest's routed run
+    assert sorted(p.name for p in out.iterdir()) == sorted(checkpoint.RUN_FILES)
     lines = metrics(out)
     assert [(x["type"], x["step"]) for x in lines] == [
         ("eval", 0), ("train", 1), ("train", 2), ("eval", 2),
@@ -60,8 +48,8 @@ def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(demo, 
     assert done["best_val_loss"] == min(x["val_loss"] for x in lines if x["type"] == "eval")
     assert done["final"]["test_loss"] > 0 and done["routes"]["js_mean"] is not None
     assert "routing (mean weight per source" in printed and "readout" in printed
-    assert f"python sample.py --out_dir {out} --routes" in printed
-    assert f"python experiments.py report {out} {out}_prenorm" in printed
+    assert "python sample.py --out_dir runs/routed --routes" in printed  # as it was given
+    assert "python experiments.py report runs/routed runs/routed_prenorm" in printed
     best, last_pt = weights(out, "best.pt")["progress"], weights(out)["progress"]
     assert best["best_val_loss"] == done["best_val_loss"] == last_pt["best_val_loss"]
 
@@ -70,11 +58,11 @@ def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
     # dropout (each process's RNG state), grad_accum and micro_batch: all must carry over
     flags = [*ROUTED, "--dropout", "0.1", "--grad_accum", "2", "--micro_batch", "4",
              "--max_iters", "6", "--eval_interval", "3"]
-    assert run(train.main, tiny(demo, tmp_path / "whole", *flags))[0] == 0
+    trained(demo, tmp_path / "whole", *flags)
     with monkeypatch.context() as patch:  # a slow machine: each reading of the clock 1000 s on
         clock = itertools.count(0, 1000)
         patch.setattr(time, "time", lambda: float(next(clock)))
-        assert run(train.main, tiny(demo, tmp_path / "part", *flags, "--stop_after", "2"))[0] == 0
+        trained(demo, tmp_path / "part", *flags, "--stop_after", "2")
     said = capsys.readouterr().out
     assert "stopped (--stop_after) after step 2; continue with: python train.py --out_dir" in said
     assert "--resume --device cpu\n" in said  # how this invocation ran: not in last.pt
@@ -91,19 +79,16 @@ def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
     assert whole["final"] == part["final"] and whole["best_val_loss"] == part["best_val_loss"]
 
 
-def test_resume_from_elsewhere_and_of_a_finished_run(demo, routed, tmp_path, monkeypatch, capsys):
-    shutil.copytree(demo, tmp_path / "project" / "data" / "demo")
-    monkeypatch.chdir(tmp_path / "project")  # --data demo: data/demo, recorded from runs/r
-    assert run(train.main, [*tiny("demo", "runs/r", "--max_iters", "2")])[0] == 0
-    assert weights("runs/r")["data_dir"] == os.path.join("..", "..", "data", "demo")
-    (tmp_path / "project").rename(tmp_path / "moved")  # the whole project moves
-    (tmp_path / "elsewhere").mkdir()
-    monkeypatch.chdir(tmp_path / "elsewhere")
-    out = tmp_path / "moved" / "runs" / "r"
-    assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", "3"])[0] == 0
-    assert metrics(out)[-1]["step"] == 3 and weights(out)["settings"]["max_iters"] == 3
-    out = tmp_path / "done"  # a finished run resumed with nothing to add rewrites nothing
-    shutil.copytree(routed, out)  # with the files' times
+def test_resume_from_elsewhere_and_of_a_finished_run(routed, tmp_path, monkeypatch, capsys):
+    # routed ran in its project folder with --data demo: data/demo, recorded from runs/routed
+    assert weights(routed)["data_dir"] == os.path.join("..", "..", "data", "demo")
+    shutil.copytree(routed.parent.parent, tmp_path / "moved")  # the whole project moves
+    monkeypatch.chdir(tmp_path)  # and is resumed from elsewhere
+    out = tmp_path / "moved" / "runs" / "routed"
+    assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", "5"])[0] == 0
+    assert metrics(out)[-1]["step"] == 5 and weights(out)["settings"]["max_iters"] == 5
+    out = tmp_path / "moved" / "runs" / "done"  # a finished run resumed with nothing to add
+    shutil.copytree(routed, out)  # rewrites nothing, with the files' times
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     capsys.readouterr()
     code, printed, _ = run(train.main, ["--out_dir", out, "--resume"], capsys)
@@ -118,8 +103,7 @@ def test_same_seed_runs_start_paired_across_variants_and_batches_ignore_processe
     starts = {}
     for name, flags in (("block", []), ("prenorm", ["--residual", "prenorm"]),
                         ("dense", ["--residual", "denseformer"]), ("wav", ROUTED)):
-        assert run(train.main, tiny(demo, tmp_path / name, *flags, "--max_iters", "1",
-                                    "--lr", "0"))[0] == 0
+        trained(demo, tmp_path / name, *flags, "--max_iters", "1", "--lr", "0")
         starts[name] = weights(tmp_path / name)["model"]  # lr 0: the initial weights
     shared = [k for k in starts["prenorm"] if all(k in s for s in starts.values())]
     assert "lm_head.weight" in shared and "layers.1.mlp.c_fc.weight" in shared
@@ -145,12 +129,11 @@ def test_schedule_token_budget_and_micro_batches(demo, tmp_path):
     assert train.get_lr(9, a) == 0.0  # an explicit --min_lr 0, not lr/10
     budget, _ = train.resolve_settings({"preset": "rd_s", "max_iters": 5})
     assert budget.max_tokens is None and budget.max_iters == 5  # explicit steps beat preset tokens
-    assert run(train.main, tiny(demo, tmp_path / "t", "--max_tokens", "1K", "--batch_size", "4",
-                                "--eval_tokens", "128"))[0] == 0
+    trained(demo, tmp_path / "t", "--max_tokens", "1K", "--batch_size", "4", "--eval_tokens", "128")
     assert metrics(tmp_path / "t")[-1]["step"] == 8  # ceil(1000 / (4 x 32))
     # micro-batches: the same batches and gradient, in smaller forwards
     for name, extra in (("whole", []), ("micro", ["--micro_batch", "2"])):
-        assert run(train.main, tiny(demo, tmp_path / name, "--max_iters", "2", *extra))[0] == 0
+        trained(demo, tmp_path / name, "--max_iters", "2", *extra)
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "micro")
     assert all(torch.allclose(a["model"][k], b["model"][k], atol=1e-6) for k in a["model"])
     losses = [[x["loss"] for x in metrics(tmp_path / d) if x["type"] == "train"]
@@ -205,7 +188,7 @@ def test_the_printed_baseline_runs_and_is_the_same_run_without_routing(demo, tmp
 def test_the_route_entropy_loss_trains_the_routes_and_its_value(demo, tmp_path):
     for name, extra in (("none", []), ("0", ["--route_entropy_coef", 0]),
                         ("1", ["--route_entropy_coef", 1])):
-        assert run(train.main, tiny(demo, tmp_path / name, "--max_iters", 3, *extra))[0] == 0
+        trained(demo, tmp_path / name, "--max_iters", 3, *extra)
     none, zero, one = (weights(tmp_path / name)["model"] for name in ("none", "0", "1"))
     assert all(torch.equal(none[k], zero[k]) for k in none)
     assert without_times(metrics(tmp_path / "none")) == without_times(metrics(tmp_path / "0"))
@@ -254,7 +237,11 @@ def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
     assert train.build_parser().parse_args(["--compile"]).compile is True  # alone: True
 
 
-def test_a_run_folder_refuses_a_new_run_another_model_or_dataset(demo, routed, tmp_path, capsys):
+class Unpicklable:  # an object weights_only=True refuses to unpickle (it could run code)
+    pass
+
+
+def test_folders_models_datasets_and_checkpoints_a_run_refuses(demo, routed, tmp_path, capsys):
     for name in checkpoint.RUN_FILES:  # any file of a run, also a finished run without checkpoints
         folder = tmp_path / name
         folder.mkdir()
@@ -274,13 +261,6 @@ def test_a_run_folder_refuses_a_new_run_another_model_or_dataset(demo, routed, t
         (other / "meta.json").write_text(json.dumps(meta))
     err = error_line(train.main, ["--out_dir", routed, "--resume", "--data", other], capsys)
     assert "is not the dataset" in err
-
-
-class Unpicklable:  # an object weights_only=True refuses to unpickle (it could run code)
-    pass
-
-
-def test_a_damaged_or_foreign_checkpoint_is_one_line(routed, tmp_path, capsys):
     data, ckpt = (routed / "last.pt").read_bytes(), weights(routed)
     # a checkpoint of another code version: a tensor more in its model
     foreign = dict(ckpt, model={**ckpt["model"], "query.layer9_mlp": torch.zeros(32)})
@@ -290,7 +270,7 @@ def test_a_damaged_or_foreign_checkpoint_is_one_line(routed, tmp_path, capsys):
              "another version": (foreign, "does not fit this version of nanoroute"),
              "a pickled object": (dict(ckpt, extra=Unpicklable()), "damaged (UnpicklingError")}
     for case, (content, words) in cases.items():
-        path = tmp_path / case / "last.pt"
+        path = routed.parent / case / "last.pt"  # beside it: its data at the same place
         path.parent.mkdir()
         path.write_bytes(content) if isinstance(content, bytes) else torch.save(content, path)
         if case == "flipped bytes":
@@ -353,8 +333,7 @@ def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path
     assert same_weights(tmp_path / "whole", tmp_path / "part")
     assert without_times(metrics(tmp_path / "whole")) == without_times(metrics(tmp_path / "part"))
     # one process: the same initial weights and evaluation crops (each process scores its rows)
-    assert run(train.main, tiny(demo, tmp_path / "one", *ROUTED, "--dropout", 0.1, "--max_iters", 4,
-                                "--stop_after", 1))[0] == 0
+    trained(demo, tmp_path / "one", *ROUTED, "--dropout", 0.1, "--max_iters", 4, "--stop_after", 1)
     assert metrics(tmp_path / "one")[0]["val_loss"] == pytest.approx(
         metrics(tmp_path / "whole")[0]["val_loss"], rel=1e-6)
     # resumed on two processes: each draws its own dropout stream again
@@ -378,8 +357,8 @@ def test_bf16_autocast_and_compile(demo, tmp_path, monkeypatch):
     compiled, real, out = [], torch.compile, tmp_path / "c"
     monkeypatch.setattr(torch, "compile",
                         lambda model, **kw: compiled.append(model) or real(model, backend="eager"))
-    assert run(train.main, tiny(demo, out, "--max_iters", 1, "--compile", "--dtype",
-                                "bfloat16", "--route_entropy_coef", 0.1))[0] == 0
+    trained(demo, out, "--max_iters", 1, "--compile", "--dtype", "bfloat16",
+            "--route_entropy_coef", 0.1)
     assert len(compiled) == 1 and list(weights(out)["model"]) == list(compiled[0].state_dict())
     assert all(v.dtype == torch.float32 for v in weights(out)["model"].values())
 
@@ -392,8 +371,7 @@ def test_wandb_gets_the_numbers_of_metrics_jsonl(demo, tmp_path, monkeypatch, ca
     logged, real_log, out = [], wandb.Run.log, tmp_path / "r"
     monkeypatch.setattr(wandb.Run, "log", lambda self, data, step=None: (
         logged.append((step, dict(data))) or real_log(self, data, step=step)))
-    assert run(train.main, tiny(demo, out, "--max_iters", 2, "--wandb_project", "test",
-                                "--wandb_run", "t"))[0] == 0
+    trained(demo, out, "--max_iters", 2, "--wandb_project", "test", "--wandb_run", "t")
     lines = metrics(out)
     assert [step for step, _ in logged] == [x["step"] for x in lines]
     assert logged[1][1]["train/loss"] == lines[1]["loss"] \
@@ -465,6 +443,7 @@ def test_explicit_flags_beat_a_preset_and_the_printed_baseline_keeps_all_but_the
     a, model = train.resolve_settings({"preset": "wav12", "residual": "prenorm", "lr": 0.01})
     assert model["residual"] == "prenorm" and not model["wav"] and a.lr == 0.01
     assert a.max_iters == train.PRESETS["wav12"]["max_iters"]  # the preset's other settings stay
+    assert train.resolve_settings({"preset": "wav12", "max_tokens": 10**8})[0].max_tokens == 10**8
     nanoroute.GPTConfig(**dict(model, vocab_size=256))  # a model train.py builds: PreNorm
     # the baseline of a preset's run, and of a run whose flags are GPTConfig's own defaults (not
     # train.py's small model): run as printed, each is the same run without the routing
@@ -504,7 +483,7 @@ def test_best_is_the_lowest_and_failures_keep_good_checkpoints(demo, tmp_path, m
     assert err.startswith("error: non-finite") and "last.pt is the last good step" in err
     assert all(p.isfinite().all() for p in weights(tmp_path / "d")["model"].values())
     out, flags = tmp_path / "r", ["--max_iters", 2, "--eval_interval", 1]
-    assert run(train.main, tiny(demo, out, *flags))[0] == 0
+    trained(demo, out, *flags)
     assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", 4, "--lr", 3.0])[0] == 0
     vals = {x["step"]: x["val_loss"] for x in metrics(out) if x["type"] == "eval"}
     best = weights(out, "best.pt")["progress"]
@@ -529,7 +508,7 @@ def test_best_is_the_lowest_and_failures_keep_good_checkpoints(demo, tmp_path, m
 
 
 def test_stop_after_the_last_step_finishes_and_a_signal_ignored_at_start_stays_so(demo, tmp_path):
-    assert run(train.main, tiny(demo, tmp_path, "--max_iters", 2, "--stop_after", 2))[0] == 0
+    trained(demo, tmp_path, "--max_iters", 2, "--stop_after", 2)
     assert (tmp_path / "summary.json").exists()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `cmd &` in a script starts it
     try:
