@@ -493,14 +493,25 @@ def make_row(name, block, by_lr):
                          f"{lr:g} in one setup: neither pairs clearly; report one at a time")
     # char level: bits per character (nats / ln 2); GPT-2 tokens: perplexity
     to_metric = (lambda v: v / math.log(2)) if runs[0]["level"] == "char" else math.exp
+    routes = {k: mean_std(r["routes"].get(k) for r in runs) for k in route_numbers(runs)}
     return dict(variant=name, block=block, lr=lr, runs=runs, val=mean_std(r["final"] for r in runs),
                 label=label, off=runs[0]["off"], edge=edge,
                 metric=mean_std(to_metric(r["final"]) for r in runs),  # bits per char, perplexity
-                entropy=mean_std(r["routes"].get("entropy_norm_mean") for r in runs),
-                js=mean_std(r["routes"].get("js_mean") for r in runs),
+                routes=routes,  # the routes' numbers: {name: (mean, std)}
                 js_pair=runs[0]["routes"].get("js_pair"),  # what the two routes feed: "QK‖V"
                 wall=mean_std(r["summary"].get("wall_time_s") for r in runs),
                 others={k: (m, len(by_lr[k])) for k, m in means.items() if k != lr})
+
+def route_numbers(runs):
+    """The run-level numbers of the runs' routes (routing_stats: entropy_norm_mean, js_mean and any
+    a user adds; None where one does not apply), each a column of the report, in their order: a new
+    statistic is reported without a word here."""
+    names = {}
+    for r in runs:
+        for k, v in r["routes"].items():
+            if v is None or isinstance(v, (int, float)) and not isinstance(v, bool):
+                names[k] = None
+    return list(names)
 
 def titles(groups):
     """Each group's heading; groups of one dataset and depth also name what sets them apart."""
@@ -530,9 +541,9 @@ def markdown(folders, runs, groups, baseline, notes):
              "variant and --set values. Val loss: the last eval's, nats/token, mean ± sample std "
              f"over seeds. Δ: paired difference to **{baseline}** (same seed), or (Δ vs) to the "
              "same variant at the baseline of its --set values (the default, else the first "
-             "given); wins: seeds where lower. lr: of the lowest mean. Route entropy: "
-             "normalised; JS: RD's route feeding the queries vs the values' (which, in brackets), "
-             "nats.", ""]
+             "given); wins: seeds where lower. lr: of the lowest mean. Then the routes' numbers "
+             "(routing_stats): entropy_norm_mean, the route entropy normalised; js_mean, RD's "
+             "route feeding the queries vs the values' (which, in brackets), nats.", ""]
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
         char, marks = g["level"] == "char", g["milestones"]
@@ -541,15 +552,21 @@ def markdown(folders, runs, groups, baseline, notes):
         if len({row["block"] for row in g["rows"]} - {None}) > 1:
             lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]
         lines += [f"(no finished {baseline} run here: no paired differences)", ""] * (not g["base"])
+        numbers = list(dict.fromkeys(k for row in g["rows"] for k in row["routes"]))
         lines += [f"| variant | lr | block | seeds | val loss | val {'bpc' if char else 'ppl'} | "
-                  "Δ val loss | wins | route entropy | JS | train s |", "|---" * 11 + "|"]
+                  f"Δ val loss | wins | {''.join(k + ' | ' for k in numbers)}train s |",
+                  "|---" * (9 + len(numbers)) + "|"]
         for row in g["rows"]:
             name = f"**{row['label']}** (baseline)" if row is g["base"] else row["label"]
-            js = _ms(row["js"], 3) + (f" ({row['js_pair']})" if row["js_pair"] else "")
+            cells = ""
+            for k in numbers:
+                cells += _ms(row["routes"].get(k, (None, None)), 3)
+                if k == "js_mean" and row["js_pair"]:
+                    cells += f" ({row['js_pair']})"  # what the two routes feed
+                cells += " | "
             lines.append(f"| {name} | {row['lr']:g} | {row['block'] or '–'} | {len(row['runs'])} "
                          f"| {_ms(row['val'])} | {_ms(row['metric'], 4 if char else 2)} | "
-                         f"{_delta(row['delta'])} | {_ms(row['entropy'], 3)} | "
-                         f"{js} | {_ms(row['wall'], 0)} |")
+                         f"{_delta(row['delta'])} | {cells}{_ms(row['wall'], 0)} |")
         edges = [f"WARNING: {row['edge']}" for row in g["rows"] if row["edge"]]
         lines += [""] * bool(edges) + edges
         if marks:

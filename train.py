@@ -657,9 +657,14 @@ def record(run, line, text):
     run.progress.lines.append(line)
     run.log(text)
     if run.wandb:
-        # numbers alone (a bool is an int to isinstance); our step is wandb's step
-        run.wandb.log({f"{line['type']}/{k}": v for k, v in line.items() if k != "step" and
-                       isinstance(v, (int, float)) and not isinstance(v, bool)}, step=line["step"])
+        # the routes' run-level numbers too (entropy_norm_mean, js_mean, any a user adds to
+        # routing_stats), as routes/<name>
+        routes = {f"routes/{k}": v for k, v in (line.get("routes") or {}).items()}
+        numbers = {}
+        for k, v in {**line, **routes}.items():  # numbers alone (a bool is an int to isinstance)
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                numbers[f"{line['type']}/{k}"] = v
+        run.wandb.log(numbers, step=line["step"])  # our step is wandb's step
 
 def diverged(run, what, step):
     kept = "last.pt is the last good step" if (run.out_dir / "last.pt").exists() else "none saved"

@@ -29,14 +29,15 @@ HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 def hand_run(root, name, variant, seed, val, *, lr=2e-3, depth=4, dataset="demo", level="char",
              milestones=(), evals=((0, 4.0), (500, 3.0)), run_json=True, **flags):
     """A finished run folder as train.py (and a sweep: run.json) leaves it, with the final val loss
-    `val`; flags: GPTConfig or TrainSettings fields. Route entropy and RD's JS from the seed."""
+    `val`; flags: GPTConfig or TrainSettings fields. Route entropy, RD's JS and a statistic a user
+    added to routing_stats (user_mean) from the seed."""
     d = Path(root) / name
     d.mkdir(parents=True)
     config = dataclasses.asdict(nanoroute.GPTConfig(n_layer=depth, **nanoroute.variant(variant)))
     config.update({k: flags.pop(k) for k in list(flags) if k in config})
     routed = config["residual"] == "attnres"
     routes = dict(entropy_norm_mean=0.5 + seed % 10 / 10,
-                  js_mean=seed / 10 if variant == "rd" else None)
+                  js_mean=seed / 10 if variant == "rd" else None, user_mean=float(seed))
     settings = dataclasses.asdict(train.TrainSettings(seed=seed, lr=lr, **flags))
     summary = dict(config=config, train=settings, dataset=dataset, level=level,
                    final=dict(val_loss=val), wall_time_s=10.0, routes=routes if routed else None,
@@ -86,14 +87,17 @@ def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path,
     assert demo["milestones"] == ["2K", "10K"]  # in token order, not text order
     assert rows["rd"]["at"]["2K"][1] == pytest.approx(dict(mean=-0.05, std=statistics.stdev(
         [0.0, -0.1]), wins=1, ties=1, n=2))  # seed 2 ties
-    assert rows["rd"]["entropy"] == pytest.approx((0.6, statistics.stdev([0.5, 0.7])))
-    assert rows["rd"]["js"] == pytest.approx((0.6, statistics.stdev([1.0, 0.2])))
+    numbers = rows["rd"]["routes"]  # every number of the routes, one a user added too
+    assert numbers["entropy_norm_mean"] == pytest.approx((0.6, statistics.stdev([0.5, 0.7])))
+    assert numbers["js_mean"] == pytest.approx((0.6, statistics.stdev([1.0, 0.2])))
+    assert numbers["user_mean"] == pytest.approx((6.0, statistics.stdev([10.0, 2.0])))
     assert fw["rows"][0]["metric"][0] == pytest.approx(math.exp(3.0))  # perplexity for tokens
     code, out, _ = run(experiments.main, ["report", tmp_path], capsys)
     text = (tmp_path / "report.md").read_text()
     assert code == 0 and text in out
-    assert ("| rd | 0.002 | 2 | 2 | 2.4000 ± 0.4243 | 3.4625 ± 0.6121 | -0.1000 ± 0.2828 | 1/2 |"
-            in text)
+    assert ("| rd | 0.002 | 2 | 2 | 2.4000 ± 0.4243 | 3.4625 ± 0.6121 | -0.1000 ± 0.2828 | 1/2 | "
+            "0.600 ± 0.141 | 0.600 ± 0.566 | 6.000 ± 5.657 | 10 ± 0 |" in text)
+    assert "| wins | entropy_norm_mean | js_mean | user_mean | train s |" in text
     assert "| **block** (baseline) | 0.002 | 2 | 3 | 2.5000 ± 0.5000 |" in text
     assert "| rd | 2.9000 ± 0.1414 | -0.0500 ± 0.0707 | 1/2 (1 tied) |" in text
     assert "## fineweb_edu, 16 layers" in text and "val ppl" in text

@@ -371,11 +371,16 @@ def test_wandb_gets_the_numbers_of_metrics_jsonl(demo, tmp_path, monkeypatch, ca
     logged, real_log, out = [], wandb.Run.log, tmp_path / "r"
     monkeypatch.setattr(wandb.Run, "log", lambda self, data, step=None: (
         logged.append((step, dict(data))) or real_log(self, data, step=step)))
-    trained(demo, out, "--max_iters", 2, "--wandb_project", "test", "--wandb_run", "t")
+    trained(demo, out, "--max_iters", 2, "--wandb_project", "test", "--wandb_run", "t",
+            "--residual", "attnres")
     lines = metrics(out)
     assert [step for step, _ in logged] == [x["step"] for x in lines]
     assert logged[1][1]["train/loss"] == lines[1]["loss"] \
         and logged[-1][1]["eval/val_loss"] == lines[-1]["val_loss"]
+    # the routes' numbers too, whatever routing_stats gives (not its per-read dicts)
+    routes = {k: v for k, v in lines[-1]["routes"].items() if isinstance(v, float)}
+    assert routes and {f"eval/routes/{k}": v for k, v in routes.items()}.items() <= \
+        logged[-1][1].items()
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
 
 
