@@ -272,8 +272,9 @@ def test_retries_say_so_wait_twice_as_long_then_fail(mirror, tmp_path, monkeypat
     mirror.status["text8.zip"], mirror.log[:] = 429, []  # too many requests: retried, not fatal
     error_line(pd.main, ["text8", "--out", tmp_path / "b", "--retries", 1], capsys)
     assert len(mirror.log) == 2
-    mirror.status["text8.zip"] = 404
-    line = error_line(pd.main, ["text8", "--out", tmp_path / "c"], capsys)
+    mirror.status["text8.zip"] = 404  # and --base_url beats NANOROUTE_BASE_URL
+    monkeypatch.setenv("NANOROUTE_BASE_URL", "http://127.0.0.1:9")
+    line = error_line(pd.main, ["text8", "--out", tmp_path / "c", "--base_url", mirror.url], capsys)
     assert f"HTTP 404 Not Found for {mirror.url}/text8.zip" in line and "--base_url" in line
     monkeypatch.setenv("NANOROUTE_RETRY_BACKOFF", "soon")
     line = error_line(pd.main, ["text8", "--out", tmp_path / "d"], capsys)
