@@ -339,6 +339,7 @@ def test_a_stopped_write_leaves_no_temporary_file_and_a_stopped_run_resumes(mirr
 
     def interrupted(f):
         f.write(b"half")
+        assert len(os.listdir(tmp_path)) == 2  # its temporary file beside it: one file system
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
         common.write_atomic(tmp_path / "a.json", interrupted)
