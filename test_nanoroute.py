@@ -1325,9 +1325,10 @@ def test_extension_rd_mode_reading_a_new_role(monkeypatch, fast, device):
     assert stats["reads"]["layer1.attn.k"]["feeds"] == "K"
     main = [r["entropy_norm"] for n, r in stats["reads"].items() if not n.endswith((".k", ".v"))]
     assert stats["entropy_norm_mean"] == pytest.approx(sum(main[1:]) / len(main[1:]))  # not e's
-    monkeypatch.setitem(nanoroute.RD_MODES, "bad", nanoroute.RD(v="mlp.v"))
-    with pytest.raises(ValueError, match="attention reads attn, attn.<name>"):
-        make_model(residual="attnres", rd="bad")
+    for role in ("mlp.v", "attn_v"):  # attn_v: its parameters' key would be attn.v's
+        monkeypatch.setitem(nanoroute.RD_MODES, "bad", nanoroute.RD(v=role))
+        with pytest.raises(ValueError, match="attention reads attn, attn.<name>"):
+            make_model(residual="attnres", rd="bad")
     class GPTWithAnExtraRead(GPT):  # a read added to reads_before that no sublayer takes
         def reads_before(self, l):
             extra = [nanoroute.Read(l // 2, "mlp.gate")] \
