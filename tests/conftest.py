@@ -1,5 +1,4 @@
-"""Fixtures the scripts' tests share: a tiny demo dataset, a routed run, one thread, running a
-script's main."""
+"""What the scripts' tests share: a tiny demo dataset, a routed run, one thread, running main()."""
 
 import contextlib
 import io

@@ -6,6 +6,7 @@ import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ def training_forwards():
 
 def test_rounds_interleave_every_model_and_the_numbers_add_up(tmp_path, training_forwards):
     (tmp_path / "old").mkdir()  # another version, in a folder: this code, its MLPs twice as wide
-    old = open(nanoroute.__file__).read().replace("4 * config.n_embd", "8 * config.n_embd")
+    old = Path(nanoroute.__file__).read_text().replace("4 * config.n_embd", "8 * config.n_embd")
     (tmp_path / "old" / "nanoroute.py").write_text(old)
     data = bench_json(tmp_path, "--variants", "prenorm,rezero,block", "--iters", 3, "--against",
                       tmp_path / "old", "--gen_tokens", 4, "--gen_repeats", 2)
