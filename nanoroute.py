@@ -941,10 +941,14 @@ class CompletedReads(torch.autograd.Function):
         queries, biases, V, inv_rms, dots, lse = ctx.saved_tensors
         H, R, (S, B, T, d) = ctx.heads, queries.size(0), V.shape
         with float32(queries):  # float32 also when backward() is called under autocast
-            Q = queries.float()
             p = (dots * inv_rms[..., None, None] + biases.float().t()[:, None, None, :, None]
                  - lse).exp()
-            dmix = torch.stack(grads[:R], dim=3).float().flatten(0, 2)  # (B·T·H, R, d/H)
+            # per token and head [dmix_r; w_r] (2R, d/H), _source_grads' right side, written once
+            rhs = V.new_empty(B, T, H, 2 * R, d // H)
+            for r in range(R):
+                rhs[:, :, :, r] = grads[r]
+            rhs[:, :, :, R:] = queries.float().view(R, H, -1).transpose(0, 1)
+            dmix = rhs[:, :, :, :R].flatten(0, 2)  # (B·T·H, R, d/H), a view
             dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R, H)
             # g (S, B, T, R, H): ⟨dmix_r, v_s⟩ per head, plus dp, the gradient of a loss on p
             g = torch.bmm(dmix, _slices(V, H).transpose(1, 2)).view(B, T, H, R, S)
@@ -956,21 +960,19 @@ class CompletedReads(torch.autograd.Function):
             step, dV = max(1, CHUNK // V[0].numel()), []
             for s in range(0, S, step):
                 chunk = slice(s, s + step)
-                dV += _source_grads(p[chunk], c[chunk], norm[chunk], V[chunk], dmix, Q)
+                dV += _source_grads(p[chunk], c[chunk], norm[chunk], V[chunk], rhs.flatten(0, 2))
             # dw_r's slice k: the (r, k, k) block of (R, H, H, d/H)
             dW = (c.reshape(-1, R * H).t() @ V.reshape(-1, d)).view(R, H, H, -1)
             dqueries = dW.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(R, d)
             dbiases = dlogits.sum((1, 2, 4)).t()  # (R, S)
         return dqueries.to(queries.dtype), dbiases, None, None, None, *dV
 
-def _source_grads(p, c, norm, V, dmix, queries):
-    """dv_s of C sources V (C, B, T, d), each (B, T, d): through the mix (p (C, B, T, R, H), dmix
-    (B·T·H, R, d/H)) and the dot products (c (C, B, T, R, H), queries (R, d)) in one matmul per
-    token and head, [p c] @ [dmix; w], then through the key norm (C, B, T)."""
+def _source_grads(p, c, norm, V, rhs):
+    """dv_s of C sources V (C, B, T, d), each (B, T, d): through the mix (p (C, B, T, R, H)) and
+    the dot products (c (C, B, T, R, H)) in one matmul per token and head, [p c] @ [dmix; w]
+    (rhs (B·T·H, 2R, d/H)), then through the key norm (C, B, T)."""
     C, B, T, R, H = p.shape
     lhs = torch.cat([p, c], 3).permute(1, 2, 4, 0, 3).flatten(0, 2)  # (B·T·H, C, 2R)
-    w = queries.view(R, H, -1).transpose(0, 1).expand(B * T, H, R, -1)  # w_r's slices
-    rhs = torch.cat([dmix.view(B * T, H, R, -1), w], 2).flatten(0, 1)  # (B·T·H, 2R, d/H)
     dV = torch.bmm(lhs, rhs).view(B, T, H, C, -1)
     V = V.view(C, B, T, H, -1).permute(1, 2, 3, 0, 4)  # as dV, a view
     dV.addcmul_(norm.permute(1, 2, 0)[:, :, None, :, None], V)
