@@ -845,14 +845,17 @@ class BlockReads:
             terms = tuple(self.pieces.values())
             if self.learned:
                 coeffs = self.coefficients[:, :len(terms)]
+            elif list(self.pieces) == [(1,)]:  # Block AttnRes: its one source is its one term
+                coeffs = None
             else:
                 coeffs = _constant(tuple(zip(*self.pieces)), terms[0].device)  # (P, K)
             # SPEC: WAV stability 2, mean squares and scales without gradient (and in float32)
             with torch.no_grad(), float32(terms[0]):
                 stacked = torch.stack(terms) if len(terms) > 1 else terms[0][None]  # (K, B, T, d)
-                one = coeffs.shape == (1, 1) and not self.learned  # Block AttnRes: 1·term
-                ms = mean_square(stacked if one else _per_row(coeffs, stacked))  # (P, B, T)
-                scale = torch.cat([torch.ones_like(ms[:1]), self.match(ms[0], ms[1:])])  # (P, B, T)
+                ms = mean_square(_per_row(coeffs, stacked))  # (P, B, T)
+                scale = torch.ones_like(ms)
+                if len(ms) > 1:  # WAV's details, RMS-matched to the state
+                    scale[1:] = self.match(ms[0], ms[1:])
                 inv_rms = torch.rsqrt(scale.square() * ms + EPS)  # mean((s·v)²) = s²·mean(v²)
             self.state = terms, coeffs, inv_rms, scale
         return self.state
@@ -901,8 +904,8 @@ def completed_reads(queries, biases, V, inv_rms, heads=1):
 def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
     """Phase 2's forward: a read's summary mix (B, T, H, d/H), lse (B, T, H), its query (d,), and
     P partial sources scale_p · Σ_k coeffs[p, k]·terms_k: bias (P,), inv_rms and detached scale
-    (P, B, T, 1), coeffs (P, K), terms (B, T, d). Returns h (B, T, d), a (1+P, B, T, H), dots
-    ṽ_pᵀw (P, B, T, H), the terms' dots t_kᵀw (K, B, T, H)."""
+    (P, B, T, 1), coeffs (P, K) or None (_per_row), terms (B, T, d). Returns h (B, T, d), a (1+P,
+    B, T, H), dots ṽ_pᵀw (P, B, T, H), the terms' dots t_kᵀw (K, B, T, H)."""
     with float32(mix):
         q = query.float().view(mix.size(-2), -1)  # (H, d/H)
         # vecdot, not v @ q: a per-token dot product is one fused pass, v @ q 2x slower on a CPU
@@ -910,13 +913,17 @@ def merge_partial(mix, lse, query, bias, inv_rms, scale, coeffs, terms):
         dots = _per_row(coeffs, term_dots) * scale
         a = torch.cat([lse[None], dots * inv_rms + bias.float()[:, None, None, None]]).softmax(0)
         h = a[0][..., None] * mix
-        for t, w in zip(terms, _per_row(coeffs.t(), a[1:] * scale)):  # each term's weight in h
+        for t, w in zip(terms, _per_row(coeffs, a[1:] * scale, by_term=True)):  # its weight in h
             h.addcmul_(w[..., None], t.float().view(mix.shape))
     return h.flatten(-2), a, dots, term_dots
 
-def _per_row(coeffs, x):
-    """Σ_k coeffs[p, k]·x_k for every row p, (K, ...) -> (P, ...): the sources from the terms, or
-    with coeffs.t() what each term receives from the sources."""
+def _per_row(coeffs, x, by_term=False):
+    """Σ_k coeffs[p, k]·x_k for every row p, (K, ...) -> (P, ...): the sources from the terms; or
+    by_term, Σ_p coeffs[p, k]·x_p: what each term receives from the sources. None: one source,
+    the one term (Block AttnRes): x itself."""
+    if coeffs is None:
+        return x
+    coeffs = coeffs.t() if by_term else coeffs
     return (coeffs.float() @ x.flatten(1)).view(coeffs.size(0), *x.shape[1:])
 
 class CompletedReads(torch.autograd.Function):
@@ -944,10 +951,8 @@ class CompletedReads(torch.autograd.Function):
             p = (dots * inv_rms[..., None, None] + biases.float().t()[:, None, None, :, None]
                  - lse).exp()
             # per token and head [dmix_r; w_r] (2R, d/H), _source_grads' right side, written once
-            rhs = V.new_empty(B, T, H, 2 * R, d // H)
-            for r in range(R):
-                rhs[:, :, :, r] = grads[r]
-            rhs[:, :, :, R:] = queries.float().view(R, H, -1).transpose(0, 1)
+            w = queries.float().view(R, H, -1).expand(B, T, R, H, -1).unbind(2)  # w_r's slices
+            rhs = torch.stack([*(g.float() for g in grads[:R]), *w], dim=3)  # (B, T, H, 2R, d/H)
             dmix = rhs[:, :, :, :R].flatten(0, 2)  # (B·T·H, R, d/H), a view
             dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R, H)
             # g (S, B, T, R, H): ⟨dmix_r, v_s⟩ per head, plus dp, the gradient of a loss on p
@@ -1015,10 +1020,11 @@ class PartialMerge(torch.autograd.Function):
             # the key norm (P, B, T, 1)
             norm_term = (dlogit * dots).sum(-1, keepdim=True) * inv_rms.pow(3) * scale.square()
             norm_term = norm_term / h.size(-1)
-            c_k, a_k = _per_row(coeffs.t(), c), _per_row(coeffs.t(), a[1:] * scale)
+            c_k = _per_row(coeffs, c, by_term=True)
+            a_k = _per_row(coeffs, a[1:] * scale, by_term=True)
             # −Σ_p c_pk·norm_term_p·v_p = Σ_j M_kj·term_j, M_kj = −Σ_p c_pk·c_pj·norm_term_p
-            C = coeffs.float()
-            M = -_per_row(C.t(), C[:, :, None, None, None] * norm_term[:, None])
+            C = coeffs.float() if coeffs is not None else h.new_ones(1, 1)
+            M = -_per_row(C, C[:, :, None, None, None] * norm_term[:, None], by_term=True)
             dquery = sum(torch.einsum("bth,bthe->he", c_k[k], t.view(heads))
                          for k, t in enumerate(terms)).flatten()
             dterms = []
