@@ -755,9 +755,12 @@ def test_fast_path_with_one_source_a_chunk_and_its_buffer_of_exact_size(mode, de
 
 
 @pytest.mark.gpu
-def test_the_harness_fails_on_a_missing_gradient(device):
-    # a change that leaves a parameter without gradient on both paths (coefficients built under
-    # no_grad) must not pass because None == None
+def test_block_coefficients_overrides_fast_equal_reference_and_the_harness_sees_no_grad(device):
+    class GPTWithDoubledState(GPT):  # the kernel takes the coefficients given: here 2·Σ u_i
+        def block_coefficients(self, first, n):
+            return [[2] * n] + super().block_coefficients(first, n)[1:]
+    assert_extension_fast_equals_reference(dict(residual="attnres"), device, GPTWithDoubledState)
+    # a parameter without gradient on both paths (built under no_grad) must not pass: None == None
     class NoGradCoefficients(GPT):
         def block_coefficients(self, first, n):
             with torch.no_grad():
@@ -869,9 +872,7 @@ def test_kernel_reuses_a_key_norm_only_for_the_same_value_and_doubles_its_buffer
     then = nanoroute.BlockReads(routes, [("x", 3 * x2), ("y", y)], [[1]], MATCH, first, sources)
     # its slot comes after y's: the weights still come in the read's order, x's first
     h, weights, _ = then(0, [], keep_weights=True)
-    want_h, want_weights = nanoroute.depth_read(query, bias, [3 * x2, y])
-    torch.testing.assert_close(h, want_h)
-    torch.testing.assert_close(weights, want_weights)
+    torch.testing.assert_close((h, weights), nanoroute.depth_read(query, bias, [3 * x2, y]))
     # h is its own tensor, not a view that would keep the other read's phase 1 alive
     assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
     # sources added in complete() may pass the buffer's capacity: each growth copies the buffer,
@@ -1072,8 +1073,7 @@ def test_backward_inside_bf16_autocast_equals_outside_and_the_routing_stays_floa
 def test_attention_takes_q_k_and_v_each_from_its_own_read(own_k, own_v):
     # an RD mode may give the keys a read of their own, the values, or both (RD(k="attn.k")):
     # each read feeds its projection, with c_attn's weights and biases; the others read x
-    config = GPTConfig(**{**TINY, "bias": True})
-    attn = nanoroute.CausalSelfAttention(config)
+    attn = nanoroute.CausalSelfAttention(GPTConfig(**TINY, bias=True))
     with torch.no_grad():
         attn.c_attn.bias.normal_()
     rope = nanoroute.rotary_tables(SEQ, 8)
