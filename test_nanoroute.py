@@ -61,6 +61,7 @@ SHAPES = {
     "heads": dict(ATTNRES, route_heads=4, attnres_block=4),  # SPEC: Multi-head reads
     "heads_wav_rd": dict(ATTNRES, route_heads=2, wav=True, rd="frozen_v", attnres_block=4,
                          wav_detail_bias=-1.5),  # frozen_v's value route starts at it too
+    "heads_wav_learned": dict(ATTNRES, route_heads=2, wav=True, wav_learned_bases=True),
 }
 
 

@@ -15,8 +15,7 @@ FLAGS = ["--max_iters", 2, "--eval_interval", 1, "--device", "cpu"]  # saves at 
 NOT_MINE = ".last.pt.notmine.tmp"  # a name write_atomic never makes (7 characters, not 8)
 
 
-def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, monkeypatch,
-                                                                capsys):
+def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, monkeypatch, capsys):
     whole, real, states = tmp_path / "whole", checkpoint.write_atomic, []
 
     def copy_then_write(path, data):  # the folder as a kill before or inside this write leaves it
