@@ -162,6 +162,8 @@ class GPTConfig:
             bad("rd", f"RD_MODES[{self.rd!r}] reads {rd.roles}: attention reads attn, attn.<name>")
         if set(rd.frozen) - set(rd.roles):
             bad("rd", f"RD_MODES[{self.rd!r}] freezes {rd.frozen}, but reads only {rd.roles}")
+        if self.route_static and self.route_heads > 1:  # one logit per source: every head alike
+            bad("route_heads", "has no effect with route_static=True: drop one of the two")
         if (rd.average or rd.tied) and len(rd.roles) < 2:
             bad("rd", f"RD_MODES[{self.rd!r}] = {rd}: average or tied needs a second read "
                 "(with one it would be rd=off)")
@@ -853,9 +855,7 @@ class BlockReads:
             with torch.no_grad(), float32(terms[0]):
                 stacked = torch.stack(terms) if len(terms) > 1 else terms[0][None]  # (K, B, T, d)
                 ms = mean_square(_per_row(coeffs, stacked))  # (P, B, T)
-                scale = torch.ones_like(ms)
-                if len(ms) > 1:  # WAV's details, RMS-matched to the state
-                    scale[1:] = self.match(ms[0], ms[1:])
+                scale = torch.cat([torch.ones_like(ms[:1]), self.match(ms[0], ms[1:])])  # (P, B, T)
                 inv_rms = torch.rsqrt(scale.square() * ms + EPS)  # mean((s·v)²) = s²·mean(v²)
             self.state = terms, coeffs, inv_rms, scale
         return self.state
