@@ -504,14 +504,14 @@ def make_row(name, block, by_lr):
 
 def route_numbers(runs):
     """The run-level numbers of the runs' routes (routing_stats: entropy_norm_mean, js_mean and any
-    a user adds; None where one does not apply), each a column of the report, in their order: a new
-    statistic is reported without a word here."""
+    a user adds), each a column of the report, in their order: a new statistic is reported without
+    a word here. A name that no run gives a number (js_pair's label, a mean of nothing) has none."""
     names = {}
     for r in runs:
         for k, v in r["routes"].items():
-            if v is None or isinstance(v, (int, float)) and not isinstance(v, bool):
-                names[k] = None
-    return list(names)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            names[k] = names.get(k, False) or number
+    return [k for k, number in names.items() if number]
 
 def titles(groups):
     """Each group's heading; groups of one dataset and depth also name what sets them apart."""
@@ -552,7 +552,7 @@ def markdown(folders, runs, groups, baseline, notes):
         if len({row["block"] for row in g["rows"]} - {None}) > 1:
             lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]
         lines += [f"(no finished {baseline} run here: no paired differences)", ""] * (not g["base"])
-        numbers = list(dict.fromkeys(k for row in g["rows"] for k in row["routes"]))
+        numbers = route_numbers([run for row in g["rows"] for run in row["runs"]])
         lines += [f"| variant | lr | block | seeds | val loss | val {'bpc' if char else 'ppl'} | "
                   f"Δ val loss | wins | {''.join(k + ' | ' for k in numbers)}train s |",
                   "|---" * (9 + len(numbers)) + "|"]

@@ -36,8 +36,9 @@ def hand_run(root, name, variant, seed, val, *, lr=2e-3, depth=4, dataset="demo"
     config = dataclasses.asdict(nanoroute.GPTConfig(n_layer=depth, **nanoroute.variant(variant)))
     config.update({k: flags.pop(k) for k in list(flags) if k in config})
     routed = config["residual"] == "attnres"
-    routes = dict(entropy_norm_mean=0.5 + seed % 10 / 10,
-                  js_mean=seed / 10 if variant == "rd" else None, user_mean=float(seed))
+    rd = variant == "rd"
+    routes = dict(entropy_norm_mean=0.5 + seed % 10 / 10, js_mean=seed / 10 if rd else None,
+                  js_pair="QK‖V" if rd else None, user_mean=float(seed))  # as routing_stats
     settings = dataclasses.asdict(train.TrainSettings(seed=seed, lr=lr, **flags))
     summary = dict(config=config, train=settings, dataset=dataset, level=level,
                    final=dict(val_loss=val), wall_time_s=10.0, routes=routes if routed else None,
@@ -96,7 +97,7 @@ def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path,
     text = (tmp_path / "report.md").read_text()
     assert code == 0 and text in out
     assert ("| rd | 0.002 | 2 | 2 | 2.4000 ± 0.4243 | 3.4625 ± 0.6121 | -0.1000 ± 0.2828 | 1/2 | "
-            "0.600 ± 0.141 | 0.600 ± 0.566 | 6.000 ± 5.657 | 10 ± 0 |" in text)
+            "0.600 ± 0.141 | 0.600 ± 0.566 (QK‖V) | 6.000 ± 5.657 | 10 ± 0 |" in text)
     assert "| wins | entropy_norm_mean | js_mean | user_mean | train s |" in text
     assert "| **block** (baseline) | 0.002 | 2 | 3 | 2.5000 ± 0.5000 |" in text
     assert "| rd | 2.9000 ± 0.1414 | -0.0500 ± 0.0707 | 1/2 (1 tied) |" in text
