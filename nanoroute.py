@@ -157,13 +157,13 @@ class GPTConfig:
             bad("attnres_block", "WAV needs an even routing block of at least 4 sublayers, e.g. 4")
         if self.wav and self.n_layer < 2:
             bad("n_layer", "WAV needs at least 2 layers (one routing block of 4 sublayers)")
+        if self.route_static and self.route_heads > 1:  # one logit per source: every head alike
+            bad("route_heads", "has no effect with route_static=True: drop one of the two")
         rd = RD_MODES[self.rd]
         if any(role.partition(".")[0] != "attn" for role in rd.roles):
             bad("rd", f"RD_MODES[{self.rd!r}] reads {rd.roles}: attention reads attn, attn.<name>")
         if set(rd.frozen) - set(rd.roles):
             bad("rd", f"RD_MODES[{self.rd!r}] freezes {rd.frozen}, but reads only {rd.roles}")
-        if self.route_static and self.route_heads > 1:  # one logit per source: every head alike
-            bad("route_heads", "has no effect with route_static=True: drop one of the two")
         if (rd.average or rd.tied) and len(rd.roles) < 2:
             bad("rd", f"RD_MODES[{self.rd!r}] = {rd}: average or tied needs a second read "
                 "(with one it would be rd=off)")
@@ -952,8 +952,8 @@ class CompletedReads(torch.autograd.Function):
                  - lse).exp()
             # per token and head [dmix_r; w_r] (2R, d/H), _source_grads' right side, written once
             w = queries.float().view(R, H, -1).expand(B, T, R, H, -1).unbind(2)  # w_r's slices
-            rhs = torch.stack([*(g.float() for g in grads[:R]), *w], dim=3)  # (B, T, H, 2R, d/H)
-            dmix = rhs[:, :, :, :R].flatten(0, 2)  # (B·T·H, R, d/H), a view
+            rhs = torch.stack([*(g.float() for g in grads[:R]), *w], 3).flatten(0, 2)
+            dmix = rhs[:, :R]  # (B·T·H, R, d/H), a view
             dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R, H)
             # g (S, B, T, R, H): ⟨dmix_r, v_s⟩ per head, plus dp, the gradient of a loss on p
             g = torch.bmm(dmix, _slices(V, H).transpose(1, 2)).view(B, T, H, R, S)
@@ -965,7 +965,7 @@ class CompletedReads(torch.autograd.Function):
             step, dV = max(1, CHUNK // V[0].numel()), []
             for s in range(0, S, step):
                 chunk = slice(s, s + step)
-                dV += _source_grads(p[chunk], c[chunk], norm[chunk], V[chunk], rhs.flatten(0, 2))
+                dV += _source_grads(p[chunk], c[chunk], norm[chunk], V[chunk], rhs)
             # dw_r's slice k: the (r, k, k) block of (R, H, H, d/H)
             dW = (c.reshape(-1, R * H).t() @ V.reshape(-1, d)).view(R, H, H, -1)
             dqueries = dW.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(R, d)
