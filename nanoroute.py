@@ -852,9 +852,10 @@ class BlockReads:
             else:
                 coeffs = _constant(tuple(zip(*self.pieces)), terms[0].device)  # (P, K)
             # SPEC: WAV stability 2, mean squares and scales without gradient (and in float32)
+            rows = coeffs if self.learned else list(zip(*self.pieces))  # P rows of K numbers
             with torch.no_grad(), float32(terms[0]):
-                stacked = torch.stack(terms) if len(terms) > 1 else terms[0][None]  # (K, B, T, d)
-                ms = mean_square(_per_row(coeffs, stacked))  # (P, B, T)
+                # a source at a time from its terms: on a CPU faster than a (P, K) matrix product
+                ms = torch.stack([mean_square(combine(row, terms)) for row in rows])  # (P, B, T)
                 scale = torch.cat([torch.ones_like(ms[:1]), self.match(ms[0], ms[1:])])  # (P, B, T)
                 inv_rms = torch.rsqrt(scale.square() * ms + EPS)  # mean((s·v)²) = s²·mean(v²)
             self.state = terms, coeffs, inv_rms, scale
@@ -953,10 +954,9 @@ class CompletedReads(torch.autograd.Function):
             # per token and head [dmix_r; w_r] (2R, d/H), _source_grads' right side, written once
             w = queries.float().view(R, H, -1).expand(B, T, R, H, -1).unbind(2)  # w_r's slices
             rhs = torch.stack([*(g.float() for g in grads[:R]), *w], 3).flatten(0, 2)
-            dmix = rhs[:, :R]  # (B·T·H, R, d/H), a view
             dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R, H)
             # g (S, B, T, R, H): ⟨dmix_r, v_s⟩ per head, plus dp, the gradient of a loss on p
-            g = torch.bmm(dmix, _slices(V, H).transpose(1, 2)).view(B, T, H, R, S)
+            g = torch.bmm(rhs[:, :R], _slices(V, H).transpose(1, 2)).view(B, T, H, R, S)
             g = g.permute(4, 0, 1, 3, 2) + grads[2 * R].float()
             dlogits = p * (g - (p * g).sum(0) + dlse)
             c = dlogits * inv_rms[..., None, None]
