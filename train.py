@@ -399,10 +399,11 @@ def describe(run):
     a, config, meta, (train_split, val_split) = run.settings, run.config, run.meta, run.splits
     routing = ""
     if config.residual == "attnres":  # the block, then every routing setting off its default
-        defaults = {f.name: f.default for f in dataclasses.fields(config)}
-        changed = [f", {name} {getattr(config, name)}" for name in routing_fields(type(config))
-                   if name not in ("residual", "attnres_block")
-                   and getattr(config, name) != defaults[name]]
+        ours = {**dataclasses.asdict(config), **dataclasses.asdict(a)}  # the model's, training's
+        plain = {**dataclasses.asdict(type(config)()), **dataclasses.asdict(TrainSettings())}
+        changed = [f", {name} {ours[name]}"
+                   for name in routing_fields(type(config)) + routing_fields(TrainSettings)
+                   if name not in ("residual", "attnres_block") and ours[name] != plain[name]]
         routing = f" (block {config.routing_block}{''.join(changed)})"
     run.log(f"data: {run.data_dir} ({meta['dataset']}, {meta['level']} level, vocab "
             f"{config.vocab_size}; train {len(train_split):,} / val {len(val_split):,} tokens)\n"

@@ -167,8 +167,8 @@ def test_the_printed_baseline_runs_and_is_the_same_run_without_routing(demo, tmp
     code, printed, _ = run(train.main, tiny(demo, out, *ROUTED, "--route_heads", "2",
                                             "--max_iters", "2", "--seed", "5",
                                             "--route_entropy_coef", "0.1"), capsys)
-    described = next(x for x in printed.splitlines() if x.startswith("model: "))
-    assert "(block 4, wav True, rd decoupled, route_heads 2)" in described  # settings off default
+    described = next(x for x in printed.splitlines() if x.startswith("model: "))  # off default:
+    assert "(block 4, wav True, rd decoupled, route_heads 2, route_entropy_coef 0.1)" in described
     line = next(x for x in printed.splitlines() if "--residual prenorm" in x)
     cmd = shlex.split(line.split("  # ")[0])
     assert cmd[:2] == ["python", "train.py"] and "--wav" not in cmd and "--route_heads" not in cmd
