@@ -30,8 +30,7 @@ def _tf32_as_before():
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
-# -----------------------------------------------------------------------------
-# Model: a loop-based reference of the routing math (SPEC.md), and the tests against it
+# --- Model: a loop-based reference of the routing math (SPEC.md), and the tests against it ---
 
 VOCAB, SEQ = 23, 16
 TINY = dict(vocab_size=VOCAB, sequence_len=SEQ, n_layer=3, n_head=2, n_embd=16)
@@ -707,11 +706,8 @@ def routes_loss(routes):
     """A loss on the routes' weights (S, B, T, H): each weight times a fixed number, so that every
     weight of every read has its own gradient (an entropy's would vanish at uniform weights)."""
     g = torch.Generator().manual_seed(5)
-    total = 0.0
-    for r in routes:
-        total = total + (r["weights"] * torch.randn(r["weights"].shape, generator=g).to(
-            r["weights"].device)).mean()
-    return total
+    weights = [r["weights"] for r in routes]
+    return sum((w * torch.randn(w.shape, generator=g).to(w.device)).mean() for w in weights)
 
 
 def assert_fast_equals_reference(mode, device, precision, model_class=GPT):
@@ -1215,8 +1211,7 @@ def test_torch_compile_traces_every_routing_path_without_graph_breaks():
         torch.testing.assert_close(compiled(tokens())[0], ref_logits, atol=1e-5, rtol=1e-5)
 
 
-# -----------------------------------------------------------------------------
-# Controls (SPEC: Controls): a static routing control, DenseFormer, multi-head depth reads, masks
+# --- Controls (SPEC: Controls): static routing, DenseFormer, multi-head depth reads, masks ---
 
 def parent(name):
     """The variant whose VARIANTS row is the largest that name's row extends, or None."""

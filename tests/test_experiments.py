@@ -130,8 +130,7 @@ def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, ca
     code, printed, _ = run(experiments.main, ["report", out, base], capsys)
     text = (out / "report.md").read_text()
     assert code == 0 and f"# Report: {out} {base}" in text
-    assert "| prenorm | 0.002 | – | 1 | 2.2500 ± – | 3.2461 ± – | +0.2500 ± – | 0/1 |" \
-        in text
+    assert "| prenorm | 0.002 | – | 1 | 2.2500 ± – | 3.2461 ± – | +0.2500 ± – | 0/1 |" in text
     sweep = tmp_path / "sweep"
     hand_run(sweep, "wav_L4_s1337", "wav", 1337, 1.75)
     argv = ["report", sweep, out, "--out", tmp_path / "both.md"]
@@ -305,6 +304,9 @@ def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_p
     d.mkdir()
     (d / "train.log").write_text("note: an error of no consequence\nerror: the real one\n")
     assert experiments.ended(dict(dir=d), 2, "[1/1]", 1.0) == "error: the real one"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # 4 GPUs: each run its own 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert [slot["CUDA_VISIBLE_DEVICES"] for slot in experiments.job_slots(2, 2)] == ["0,1", "2,3"]
 
 
 def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_failure(

@@ -112,8 +112,7 @@ def files_in(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in files}
 
 
-# -----------------------------------------------------------------------------
-# The datasets
+# --- The datasets ---
 
 def test_demo_is_deterministic_whole_stories_and_every_split_in_the_vocabulary(tmp_path, capsys):
     a = pd.prepare("demo", tmp_path / "a", demo_mb=0.05)
@@ -256,8 +255,7 @@ def test_textfile_splits_records_its_hash_and_is_made_anew_when_it_changes(tmp_p
     assert "is not the dataset the run in" in err
 
 
-# -----------------------------------------------------------------------------
-# Downloads: resumed, retried, checked by name
+# --- Downloads: resumed, retried, checked by name ---
 
 def test_retries_say_so_wait_twice_as_long_then_fail(mirror, tmp_path, monkeypatch, capsys):
     waits = []
@@ -310,8 +308,7 @@ def test_a_download_not_the_official_file_is_refused_by_name_or_ids(mirror, tmp_
     assert pd.decoder(pd.load_meta(out), out)(pd.open_split(out, "test")) in text
 
 
-# -----------------------------------------------------------------------------
-# Folders: only this script's, resumed after a failure, read back with clear errors
+# --- Folders: only this script's, resumed after a failure, read back with clear errors ---
 
 def test_a_folder_this_script_did_not_prepare_is_refused_and_untouched(demo, tmp_path, capsys):
     mine = tmp_path / "mine"

@@ -72,6 +72,8 @@ def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
     assert code == 0 and "resuming" in printed
     elapsed = [x["elapsed_s"] for x in metrics(tmp_path / "part") if x["type"] == "eval"]
     assert before >= 1000 and elapsed == sorted(elapsed)  # the wall time counts on over resumes
+    untimed = [x["step"] for x in metrics(tmp_path / "part") if x.get("ms_per_step", 0) is None]
+    assert untimed == [1, 3]  # each invocation's first step warms up: not in its speed
     assert summary(tmp_path / "part")["wall_time_s"] > before
     assert same_weights(tmp_path / "whole", tmp_path / "part")
     assert without_times(metrics(tmp_path / "whole")) == without_times(metrics(tmp_path / "part"))
@@ -384,7 +386,10 @@ def test_wandb_gets_the_numbers_of_metrics_jsonl(demo, tmp_path, monkeypatch, ca
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
 
 
-def test_peak_flops_of_known_gpus_only(monkeypatch):
+def test_peak_flops_of_known_gpus_only_and_bf16_from_capability_8(monkeypatch):
+    for capability, dtype in (((7, 5), torch.float32), ((8, 0), torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert train.pick_dtype("auto", torch.device("cuda")) == dtype, capability
     for name, bf16 in (("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H100 80GB HBM3", 989e12),
                        ("NVIDIA H200", 989e12), ("NVIDIA H100 PCIe", None),
                        ("NVIDIA H100 NVL", None), ("NVIDIA RTX A1000", None)):
