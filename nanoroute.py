@@ -851,8 +851,8 @@ class BlockReads:
                 coeffs = None
             else:
                 coeffs = _constant(tuple(zip(*self.pieces)), terms[0].device)  # (P, K)
-            # SPEC: WAV stability 2, mean squares and scales without gradient (and in float32)
             rows = coeffs if self.learned else list(zip(*self.pieces))  # P rows of K numbers
+            # SPEC: WAV stability 2, mean squares and scales without gradient (and in float32)
             with torch.no_grad(), float32(terms[0]):
                 # a source at a time from its terms: on a CPU faster than a (P, K) matrix product
                 ms = torch.stack([mean_square(combine(row, terms)) for row in rows])  # (P, B, T)
