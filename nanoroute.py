@@ -845,13 +845,13 @@ class BlockReads:
                 self.pieces[key] = self.pieces[key] + block[i] if key in self.pieces else block[i]
             self.seen = len(block)
             terms = tuple(self.pieces.values())
+            rows = self.coefficients[:, :len(terms)] if self.learned else tuple(zip(*self.pieces))
             if self.learned:
-                coeffs = self.coefficients[:, :len(terms)]
-            elif list(self.pieces) == [(1,)]:  # Block AttnRes: its one source is its one term
+                coeffs = rows
+            elif rows == ((1,),):  # Block AttnRes: its one source is its one term
                 coeffs = None
             else:
-                coeffs = _constant(tuple(zip(*self.pieces)), terms[0].device)  # (P, K)
-            rows = coeffs if self.learned else list(zip(*self.pieces))  # P rows of K numbers
+                coeffs = _constant(rows, terms[0].device)  # (P, K)
             # SPEC: WAV stability 2, mean squares and scales without gradient (and in float32)
             with torch.no_grad(), float32(terms[0]):
                 # a source at a time from its terms: on a CPU faster than a (P, K) matrix product
