@@ -400,7 +400,7 @@ def describe(run):
     routing = ""
     if config.residual == "attnres":  # the block, then every routing setting off its default
         ours = {**dataclasses.asdict(config), **dataclasses.asdict(a)}  # the model's, training's
-        plain = {**dataclasses.asdict(type(config)()), **dataclasses.asdict(TrainSettings())}
+        plain = plain_settings()
         changed = [f", {name} {ours[name]}"
                    for name in routing_fields(type(config)) + routing_fields(TrainSettings)
                    if name not in ("residual", "attnres_block") and ours[name] != plain[name]]
@@ -611,11 +611,15 @@ def next_commands(run):
     width = min(60, max(len(line) for line, _ in commands))
     return "\n".join(["next:"] + [f"  {line:<{width}}  # {why}" for line, why in commands])
 
+def plain_settings():
+    """{name: value} of every setting, the model's and training's, as a plain train.py has it."""
+    plain, plain_model = resolve_settings({})
+    return {**dataclasses.asdict(plain), **plain_model}
+
 def baseline_flags(a, config):
     """The flags and --out_dir of the paired run without routing: --residual prenorm and every other
     setting a plain train.py would not give it (a preset's too), but the routing fields."""
-    plain, plain_model = resolve_settings({})
-    defaults = {**dataclasses.asdict(plain), **plain_model}
+    defaults = plain_settings()
     # the depth routing's settings, the model's and training's (needs=); max_tokens sets max_iters
     skip = {*routing_fields(), *routing_fields(TrainSettings), "vocab_size", "out_dir", "preset",
             "resume", "stop_after", "wandb_run"} | ({"max_iters"} if a.max_tokens else set())
