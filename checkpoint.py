@@ -41,8 +41,8 @@ class Progress:
     seconds: float = 0.0  # spent before this invocation
 
 def check_out_dir(out_dir, resume):
-    """The checkpoint to resume (--resume), or None after checking that out_dir holds no run (or
-    only what a run stopped in its first save left). Either way, a kill's temporary files go."""
+    """The checkpoint to resume (--resume), with a kill's temporary files gone; or None after
+    checking that out_dir holds no run (or only what a run stopped in its first save left)."""
     if resume:
         ckpt = load(out_dir / "last.pt", f"nothing to resume in {out_dir} (no last.pt): train "
                     "without --resume first")
@@ -56,10 +56,13 @@ def check_out_dir(out_dir, resume):
     if found and os.environ.get("RANK", "0") == "0":
         print(f"note: the run in {out_dir} stopped in its first save (step 0, no last.pt): "
               "starting it over", flush=True)
-    # made only after the checks: a refused run leaves no empty folder behind
+    return None
+
+def make_out_dir(out_dir):
+    """A new run's folder, without a kill's temporary files. Made only after every check of the
+    run, its settings' and its model's: a refused run leaves no empty folder behind."""
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_temporary_files(out_dir)
-    return None
 
 def stopped_in_first_save(out_dir):
     """True if out_dir holds what a run killed in its first save leaves: no last.pt, and a

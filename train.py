@@ -368,6 +368,8 @@ def setup(argv, stop):
     # compile and DDP wrap raw_model below: saved state_dict keys carry no _orig_mod./module.
     optimizer = raw_model.configure_optimizers(a.weight_decay, a.lr, (a.beta1, a.beta2),
                                                device.type)
+    if ckpt is None:
+        checkpoint.make_out_dir(out_dir)
     model = torch.compile(raw_model) if a.compile else raw_model
     if world > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)

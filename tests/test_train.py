@@ -434,7 +434,8 @@ def test_bad_input_is_one_error_line_and_exit_2(argv, words, demo, tmp_path, cap
     given = ["--data", demo, "--out_dir", tmp_path / "x", "--device", "cpu"]
     err = error_line(train.main, [*given, *(a.format(tmp=tmp_path) for a in argv)], capsys)
     assert words in err, err
-    assert not list(tmp_path.glob("*/last.pt")) and not list(tmp_path.glob("*.pt"))
+    assert not (tmp_path / "x").exists()  # refused: not even an empty --out_dir
+    assert not list(tmp_path.glob("*.pt"))
 
 
 def test_as_a_command_bad_input_is_one_line_and_a_bare_data_name_is_under_data(tmp_path):
