@@ -117,9 +117,22 @@ def plan(a, extra=()):
                                  attnres_block=block, args=args, env=grid.get("env", {}),
                                  data=folder, set=swept, set_base={
                                      k[2:]: settings[k][0] for k in mine if k in settings}))
+    for run in runs:  # what train.py checks of each run's settings, before the first one starts
+        check_run(run, a.torchrun or 1)
     for note in notes:  # once every check passed
         print(note)
     return runs
+
+def check_run(run, world):
+    """train.py's checks of a run's settings and model (its vocabulary aside: the data's): a
+    combination that train.py refuses is one line now, not a failed run in the middle of a sweep."""
+    explicit = {k: x for k, x in train_args(run["args"], run["name"]).items() if x is not None}
+    try:
+        a, model = train.resolve_settings(explicit)
+        train.check_settings(a, world, model)
+        GPTConfig(**dict(model, vocab_size=1))
+    except (UsageError, ValueError) as e:
+        raise UsageError(f"run {run['name']}: train.py refuses it: {e}") from None
 
 def sweep_grid(a, variants):
     """The grid of sweep a.name: SWEEPS' entry, or custom's on the dataset of --data."""

@@ -233,6 +233,11 @@ def test_bad_input_is_one_error_line(demo, block_run, tmp_path, capsys):
         ([*custom, "--variants", "wav", "--set", "wav_rho=x"], "invalid float value: 'x'"),
         ([*custom, "--variants", "wav", "--set", "seed=1,2"], "--set seed=1,2: the sweep sets"),
         ([*custom, "--variants", "block", "--set", "wav_rho=2"], "no effect in block: add to"),
+        # a combination that train.py refuses: one line before the first run, naming the run
+        ([*custom, "--variants", "block", "--set", "micro_batch=0,3", "--", "--batch_size", "8"],
+         "run block_L4_s0_micro_batch3: train.py refuses it: --batch_size 8 over 1 process(es)"),
+        ([*custom, "--variants", "block", "--set", "n_head=4,3"], "n_head=3: must divide n_embd"),
+        ([*custom, "--variants", "block", "--torchrun", "3"], "--batch_size 16 over 3 process"),
         ([*custom, "--variants", "prenorm", "--", "--wav_rho", "2"], "it has no effect in prenorm"),
         (["sweep", "wav_paper", "--dry_run", "--", "--preset", "wav12"], "use sweep custom"),
         (["sweep", "wav_paper", "--dry_run", "--depths", "8"], "has presets for depths 12, 24"),
