@@ -407,7 +407,9 @@ def read_run(d, name):
     if summary is not None:
         config, settings = summary["config"], summary["train"]
         swept, base = (info or {}).get("set", {}), (info or {}).get("set_base", {})
-        both = {**config, **settings, "data": Path(settings["data"]).name}  # from any folder
+        # a setting added since the run was made: at its default, as the code ran then (a new
+        # setting's default keeps the old behaviour), so an older run pairs with a newer one
+        both = {**DEFAULTS, **config, **settings, "data": Path(settings["data"]).name}
         # a routing knob (needs=) is the variant's, named in its row where not the default (so
         # prenorm and a wav of wav_rho 2 pair); so are the --set values; `home`: at the baselines
         knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)

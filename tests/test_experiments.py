@@ -116,6 +116,12 @@ def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, ca
         hand_run(runs, f"prenorm_s{seed}", "prenorm", seed, 2.2 + seed / 10, n_embd=96,
                  max_iters=300, compile=True, data="data/demo")
     hand_run(runs, "block_wide", "block", 0, 1.5, n_embd=192, max_iters=40)
+    # a run made before some settings existed (its summary.json lacks them) ran as their defaults
+    # do: it still pairs with the runs made since
+    older = runs / "block_s1" / "summary.json"
+    summary = json.loads(older.read_text())
+    del summary["train"]["grad_clip"], summary["config"]["bias"], summary["config"]["route_heads"]
+    older.write_text(json.dumps(summary))
     narrow, wide = report(runs)
     assert [len(row["runs"]) for row in narrow["rows"]] == [2, 2]  # prenorm, block: 2 seeds each
     assert [len(row["runs"]) for row in wide["rows"]] == [1] and wide["base"] is not None
