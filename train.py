@@ -34,7 +34,8 @@ import common
 import prepare_data
 from common import UsageError, command, count, write_json
 from diagnostics import routing_stats, source_legend
-from nanoroute import GPT, VARIANTS, GPTConfig, missing_need, routing_fields, variant
+from nanoroute import (CONFIG_FIELDS, GPT, VARIANTS, GPTConfig, missing_need, routing_fields,
+                       variant)
 
 # -----------------------------------------------------------------------------
 # Settings: every training flag is a TrainSettings field, every model flag a GPTConfig field
@@ -64,6 +65,10 @@ def option(default, help, low=None, high=math.inf, parse=None, choices=None, run
            needs=None):
     """A TrainSettings field: its --help, range [low, high) or choices, a parse for a text not of
     its type; runtime: how this invocation runs (not from last.pt); needs: as GPTConfig's."""
+    if needs not in (None, "attnres", *CONFIG_FIELDS):  # e.g. another training setting's name
+        raise ValueError(f"needs={needs!r}: not a GPTConfig field. needs= marks a setting of the "
+                         "depth routing (the paired baseline drops it); check a setting that needs "
+                         "another training setting in check_settings")
     return dataclasses.field(default=default, metadata=dict(
         help=help, low=low, high=high, parse=parse, choices=choices, runtime=runtime, needs=needs))
 
@@ -397,25 +402,33 @@ def finished(out_dir, ckpt, max_iters, rank):
     return True
 
 def describe(run):
-    """What the run trains: the data, the model, the schedule and where it runs."""
+    """What the run trains: the data, the model, the schedule and where it runs. Every setting off
+    its default is named, a new one too, but those that say how this invocation runs."""
     a, config, meta, (train_split, val_split) = run.settings, run.config, run.meta, run.splits
+    ours, plain = {**dataclasses.asdict(config), **dataclasses.asdict(a)}, plain_settings()
+
+    def off(names):  # ", name value" of each setting off its default
+        return "".join(f", {name} {ours[name]}" for name in names if ours[name] != plain[name])
+    routed = [*routing_fields(type(config)), *routing_fields(TrainSettings)[1:]]  # the model's
+    shown = {"n_layer", "n_embd", "n_head", "sequence_len", "vocab_size", "data", "batch_size",
+             "grad_accum", "lr", "min_lr", "warmup_iters", "max_iters", "max_tokens", *routed}
+    model = off(f.name for f in dataclasses.fields(config) if f.name not in shown)
+    training = off(f.name for f in dataclasses.fields(a)
+                   if f.name not in shown and not f.metadata["runtime"])
+    training = f" ({training[2:]})" if training else ""
     routing = ""
     if config.residual == "attnres":  # the block, then every routing setting off its default
-        ours = {**dataclasses.asdict(config), **dataclasses.asdict(a)}  # the model's, training's
-        plain = plain_settings()
-        changed = [f", {name} {ours[name]}"
-                   for name in routing_fields(type(config)) + routing_fields(TrainSettings)
-                   if name not in ("residual", "attnres_block") and ours[name] != plain[name]]
-        routing = f" (block {config.routing_block}{''.join(changed)})"
+        settings = off(name for name in routed if name not in ("residual", "attnres_block"))
+        routing = f" (block {config.routing_block}{settings})"
     run.log(f"data: {run.data_dir} ({meta['dataset']}, {meta['level']} level, vocab "
             f"{config.vocab_size}; train {len(train_split):,} / val {len(val_split):,} tokens)\n"
             f"model: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
-            f"sequence_len {config.sequence_len}, residual {config.residual}{routing}; "
+            f"sequence_len {config.sequence_len}{model}, residual {config.residual}{routing}; "
             f"{run.raw_model.get_num_params() / 1e6:.2f}M parameters\n"
             f"training: {a.max_iters} steps x {run.tokens_per_step:,} tokens (batch {a.batch_size}"
             f" x accum {a.grad_accum} x {config.sequence_len}); lr {a.lr:g} warmup "
-            f"{a.warmup_iters} cosine to {a.end_lr:g}; {run.world} process(es) on {run.device} "
-            f"({torch.get_num_threads()} threads each), {str(run.dtype)[6:]}")
+            f"{a.warmup_iters} cosine to {a.end_lr:g}{training}; {run.world} process(es) on "
+            f"{run.device} ({torch.get_num_threads()} threads each), {str(run.dtype)[6:]}")
     if a.warmup_iters >= a.max_iters:  # a short trial run with the default warmup
         run.log(f"note: --warmup_iters {a.warmup_iters} >= --max_iters {a.max_iters}: the "
                 "learning rate only warms up, it never decays")

@@ -167,10 +167,11 @@ def test_logged_losses_are_the_losses_of_their_crops(routed):
 def test_the_printed_baseline_runs_and_is_the_same_run_without_routing(demo, tmp_path, capsys):
     out = tmp_path / "my run"  # a space: the commands are shell-quoted
     code, printed, _ = run(train.main, tiny(demo, out, *ROUTED, "--route_heads", "2",
-                                            "--max_iters", "2", "--seed", "5",
+                                            "--max_iters", "2", "--seed", "5", "--bias", "True",
                                             "--route_entropy_coef", "0.1"), capsys)
     described = next(x for x in printed.splitlines() if x.startswith("model: "))  # off default:
-    assert "(block 4, wav True, rd decoupled, route_heads 2, route_entropy_coef 0.1)" in described
+    assert "sequence_len 32, bias True, residual attnres (block 4, wav True, rd decoupled, " \
+        "route_heads 2, route_entropy_coef 0.1)" in described
     line = next(x for x in printed.splitlines() if "--residual prenorm" in x)
     cmd = shlex.split(line.split("  # ")[0])
     assert cmd[:2] == ["python", "train.py"] and "--wav" not in cmd and "--route_heads" not in cmd
@@ -218,8 +219,9 @@ def test_the_route_entropy_loss_trains_the_routes_and_its_value(demo, tmp_path):
 
 
 def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
-    """A new TrainSettings field is a flag with its help, recorded in checkpoints, kept by --resume
-    and repeated by the printed baseline, with no other edit."""
+    """A new TrainSettings field is a flag with its help, named in the printed training line,
+    recorded in checkpoints, kept by --resume and repeated by the printed baseline, with no other
+    edit. needs= is the depth routing's: naming another training setting there fails at once."""
     @dataclasses.dataclass
     class Settings(train.TrainSettings):
         label_smoothing: float = train.option(0.0, "smoothing of the targets", low=0, high=1)
@@ -230,6 +232,8 @@ def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
     code, printed, _ = run(train.main, tiny(demo, out, "--max_iters", "2", "--label_smoothing",
                                             "0.2", "--stop_after", "1"), capsys)
     assert code == 0 and weights(out)["settings"]["label_smoothing"] == 0.2
+    training = next(line for line in printed.splitlines() if line.startswith("training: "))
+    assert "cosine to 0.0002 (eval_tokens 256, log_interval 1, label_smoothing 0.2); " in training
     code, printed, _ = run(train.main, ["--out_dir", out, "--resume"], capsys)
     assert code == 0 and "--label_smoothing 0.2" in printed
     code, _, err = run(train.main, tiny(demo, tmp_path / "s", "--label_smoothing", "2"), capsys)
@@ -237,6 +241,8 @@ def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
     for text, value in [("True", True), ("1", True), ("false", False), ("0", False)]:  # bool flags
         assert train.build_parser().parse_args(["--route_static", text]).route_static is value
     assert train.build_parser().parse_args(["--compile"]).compile is True  # alone: True
+    with pytest.raises(ValueError, match="needs='lr_schedule': not a GPTConfig field.*check_set"):
+        train.option(0.2, "the decaying fraction of the steps", needs="lr_schedule")
 
 
 class Unpicklable:  # an object weights_only=True refuses to unpickle (it could run code)
