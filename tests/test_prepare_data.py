@@ -436,6 +436,12 @@ def test_help_lists_the_datasets_and_another_level_is_refused(tmp_path, monkeypa
     out = capsys.readouterr().out
     assert all(name in out for name in pd.DATASETS)
     assert all(f"--{k}" in out for d in pd.DATASETS.values() for k in d.options)
+    (tmp_path / "t.txt").write_text("text")  # textfile's --input
+    for name, d in pd.DATASETS.items():  # both ends of a range are in it ("from 1 to 99")
+        for k, opt in {**pd.RUN_OPTIONS, **d.options}.items():
+            for end in (opt.low, opt.high) if opt.low is not None else ():
+                given = {k: end, **({"input": tmp_path / "t.txt"} if "input" in d.options else {})}
+                assert pd._options(name, given)[0][k] == end, (name, k, end)
 
     # decoder, encoder and train.py's bpc know char and gpt2: "byte" would decode as code points
     def bytes_of_text(o, fetch):
