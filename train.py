@@ -409,7 +409,8 @@ def describe(run):
 
     def off(names):  # ", name value" of each setting off its default
         return "".join(f", {name} {ours[name]}" for name in names if ours[name] != plain[name])
-    routed = [*routing_fields(type(config)), *routing_fields(TrainSettings)[1:]]  # the model's
+    # the routing's settings (needs=): the model's, then training's (its "residual" repeated)
+    routed = [*routing_fields(type(config)), *routing_fields(TrainSettings)[1:]]
     shown = {"n_layer", "n_embd", "n_head", "sequence_len", "vocab_size", "data", "batch_size",
              "grad_accum", "lr", "min_lr", "warmup_iters", "max_iters", "max_tokens", *routed}
     model = off(f.name for f in dataclasses.fields(config) if f.name not in shown)

@@ -46,6 +46,9 @@ def routing_bytes(config, batch=BATCH):
             # forward: term dots, h from mix and each term; backward: ⟨dh, t⟩, ⟨dh, h⟩, dmix,
             # each term's gradient and the key norm's terms
             now += reads * (6 * terms + 6 + terms * (3 + 3 * terms)) * unit
+            # once a sublayer, not a read: the update joins its term (an add, where the term holds
+            # more than one), then each block source summed from the terms for its mean square
+            now += (3 * (terms < i) + per_block * (3 * (terms - 1) + 1)) * unit
         if subs[0] < n_sub:  # the block completes: its sources from its updates, mean squares
             must += (len(subs) + per_block) * unit
             now += (len(subs) * per_block + 2 * per_block) * unit
