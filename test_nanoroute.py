@@ -1263,10 +1263,13 @@ def test_gains_and_controls_at_init_static_logits_and_multi_head_reads():
         assert torch.allclose(ra["weights"], ra["weights"][:, :1, :1]) \
             and torch.allclose(ra["weights"], rb["weights"])
     heads = randomise_routing(make_model(**ATTNRES_MODES["heads"]))
-    readout = routing_stats(heads(tokens(), return_routes=True)[2])["reads"]["readout"]
+    routes = heads(tokens(), return_routes=True)[2]
+    readout = routing_stats(routes)["reads"]["readout"]
     head_weight, mean_weight = readout["head_weight"], readout["mean_weight"]
     assert len(head_weight) == 4 and head_weight[0] != head_weight[1]
     torch.testing.assert_close(torch.tensor(head_weight).mean(0), torch.tensor(mean_weight))
+    w = next(r["weights"] for r in routes if r["name"] == "readout")  # each head's own entropy
+    assert readout["entropy"] == pytest.approx(-torch.xlogy(w, w).sum(0).mean().item(), rel=1e-5)
 
 
 class MaskedModel(GPT):

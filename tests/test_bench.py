@@ -129,6 +129,9 @@ def test_preset_shape_mfu_and_profile(tmp_path, monkeypatch, capsys):
     (["--against", "no_rd.py", "--variants", "rd"], "rd@against: the --against version cannot"),
     (["--json", ""], "^error: argument --json: '': give a file name; see --help\n$"),
     (["--against", ""], "^error: argument --against: '': give a file name; see --help\n$"),
+    # a nanoGPT name hints at the flag it means only where that flag exists: bench has no max_iters
+    (["--max_steps", "3"], "^error: unrecognized arguments: --max_steps 3; see --help\n$"),
+    (["--iter", "3"], r"--iter 3 \(did you mean --iters\?\)"),
 ])
 def test_bad_input_is_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
