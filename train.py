@@ -137,15 +137,23 @@ def build_parser():
 def resolve_settings(explicit, ckpt=None):
     """defaults < checkpoint (--resume) < preset < explicit flags (a model flag that differs from
     the checkpoint is an error): (TrainSettings, the model's settings, vocab_size None)."""
-    # a preset counts as given: resuming refuses one whose model differs from the run's, as a flag
+    # a preset counts as given: resuming refuses one that differs from the run (below), as a flag
     given = {**PRESETS.get(explicit.get("preset"), {}), **explicit}
     settings = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     settings.update(dataclasses.asdict(TrainSettings()), **MODEL_DEFAULTS, vocab_size=None)
     if ckpt is not None:
-        for name, value in ckpt["config"].items():
-            if name in given and given[name] != value:
-                raise UsageError(f"--{name} {given[name]} differs from the run's {name}={value}: "
+        run = {**ckpt["settings"], **ckpt["config"]}
+        for name, value in given.items():
+            if name not in run or value == run[name] or name == "data":  # data: open_data's
+                continue
+            # a model flag may not change the run; a preset's training settings neither: its
+            # batch and schedule would silently replace the run's
+            if name in explicit and name in ckpt["config"]:
+                raise UsageError(f"--{name} {value} differs from the run's {name}={run[name]}: "
                                  "drop it to resume the run, or start one in another --out_dir")
+            if name not in explicit:
+                raise UsageError(f"--preset {explicit['preset']} sets {name}={value}, the run's "
+                                 f"is {run[name]}: drop --preset to resume the run")
         # --device, --out_dir, --compile...: how this invocation runs; never last.pt's
         runtime = {f.name for f in dataclasses.fields(TrainSettings) if f.metadata["runtime"]}
         settings.update({k: v for k, v in ckpt["settings"].items() if k not in runtime})

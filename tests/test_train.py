@@ -261,6 +261,8 @@ def test_folders_models_datasets_and_checkpoints_a_run_refuses(demo, routed, tmp
     assert "no last.pt" in err
     err = error_line(train.main, ["--out_dir", routed, "--resume", "--n_embd", "64"], capsys)
     assert "--n_embd 64 differs from the run's n_embd=32" in err
+    err = error_line(train.main, ["--out_dir", routed, "--resume", "--preset", "wav12"], capsys)
+    assert "--preset wav12 sets rd=off, the run's is decoupled: drop --preset to resume" in err
     other = tmp_path / "other"
     prepare_data.prepare("demo", other, demo_mb=0.2, seed=3)  # another text, another vocabulary?
     meta = json.loads((other / "meta.json").read_text())
@@ -463,6 +465,12 @@ def test_explicit_flags_beat_a_preset_and_the_printed_baseline_keeps_all_but_the
     assert model["residual"] == "prenorm" and not model["wav"] and a.lr == 0.01
     assert a.max_iters == train.PRESETS["wav12"]["max_iters"]  # the preset's other settings stay
     assert train.resolve_settings({"preset": "wav12", "max_tokens": 10**8})[0].max_tokens == 10**8
+    # resumed with its preset again, a run made with a smaller batch would silently take 64
+    a, model = train.resolve_settings({"preset": "wav12", "batch_size": 8})
+    ckpt = dict(config=model, settings=dataclasses.asdict(a))
+    with pytest.raises(train.UsageError, match="--preset wav12 sets batch_size=64, the run's is 8"):
+        train.resolve_settings({"preset": "wav12", "resume": True}, ckpt)
+    assert train.resolve_settings({"resume": True}, ckpt)[0].batch_size == 8
     nanoroute.GPTConfig(**dict(model, vocab_size=256))  # a model train.py builds: PreNorm
     # the baseline of a preset's run, and of a run whose flags are GPTConfig's own defaults (not
     # train.py's small model): run as printed, each is the same run without the routing
