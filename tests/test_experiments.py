@@ -121,6 +121,7 @@ def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, ca
     older = runs / "block_s1" / "summary.json"
     summary = json.loads(older.read_text())
     del summary["train"]["grad_clip"], summary["config"]["bias"], summary["config"]["route_heads"]
+    summary["train"]["log_interval"] = 7  # it printed more often: the same run
     older.write_text(json.dumps(summary))
     narrow, wide = report(runs)
     assert [len(row["runs"]) for row in narrow["rows"]] == [2, 2]  # prenorm, block: 2 seeds each
