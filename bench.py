@@ -127,6 +127,15 @@ class Bench:
               f"threads, {machine['dtype']}, {machine['compiled'] or 'eager'} | "
               f"{machine['command']}\n{args.preset or args.shape}: "
               + ", ".join(f"{k}={v}" for k, v in self.shape.items()), flush=True)
+        # each AttnRes variant's automatic routing block (full's is 1): where they differ (WAV
+        # needs 4 where Block AttnRes takes 2), a ratio between them is also one of block size
+        blocks = {v: nanoroute.GPTConfig(**{k: self.shape[k] for k in MODEL_FIELDS},
+                                         **VARIANTS[v]).routing_block for v in self.variants
+                  if VARIANTS[v]["residual"] == "attnres" and "attnres_block" not in VARIANTS[v]}
+        self.out["routing_blocks"] = blocks
+        if len(set(blocks.values())) > 1:
+            print("note: routing blocks " + ", ".join(f"{v} {m}" for v, m in blocks.items())
+                  + ": a ratio between these variants is also one of block size", flush=True)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
 
