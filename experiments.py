@@ -34,7 +34,7 @@ import prepare_data
 import train
 from common import UsageError, write_atomic, write_json
 from diagnostics import source_block
-from nanoroute import VARIANTS, GPTConfig, missing_need, variant
+from nanoroute import CONFIG_FIELDS, VARIANTS, GPTConfig, missing_need, variant
 
 # an absolute path: a sweep runs from any working folder
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
@@ -407,11 +407,12 @@ def read_run(d, name):
                curve={e["tokens"]: e["val_loss"] for e in map(json.loads, lines)  # after step 0
                       if e["type"] == "eval" and e["tokens"] > 0})
     if summary is not None:
-        config, settings = summary["config"], summary["train"]
-        swept, base = (info or {}).get("set", {}), (info or {}).get("set_base", {})
         # a setting added since the run was made: at its default, as the code ran then (a new
         # setting's default keeps the old behaviour), so an older run pairs with a newer one
-        both = {**DEFAULTS, **config, **settings, "data": Path(settings["data"]).name}
+        config = {**{k: DEFAULTS[k] for k in CONFIG_FIELDS}, **summary["config"]}
+        settings = {**DEFAULTS, **summary["train"]}
+        swept, base = (info or {}).get("set", {}), (info or {}).get("set_base", {})
+        both = {**settings, **config, "data": Path(settings["data"]).name}  # from any folder
         # a routing knob (needs=) is the variant's, named in its row where not the default (so
         # prenorm and a wav of wav_rho 2 pair); so are the --set values; `home`: at the baselines
         knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)

@@ -133,6 +133,9 @@ def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, ca
     text = (runs / "report.md").read_text()
     assert text.count("## demo, 4 layers (") == 2 and "| prenorm | 0.002 | – | 2 |" in text
     out = hand_run(tmp_path, "out", "block", 1337, 2.0, run_json=False)
+    made = json.loads((out / "summary.json").read_text())  # before route_static existed: a block
+    del made["config"]["route_static"]
+    (out / "summary.json").write_text(json.dumps(made))
     base = hand_run(tmp_path, "out_prenorm", "prenorm", 1337, 2.25, run_json=False)
     code, printed, _ = run(experiments.main, ["report", out, base], capsys)
     text = (out / "report.md").read_text()
