@@ -176,6 +176,9 @@ def test_models_start_paired_memory_counts_no_buffer_and_a_fallback_is_said(tmp_
     # the default variants at 2 layers: WAV's automatic routing block is 4, the others' 2 (full: 1)
     assert b.out["routing_blocks"] == dict(block=2, wav=4, rd=2)
     assert "note: routing blocks block 2, wav 4, rd 2: a ratio" in capsys.readouterr().out
+    deeper = bench.Bench(bench.build_parser().parse_args([*TINY, "--n_layer", "12"]), [])
+    assert deeper.out["routing_blocks"] == dict(block=4, wav=4, rd=4)  # of the shape it runs
+    assert "note: routing blocks" not in capsys.readouterr().out
     torch.manual_seed(123)  # whatever the random state: every model starts from the same seed
     prenorm, block = bench.build(b, "prenorm"), (torch.rand(3), bench.build(b, "block"))[1]
     assert torch.equal(prenorm.model.lm_head.weight, block.model.lm_head.weight)

@@ -230,10 +230,11 @@ def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
     assert "smoothing of the targets (default: 0.0)" in help_text
     out = tmp_path / "r"
     code, printed, _ = run(train.main, tiny(demo, out, "--max_iters", "2", "--label_smoothing",
-                                            "0.2", "--stop_after", "1"), capsys)
+                                            "0.2", "--grad_clip", "0", "--stop_after", "1"), capsys)
     assert code == 0 and weights(out)["settings"]["label_smoothing"] == 0.2
     training = next(line for line in printed.splitlines() if line.startswith("training: "))
-    assert "cosine to 0.0002 (eval_tokens 256, log_interval 1, label_smoothing 0.2); " in training
+    assert "cosine to 0.0002 (grad_clip 0.0, eval_tokens 256, log_interval 1, label_smoothing " \
+        "0.2); " in training  # off its default, 0 too
     code, printed, _ = run(train.main, ["--out_dir", out, "--resume"], capsys)
     assert code == 0 and "--label_smoothing 0.2" in printed
     code, _, err = run(train.main, tiny(demo, tmp_path / "s", "--label_smoothing", "2"), capsys)
@@ -241,8 +242,9 @@ def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
     for text, value in [("True", True), ("1", True), ("false", False), ("0", False)]:  # bool flags
         assert train.build_parser().parse_args(["--route_static", text]).route_static is value
     assert train.build_parser().parse_args(["--compile"]).compile is True  # alone: True
-    with pytest.raises(ValueError, match="needs='lr_schedule': not a GPTConfig field.*check_set"):
-        train.option(0.2, "the decaying fraction of the steps", needs="lr_schedule")
+    for name in ("lr_schedule", "routing_block"):  # a training setting; GPTConfig's, not a field
+        with pytest.raises(ValueError, match=f"needs='{name}': not a GPTConfig field.*check_set"):
+            train.option(0.2, "the decaying fraction of the steps", needs=name)
 
 
 class Unpicklable:  # an object weights_only=True refuses to unpickle (it could run code)
@@ -465,6 +467,8 @@ def test_explicit_flags_beat_a_preset_and_the_printed_baseline_keeps_all_but_the
     assert model["residual"] == "prenorm" and not model["wav"] and a.lr == 0.01
     assert a.max_iters == train.PRESETS["wav12"]["max_iters"]  # the preset's other settings stay
     assert train.resolve_settings({"preset": "wav12", "max_tokens": 10**8})[0].max_tokens == 10**8
+    a, model = train.resolve_settings({"preset": "rd_s"})
+    train.check_settings(a, 8, model)  # on 8 GPUs: shares of 8 sequences, under its micro-batch 16
     # resumed with its preset again, a run made with a smaller batch would silently take 64
     a, model = train.resolve_settings({"preset": "wav12", "batch_size": 8})
     ckpt = dict(config=model, settings=dataclasses.asdict(a))
