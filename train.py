@@ -173,7 +173,8 @@ def resolve_settings(explicit, ckpt=None):
     return a, {f.name: settings[f.name] for f in dataclasses.fields(GPTConfig)}
 
 def check_settings(a, world, model):
-    """Every setting in its range and where the model has use for it, from flag, preset or run."""
+    """Every setting in its range and where the model has use for it, from flag, preset or run;
+    the model's settings as GPTConfig checks them."""
     for f in dataclasses.fields(TrainSettings):
         value, low, high = getattr(a, f.name), f.metadata["low"], f.metadata["high"]
         if low is not None and value is not None and not low <= value < high:  # nan fails too
@@ -199,6 +200,10 @@ def check_settings(a, world, model):
         raise UsageError(f"--batch_size {a.batch_size} over {world} process(es), --micro_batch "
                          f"{a.micro_batch}: each process takes an equal share, in equal forwards: "
                          "choose a --micro_batch that divides its share")
+    try:  # the model's own checks, before any data is prepared (its vocabulary is the data's)
+        GPTConfig(**dict(model, vocab_size=1))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 # -----------------------------------------------------------------------------
 # Data: random crops at offsets that depend only on (seed, step, micro-step)
