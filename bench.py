@@ -127,15 +127,7 @@ class Bench:
               f"threads, {machine['dtype']}, {machine['compiled'] or 'eager'} | "
               f"{machine['command']}\n{args.preset or args.shape}: "
               + ", ".join(f"{k}={v}" for k, v in self.shape.items()), flush=True)
-        # each AttnRes variant's automatic routing block (full's is 1): where they differ (WAV
-        # needs 4 where Block AttnRes takes 2), a ratio between them is also one of block size
-        blocks = {v: nanoroute.GPTConfig(**{k: self.shape[k] for k in MODEL_FIELDS},
-                                         **VARIANTS[v]).routing_block for v in self.variants
-                  if VARIANTS[v]["residual"] == "attnres" and "attnres_block" not in VARIANTS[v]}
-        self.out["routing_blocks"] = blocks
-        if len(set(blocks.values())) > 1:
-            print("note: routing blocks " + ", ".join(f"{v} {m}" for v, m in blocks.items())
-                  + ": a ratio between these variants is also one of block size", flush=True)
+        self.out["routing_blocks"] = routing_blocks(self.shape, self.variants)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
 
@@ -159,6 +151,18 @@ class Bench:
         loss.backward()
         m.opt.step()
         m.opt.zero_grad(set_to_none=True)
+
+def routing_blocks(shape, variants):
+    """{variant: its automatic routing block} of the AttnRes variants (full's is 1, its own);
+    where they differ (WAV needs 4 where Block AttnRes takes 2), a note: a ratio between them is
+    also one of block size."""
+    blocks = {v: nanoroute.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS},
+                                     **VARIANTS[v]).routing_block for v in variants
+              if VARIANTS[v]["residual"] == "attnres" and "attnres_block" not in VARIANTS[v]}
+    if len(set(blocks.values())) > 1:
+        print("note: routing blocks " + ", ".join(f"{v} {m}" for v, m in blocks.items())
+              + ": a ratio between these variants is also one of block size", flush=True)
+    return blocks
 
 def check_flags(args, variants):
     lows = dict.fromkeys((*MODEL_FIELDS, "batch_size", "iters", "gen_repeats", "threads"), 1)
