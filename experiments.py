@@ -19,6 +19,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -318,6 +319,9 @@ def launch(todo, slots):
         raise
     return failed
 
+def interrupt(signum, frame):  # a stop signal as Ctrl-C: a KeyboardInterrupt, with its number
+    raise KeyboardInterrupt(signum)
+
 def start(run, cmd, label, slot):  # run.json, then train.py writing to train.log: its process
     d, env = run["dir"], run_env(run, slot)
     d.mkdir(parents=True, exist_ok=True)
@@ -365,11 +369,16 @@ def sweep(args, extra):
             prepare_data.prepare("demo", folder)  # now, not by several runs at once
         prepare_data.load_meta(folder)  # another missing dataset: the command that prepares it
     todo, t0 = pending(runs, launcher), time.time()
+    # SIGTERM (`kill -TERM -- -PGID`, a sweep under nohup) stops it as Ctrl-C does: the signal
+    # reached the runs too, and the sweep waits until each has saved (a rerun must not race them)
+    old = signal.signal(signal.SIGTERM, interrupt)
     try:
         failed = launch(todo, slots)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         print("interrupted: the same command resumes the sweep", file=sys.stderr)
-        return 130
+        return 128 + (stop.args[0] if stop.args else signal.SIGINT)  # as a shell reports it
+    finally:
+        signal.signal(signal.SIGTERM, old)
     print(f"sweep: {len(runs)} runs: {len(runs) - len(todo)} skipped, {len(todo) - len(failed)} "
           f"done, {len(failed)} failed; {time.time() - t0:.0f} s, {len(slots)} at a time"
           + "".join(f"\nfailed: {name}: {error}" for name, error in failed.items()))

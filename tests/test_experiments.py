@@ -7,8 +7,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -365,6 +368,35 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     assert code == 0 and "Unfinished (no summary.json yet): rd_L2_s0" in printed
     assert "| **block** (baseline) | 0.002 | 2 | 1 |" in printed
     assert "| prenorm | 0.002 | – | 1 |" in printed
+
+
+def test_a_sweep_stopped_by_sigterm_waits_for_its_runs_to_save_and_resumes(demo, tmp_path):
+    """`kill -TERM -- -PGID` (a sweep under nohup): the run saves last.pt, the sweep waits for it,
+    says how to resume and exits 143; the same command finishes the run from there."""
+    argv = ["sweep", "custom", "--data", demo, "--variants", "block", "--depths", "2", "--seeds",
+            "0", "--out", tmp_path, "--", *SWEPT, "--max_iters", 10 ** 6, "--eval_interval",
+            10 ** 6, "--log_interval", 1]
+    cmd = [sys.executable, Path(experiments.__file__), *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)  # its own process group
+    log = tmp_path / "block_L2_s0" / "train.log"
+    try:
+        while not (log.exists() and "step 3 " in log.read_text()):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        printed, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, printed + err
+    assert "interrupted: the same command resumes the sweep" in err
+    step = torch.load(tmp_path / "block_L2_s0" / "last.pt", weights_only=False)["progress"]["step"]
+    assert f"stopped by SIGTERM after step {step}" in log.read_text() and step >= 3
+    resumed = [a if a != 10 ** 6 or prev != "--max_iters" else step + 2
+               for prev, a in zip(["", *argv], argv)]
+    assert run(experiments.main, resumed)[0] == 0
+    assert summary(tmp_path / "block_L2_s0")["step"] == step + 2
 
 
 # --- A trained run's routes: ablate, heatmap ---
