@@ -183,10 +183,15 @@ def restore(ckpt, out_dir, model, optimizer, seed, device, rank=0, world=1):
     RNG states (reseeded from seed if another process count wrote it); returns its Progress."""
     path, rng = out_dir / "last.pt", ckpt["rng"]
     model_from(ckpt, path, model)
+    # load_state_dict puts the saved groups' settings back: keep this invocation's, so that a flag
+    # given with --resume (--beta2 0.99, --weight_decay 0.05) is used, not only printed and saved
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     try:
         optimizer.load_state_dict(ckpt["optimizer"])
     except (ValueError, KeyError) as e:
         raise UsageError(f"checkpoint {path}: its optimizer does not fit ({e})") from None
+    for group, setting in zip(optimizer.param_groups, settings):
+        group.update(setting)
     p = Progress(**ckpt["progress"])
     if (out_dir / "best.pt").exists():  # a step ahead of last.pt after a crash between them
         best = load(out_dir / "best.pt", "")  # checked as last.pt: a damaged one is one line

@@ -87,8 +87,13 @@ def test_resume_from_elsewhere_and_of_a_finished_run(routed, tmp_path, monkeypat
     shutil.copytree(routed.parent.parent, tmp_path / "moved")  # the whole project moves
     monkeypatch.chdir(tmp_path)  # and is resumed from elsewhere
     out = tmp_path / "moved" / "runs" / "routed"
-    assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", "5"])[0] == 0
+    # the optimizer's flags too: used, not only saved (loading its state would put 0.95 back)
+    assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", "5", "--beta2", "0.99",
+                            "--weight_decay", "0.05"])[0] == 0
     assert metrics(out)[-1]["step"] == 5 and weights(out)["settings"]["max_iters"] == 5
+    groups = weights(out)["optimizer"]["param_groups"]
+    assert [g["betas"] for g in groups] == [(0.9, 0.99)] * 2
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.05]
     out = tmp_path / "moved" / "runs" / "done"  # a finished run resumed with nothing to add
     shutil.copytree(routed, out)  # rewrites nothing, with the files' times
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
