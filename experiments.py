@@ -341,6 +341,9 @@ def ended(run, code, label, seconds):  # how a run ended; its last error line if
     if code == 0 and summary.exists():
         val = json.loads(summary.read_text())["final"]["val_loss"]
         return print(f"{label}: done in {seconds:.0f} s, val loss {val:.4f}", flush=True)
+    if code == 0:  # -- --stop_after: saved in last.pt, not failed
+        return print(f"{label}: stopped before its last step; the same command resumes it",
+                     flush=True)
     log = (run["dir"] / "train.log").read_text(errors="replace")
     lines = [s for s in log.splitlines() if s.strip()] or ["(no output)"]
     # train.py's `error:` line, or a traceback's last line: what the sweep's summary shows
@@ -379,8 +382,11 @@ def sweep(args, extra):
         return 128 + (stop.args[0] if stop.args else signal.SIGINT)  # as a shell reports it
     finally:
         signal.signal(signal.SIGTERM, old)
-    print(f"sweep: {len(runs)} runs: {len(runs) - len(todo)} skipped, {len(todo) - len(failed)} "
-          f"done, {len(failed)} failed; {time.time() - t0:.0f} s, {len(slots)} at a time"
+    done = [r for r, _ in todo if r["name"] not in failed and (r["dir"] / "summary.json").exists()]
+    stopped = len(todo) - len(done) - len(failed)  # by -- --stop_after: not failed
+    print(f"sweep: {len(runs)} runs: {len(runs) - len(todo)} skipped, {len(done)} done, "
+          + f"{stopped} stopped, " * bool(stopped)
+          + f"{len(failed)} failed; {time.time() - t0:.0f} s, {len(slots)} at a time"
           + "".join(f"\nfailed: {name}: {error}" for name, error in failed.items()))
     return 1 if failed else 0
 

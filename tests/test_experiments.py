@@ -370,9 +370,10 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     assert "| prenorm | 0.002 | – | 1 |" in printed
 
 
-def test_a_sweep_stopped_by_sigterm_waits_for_its_runs_to_save_and_resumes(demo, tmp_path):
+def test_a_sweep_stopped_by_sigterm_waits_for_its_runs_to_save_and_resumes(demo, tmp_path, capsys):
     """`kill -TERM -- -PGID` (a sweep under nohup): the run saves last.pt, the sweep waits for it,
-    says how to resume and exits 143; the same command finishes the run from there."""
+    says how to resume and exits 143; the same command finishes the run from there, also after a
+    `-- --stop_after` (a run stopped, not failed)."""
     argv = ["sweep", "custom", "--data", demo, "--variants", "block", "--depths", "2", "--seeds",
             "0", "--out", tmp_path, "--", *SWEPT, "--max_iters", 10 ** 6, "--eval_interval",
             10 ** 6, "--log_interval", 1]
@@ -395,6 +396,9 @@ def test_a_sweep_stopped_by_sigterm_waits_for_its_runs_to_save_and_resumes(demo,
     assert f"stopped by SIGTERM after step {step}" in log.read_text() and step >= 3
     resumed = [a if a != 10 ** 6 or prev != "--max_iters" else step + 2
                for prev, a in zip(["", *argv], argv)]
+    code, printed, _ = run(experiments.main, [*resumed, "--stop_after", step + 1], capsys)
+    assert code == 0 and "stopped before its last step; the same command resumes it" in printed
+    assert "0 done, 1 stopped, 0 failed" in printed
     assert run(experiments.main, resumed)[0] == 0
     assert summary(tmp_path / "block_L2_s0")["step"] == step + 2
 
