@@ -371,17 +371,18 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
 
 
 def test_a_sweep_stopped_by_sigterm_waits_for_its_runs_to_save_and_resumes(demo, tmp_path, capsys):
-    """`kill -TERM -- -PGID` (a sweep under nohup): the run saves last.pt, the sweep waits for it,
-    says how to resume and exits 143; the same command finishes the run from there, also after a
-    `-- --stop_after` (a run stopped, not failed)."""
-    argv = ["sweep", "custom", "--data", demo, "--variants", "block", "--depths", "2", "--seeds",
-            "0", "--out", tmp_path, "--", *SWEPT, "--max_iters", 10 ** 6, "--eval_interval",
-            10 ** 6, "--log_interval", 1]
+    """`kill -TERM -- -PGID` (a sweep under nohup): the running run saves last.pt, the sweep waits
+    for it, starts no other, says how to resume and exits 143; the same command finishes both runs,
+    also after a `-- --stop_after` (runs stopped, not failed)."""
+    argv = ["sweep", "custom", "--data", demo, "--variants", "block,prenorm", "--depths", "2",
+            "--seeds", "0", "--out", tmp_path, "--", *SWEPT, "--max_iters", 10 ** 6,
+            "--eval_interval", 10 ** 6, "--log_interval", 1]
+    first, second = (r["dir"] for r in plan(*argv))  # one at a time (--jobs 1)
     cmd = [sys.executable, Path(experiments.__file__), *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)  # its own process group
-    log = tmp_path / "block_L2_s0" / "train.log"
+    log = first / "train.log"
     try:
         while not (log.exists() and "step 3 " in log.read_text()):
             assert proc.poll() is None, proc.communicate()
@@ -391,16 +392,19 @@ def test_a_sweep_stopped_by_sigterm_waits_for_its_runs_to_save_and_resumes(demo,
     finally:
         proc.kill()
     assert proc.returncode == 143, printed + err
-    assert "interrupted: the same command resumes the sweep" in err
-    step = torch.load(tmp_path / "block_L2_s0" / "last.pt", weights_only=False)["progress"]["step"]
-    assert f"stopped by SIGTERM after step {step}" in log.read_text() and step >= 3
+    assert "interrupted: the same command resumes the sweep" in err and not second.exists()
+    step = torch.load(first / "last.pt", weights_only=False)["progress"]["step"]
+    assert f"stopped by SIGTERM after step {step}" in log.read_text()
     resumed = [a if a != 10 ** 6 or prev != "--max_iters" else step + 2
                for prev, a in zip(["", *argv], argv)]
+    resumed[1:1] = ["--jobs", 2]  # now both at once
     code, printed, _ = run(experiments.main, [*resumed, "--stop_after", step + 1], capsys)
     assert code == 0 and "stopped before its last step; the same command resumes it" in printed
-    assert "0 done, 1 stopped, 0 failed" in printed
+    assert "sweep: 2 runs: 0 skipped, 0 done, 2 stopped, 0 failed" in printed, printed
     assert run(experiments.main, resumed)[0] == 0
-    assert summary(tmp_path / "block_L2_s0")["step"] == step + 2
+    assert summary(first)["step"] == summary(second)["step"] == step + 2
+    code, printed, _ = run(experiments.main, resumed, capsys)  # all done: nothing stopped
+    assert code == 0 and "sweep: 2 runs: 2 skipped, 0 done, 0 failed" in printed
 
 
 # --- A trained run's routes: ablate, heatmap ---

@@ -546,6 +546,11 @@ def test_best_is_the_lowest_and_failures_keep_good_checkpoints(demo, tmp_path, m
 def test_stop_after_the_last_step_finishes_and_a_signal_ignored_at_start_stays_so(demo, tmp_path):
     trained(demo, tmp_path, "--max_iters", 2, "--stop_after", 2)
     assert (tmp_path / "summary.json").exists()
+    # a stop after step 3, whose last line is step 2's evaluation: step 3 is saved too
+    trained(demo, tmp_path / "b", "--max_iters", 9, "--eval_interval", 2, "--log_interval", 5,
+            "--stop_after", 3)
+    saved = weights(tmp_path / "b")["progress"]
+    assert metrics(tmp_path / "b")[-1]["step"] == 2 and saved["step"] == 3
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `cmd &` in a script starts it
     try:
         received, handlers = checkpoint.catch_stop_signals()
