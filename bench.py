@@ -423,7 +423,10 @@ def time_generation(b, models):
     if b.n_new > b.T:
         print(f"\nnote: --gen_tokens {b.n_new} > sequence_len {b.T}: past the context both "
               "re-encode the last sequence_len tokens at every step")
-    gen = {v: (models[v] if v in models else build(b, v)).model.eval() for v in b.gen_variants}
+    # with --against each variant beside its twin, as in the training rounds
+    versions = ("", "@against") if b.against else ("",)
+    names = [v + version for v in b.gen_variants for version in versions]
+    gen = {v: (models[v] if v in models else build(b, v)).model.eval() for v in names}
     # one token of id 0: the time does not depend on what the text says
     prompt = torch.zeros((1, 1), dtype=torch.long, device=b.device)
     ways = dict(kv=lambda m, n: m.generate(prompt, n, top_k=1),
@@ -441,16 +444,22 @@ def time_generation(b, models):
         kv, full = (statistics.median(times[v, w]) for w in ways)
         # greedy both ways: a correct KV cache gives the very same tokens
         same = torch.equal(tokens[v, "kv"], tokens[v, "recompute"])
-        # per token against PreNorm's KV cache, where PreNorm is timed too
-        base = statistics.median(times["prenorm", "kv"]) if "prenorm" in gen else None
+        # per token against PreNorm's KV cache (of the same version), where PreNorm is timed too
+        prenorm = "prenorm" + "@against" * v.endswith("@against")
+        base = statistics.median(times[prenorm, "kv"]) if prenorm in gen else None
         out[v] = dict(kv_ms=1e3 * kv, recompute_ms=1e3 * full, speedup=full / kv,
                       kv_tokens_per_s=b.n_new / kv, same_tokens=same,
                       kv_ratio_prenorm=base and kv / base)
+        if b.against and not v.endswith("@against"):  # the KV cache's time, this / against
+            out[v]["kv_ratio_against"] = kv / statistics.median(times[v + "@against", "kv"])
         rows.append([v, f"{1e3 * kv:.1f}", fmt(base and kv / base), f"{1e3 * full:.1f}",
                      f"{full / kv:.2f}x", f"{b.n_new / kv:.0f}", "yes" if same else "NO"])
     print(f"\n### Generation: {b.n_new} new tokens, B=1, greedy, median of {b.args.gen_repeats}")
     print(md_table(["variant", "KV cache ms", "KV / prenorm", "recompute ms", "speed-up",
                     "KV tokens/s", "same tokens"], rows))
+    if b.against:
+        print("KV cache this / against: " + ", ".join(
+            f"{v} {fmt(out[v]['kv_ratio_against'])}" for v in b.gen_variants))
     return dict(new_tokens=b.n_new, repeats=b.args.gen_repeats, variants=out)
 
 def profile(b, m):

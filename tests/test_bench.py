@@ -74,12 +74,16 @@ def test_rounds_interleave_every_model_and_the_numbers_add_up(tmp_path, training
             assert r["paired_ratio_against"][0] == pytest.approx(statistics.median(rounds))
             against = v[name + "@against"]["memory_bytes"]  # wider MLPs: more bytes
             assert r["memory_ratio_against"] == r["memory_bytes"] / against < 1
-    gen = data["generation"]
-    assert gen["new_tokens"] == 4 and list(gen["variants"]) == ["prenorm", "rezero", "block"]
-    for g in gen["variants"].values():  # KV cache and full recompute: the same tokens
+    gen = data["generation"]  # each variant's generation beside its --against twin's
+    assert gen["new_tokens"] == 4 and list(gen["variants"]) == names
+    for name, g in gen["variants"].items():  # KV cache and full recompute: the same tokens
         assert g["same_tokens"] and g["speedup"] == pytest.approx(g["recompute_ms"] / g["kv_ms"])
-        base = gen["variants"]["prenorm"]["kv_ms"]  # per token against PreNorm's
+        version = "@against" * name.endswith("@against")
+        base = gen["variants"]["prenorm" + version]["kv_ms"]  # per token against PreNorm's
         assert g["kv_ratio_prenorm"] == pytest.approx(g["kv_ms"] / base)
+        if not version:
+            twin = gen["variants"][name + "@against"]["kv_ms"]
+            assert g["kv_ratio_against"] == pytest.approx(g["kv_ms"] / twin)
     assert data["complete"] and data["machine"]["command"].startswith("python bench.py --shape")
 
 
