@@ -39,7 +39,8 @@ def build_parser():
     p.add_argument("--num_samples", type=int, default=3, help="samples (default: 3)")
     p.add_argument("--max_new_tokens", type=int, default=300, help="tokens each (default: 300)")
     p.add_argument("--temperature", type=float, default=0.8, help="> 0 (default: 0.8)")
-    p.add_argument("--top_k", type=int, default=200, help="among the k likeliest (200); 1: greedy")
+    p.add_argument("--top_k", type=int, default=200,
+                   help="among the k likeliest, ties with the k-th too (default: 200); 1: greedy")
     p.add_argument("--seed", type=int, default=1337, help="the same seed writes the same text")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--routes", action="store_true", help="how it routes over the prompt, not text")
@@ -47,7 +48,13 @@ def build_parser():
 
 @common.cli
 def main(argv=None):
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    sampling = ("num_samples", "max_new_tokens", "temperature", "top_k", "seed")
+    unused = [f"--{n}" for n in sampling if a.routes and getattr(a, n) != parser.get_default(n)]
+    if unused:  # refused, not ignored: --routes draws no tokens, so these would change nothing
+        raise UsageError(f"--routes writes no text: {', '.join(unused)} would be ignored; drop "
+                         + ("them" if len(unused) > 1 else "it"))
     if not 0 < a.temperature < math.inf:  # NaN fails too
         raise UsageError(f"--temperature {a.temperature}: must be > 0 and finite")
     for name in ("num_samples", "max_new_tokens", "top_k"):

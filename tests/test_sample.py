@@ -168,6 +168,7 @@ def test_gpt2_level_run_starts_after_endoftext_and_decodes_its_tokens(tmp_path, 
     (["--num_samples", 10 ** 13], "out of memory generating 10{13} samples at once: lower --num_s"),
     (["--out_dir", ""], "^error: argument --out_dir: '': give a folder name; see --help\n$"),
     (["--data", ""], "^error: argument --data: '': give a folder name; see --help\n$"),
+    (["--routes", "--temperature", "1.5"], "--routes writes no text: .*--temperature would be"),
 ])
 def test_bad_input_is_one_error_line(flags, says, routed, demo, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
