@@ -653,10 +653,7 @@ class GPT(DepthRouting, nn.Module):
         RD-AttnRes's inputs of the keys and values, None where x feeds them."""
         layer = self.layers[l // 2]
         prep = (lambda t: t) if self.config.residual == "rezero" else norm
-        if x_k is not None:
-            x_k = prep(x_k)
-        if x_v is not None:
-            x_v = prep(x_v)
+        x_k, x_v = (t if t is None else prep(t) for t in (x_k, x_v))
         if l % 2 == 0:
             return layer.attn(prep(x), rope, x_k, x_v, cache, l // 2)
         return layer.mlp(prep(x))
@@ -716,6 +713,8 @@ class GPT(DepthRouting, nn.Module):
             raise ValueError(f"temperature={temperature!r}: must be > 0 and finite")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k!r}: must be >= 1, or None for no cut-off")
+        if self.training and self.config.dropout > 0:  # dropout would change the tokens drawn
+            raise ValueError("generate() in training mode drops out: call model.eval() first")
         # within float32's range: 1e-46 would be 0 there, 1e39 inf (0 / 0, -inf / inf: NaN)
         f32 = torch.finfo(torch.float32)
         temperature = min(max(temperature, f32.tiny), f32.max)

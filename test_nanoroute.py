@@ -614,6 +614,10 @@ def test_a_tiny_temperature_is_greedy_and_bad_settings_raise():
             model.generate(tokens(T=2), 2, **kwargs)
     with pytest.raises(ValueError, match="sequence_len"):
         model(tokens(T=SEQ + 1))
+    model = make_model(n_layer=1, dropout=0.1)  # in training mode: each draw would drop out
+    with pytest.raises(ValueError, match=r"training mode drops out: call model.eval\(\) first"):
+        model.generate(prompt, 2)
+    assert model.eval().generate(prompt, 2).shape == (4, 5)
 
 
 def test_paired_init_shares_every_common_parameter():
