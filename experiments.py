@@ -580,6 +580,9 @@ def markdown(folders, runs, groups, baseline, notes):
     for g, title in zip(groups, titles(groups)):
         char, marks = g["level"] == "char", g["milestones"]
         lines += [f"## {title}", ""]
+        # the settings every run here shares off its default: a report says what the runs were
+        shared = [f"{k} {v}" for k, v in g["setup"] if k != "data" and v != repr(DEFAULTS[k])]
+        lines += [f"Every run here: {', '.join(shared)}.", ""] * bool(shared)
         # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
         if len({row["block"] for row in g["rows"]} - {None}) > 1:
             lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]

@@ -116,10 +116,11 @@ def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, ca
     runs = tmp_path / "runs"
     for seed in (0, 1):
         hand_run(runs, f"block_s{seed}", "block", seed, 2.0 + seed / 10, n_embd=96,
-                 max_iters=300, device="cpu", out_dir=f"runs/b{seed}", data="demo")
+                 max_iters=300, device="cpu", out_dir=f"runs/b{seed}", data="demo",
+                 weight_decay=0.05)
         hand_run(runs, f"prenorm_s{seed}", "prenorm", seed, 2.2 + seed / 10, n_embd=96,
-                 max_iters=300, compile=True, data="data/demo")
-    hand_run(runs, "block_wide", "block", 0, 1.5, n_embd=192, max_iters=40)
+                 max_iters=300, compile=True, data="data/demo", weight_decay=0.05)
+    hand_run(runs, "block_wide", "block", 0, 1.5, n_embd=192, max_iters=40, weight_decay=0.05)
     # a run made before some settings existed (its summary.json lacks them) ran as their defaults
     # do: it still pairs with the runs made since
     older = runs / "block_s1" / "summary.json"
@@ -136,6 +137,9 @@ def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, ca
     assert experiments.main(["report", str(runs)]) == 0
     text = (runs / "report.md").read_text()
     assert text.count("## demo, 4 layers (") == 2 and "| prenorm | 0.002 | – | 2 |" in text
+    # what every run of a group shares off train.py's defaults, the differences too (n_head: 6)
+    for width in ("max_iters 300, n_embd 96", "max_iters 40, n_embd 192"):
+        assert f"\nEvery run here: {width}, n_head 6, weight_decay 0.05.\n" in text
     out = hand_run(tmp_path, "out", "block", 1337, 2.0, run_json=False)
     made = json.loads((out / "summary.json").read_text())  # before route_static existed: a block
     del made["config"]["route_static"]
