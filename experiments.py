@@ -581,7 +581,8 @@ def markdown(folders, runs, groups, baseline, notes):
         char, marks = g["level"] == "char", g["milestones"]
         lines += [f"## {title}", ""]
         # the settings every run here shares off its default: a report says what the runs were
-        shared = [f"{k} {v}" for k, v in g["setup"] if k != "data" and v != repr(DEFAULTS[k])]
+        # (one since removed from train.py has no default: named)
+        shared = [f"{k} {v}" for k, v in g["setup"] if k != "data" and v != repr(DEFAULTS.get(k))]
         lines += [f"Every run here: {', '.join(shared)}.", ""] * bool(shared)
         # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
         if len({row["block"] for row in g["rows"]} - {None}) > 1:

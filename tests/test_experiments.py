@@ -168,6 +168,12 @@ def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, ca
     err = error_line(experiments.main, ["report", tmp_path / "a", tmp_path / "b"], capsys)
     assert f"runs {tmp_path / 'a'}/block_L4_s0 and {tmp_path / 'b'}/block_L4_s0 " \
         "are both block, seed 0" in err
+    older = hand_run(tmp_path / "c", "block_L4_s0", "block", 0, 2.0) / "summary.json"
+    summary = json.loads(older.read_text())
+    summary["train"]["since_removed"] = 3  # a setting train.py no longer has: named, no default
+    older.write_text(json.dumps(summary))
+    code, printed, _ = run(experiments.main, ["report", tmp_path / "c"], capsys)
+    assert code == 0 and "\nEvery run here: n_embd 384, n_head 6, since_removed 3.\n" in printed
 
 
 def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys):
