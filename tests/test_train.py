@@ -543,7 +543,7 @@ def test_best_is_the_lowest_and_failures_keep_good_checkpoints(demo, tmp_path, m
     assert summary(tmp_path / "c")["best_val_loss"] == progress[0]["best_val_loss"]  # best.pt's
 
 
-def test_stop_after_saves_its_step_finishes_at_the_last_and_an_ignored_signal_stays_so(demo, tmp_path):
+def test_a_stop_saves_its_step_the_last_one_finishes_an_ignored_signal_stays_so(demo, tmp_path):
     trained(demo, tmp_path, "--max_iters", 2, "--stop_after", 2)
     assert (tmp_path / "summary.json").exists()
     # a stop after step 3, whose last line is step 2's evaluation: step 3 is saved too
