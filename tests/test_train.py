@@ -293,6 +293,13 @@ def test_folders_models_datasets_and_checkpoints_a_run_refuses(demo, routed, tmp
         if case == "flipped bytes":
             flip_a_stored_byte(path)
         assert words in error_line(train.main, ["--out_dir", path.parent, "--resume"], capsys), case
+    # a run made before a model field existed ran at its default: --dropout 0.1 differs from it
+    path = routed.parent / "older" / "last.pt"
+    path.parent.mkdir()
+    config = {k: v for k, v in ckpt["config"].items() if k != "dropout"}
+    torch.save(dict(ckpt, config=config), path)
+    err = error_line(train.main, ["--out_dir", path.parent, "--resume", "--dropout", 0.1], capsys)
+    assert "--dropout 0.1 differs from the run's dropout=0.0" in err
 
 
 def stopped_after_step_3(cmd, stop):
