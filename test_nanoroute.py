@@ -236,6 +236,30 @@ def test_every_routing_setting_is_run_by_a_case_and_table_entries_differ():
                 assert row_a != row_b, f"{b} is {a} under another name: give it what differs"
 
 
+# a model setting outside the routing (not a size): the value a case runs it with
+MODEL_CASES = dict(dropout=0.1, bias=True)
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(GPTConfig)
+                                  if f.name not in (*TINY, *nanoroute.routing_fields())])
+def test_every_model_setting_has_a_case_and_changes_the_model(name):
+    # a new field outside the routing fails here until a case sets it; set, it must change the
+    # model: a field that no code reads would pass every other test
+    assert name in MODEL_CASES, f"no case sets {name}: add its value to MODEL_CASES"
+    idx, targets, losses = tokens(), tokens(seed=4), []
+    for value in (nanoroute.CONFIG_FIELDS[name].default, MODEL_CASES[name]):
+        model = make_model(**{name: value})
+        optimizer = model.configure_optimizers(0.1, 1e-2)
+        for _ in range(2):  # the second step's loss: a setting may act through training
+            torch.manual_seed(0)
+            _, loss = model(idx, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[0] != losses[1], f"{name}={MODEL_CASES[name]} changed nothing"
+
+
 def reference_residual(model, idx):
     """SPEC: prenorm x += f(norm(x)); rezero x += α·f(x) (no norm inside); layerscale
     x += γ⊙f(norm(x)); denseformer: PreNorm layers, each layer's input the weighted sum of e and
