@@ -139,13 +139,13 @@ def resolve_settings(explicit, ckpt=None):
     the checkpoint is an error): (TrainSettings, the model's settings, vocab_size None)."""
     # a preset counts as given: resuming refuses one that differs from the run (below), as a flag
     given = {**PRESETS.get(explicit.get("preset"), {}), **explicit}
-    settings = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    settings.update(dataclasses.asdict(TrainSettings()), **MODEL_DEFAULTS, vocab_size=None)
+    config_defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    settings = {**config_defaults, **dataclasses.asdict(TrainSettings()), **MODEL_DEFAULTS,
+                "vocab_size": None}
     if ckpt is not None:
         # a model field added since the run was made is at its default there, as the model it
         # loads into: another value given with --resume differs from the run, not new to it
-        config = {f.name: f.default for f in dataclasses.fields(GPTConfig)} | ckpt["config"]
-        ckpt = dict(ckpt, config=config)
+        ckpt = dict(ckpt, config=config_defaults | ckpt["config"])
         run = {**ckpt["settings"], **ckpt["config"]}
         for name, value in given.items():
             if name not in run or value == run[name] or name == "data":  # data: open_data's
