@@ -566,6 +566,19 @@ def _delta(d):  # "Δ mean ± std | wins/n"
     ties = f" ({d['ties']} tied)" if d["ties"] else ""
     return f"{_ms((d['mean'], d['std']), sign='+')} | {d['wins']}/{d['n']}{ties}"
 
+def group_notes(g, baseline):
+    """The lines under a group's heading: what its runs share, what to read its table with."""
+    # the settings every run here shares off its default: a report says what the runs were
+    # (one since removed from train.py has no default: named)
+    shared = [f"{k} {v}" for k, v in g["setup"] if k != "data" and v != repr(DEFAULTS.get(k))]
+    lines = [f"Every run here: {', '.join(shared)}.", ""] * bool(shared)
+    # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
+    if len({row["block"] for row in g["rows"]} - {None}) > 1:
+        lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]
+    if not g["base"]:
+        lines += [f"(no finished {baseline} run here: no paired differences)", ""]
+    return lines
+
 def markdown(folders, runs, groups, baseline, notes):
     finished = [r for r in runs if r["summary"]]
     lines = [f"# Report: {' '.join(folders)}", "", f"{len(runs)} runs: {len(finished)} finished, "
@@ -579,15 +592,7 @@ def markdown(folders, runs, groups, baseline, notes):
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
         char, marks = g["level"] == "char", g["milestones"]
-        lines += [f"## {title}", ""]
-        # the settings every run here shares off its default: a report says what the runs were
-        # (one since removed from train.py has no default: named)
-        shared = [f"{k} {v}" for k, v in g["setup"] if k != "data" and v != repr(DEFAULTS.get(k))]
-        lines += [f"Every run here: {', '.join(shared)}.", ""] * bool(shared)
-        # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
-        if len({row["block"] for row in g["rows"]} - {None}) > 1:
-            lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]
-        lines += [f"(no finished {baseline} run here: no paired differences)", ""] * (not g["base"])
+        lines += [f"## {title}", "", *group_notes(g, baseline)]
         numbers = route_numbers([run for row in g["rows"] for run in row["runs"]])
         lines += [f"| variant | lr | block | seeds | val loss | val {'bpc' if char else 'ppl'} | "
                   f"Δ val loss | wins | {''.join(k + ' | ' for k in numbers)}train s |",
