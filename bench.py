@@ -105,8 +105,8 @@ class Bench:
         self.amp = torch.autocast(self.device.type, self.dtype, enabled=bf16)
         self.B, self.T = self.shape["batch_size"], self.shape["sequence_len"]
         # each variant beside its --against twin in every round: their ratio is paired too
-        versions = ("", "@against") if self.against else ("",)
-        self.names = [name + v for name in self.variants for v in versions]  # timing order
+        self.versions = ("", "@against") if self.against else ("",)
+        self.names = [name + v for name in self.variants for v in self.versions]  # timing order
         self.iters = args.iters or (20 if self.cuda else 10)
         self.n_new = min(256, self.T) if args.gen_tokens is None else args.gen_tokens
         self.peak = train.peak_flops(self.device, self.dtype)  # None: MFU unknown
@@ -424,8 +424,7 @@ def time_generation(b, models):
         print(f"\nnote: --gen_tokens {b.n_new} > sequence_len {b.T}: past the context both "
               "re-encode the last sequence_len tokens at every step")
     # with --against each variant beside its twin, as in the training rounds
-    versions = ("", "@against") if b.against else ("",)
-    names = [v + version for v in b.gen_variants for version in versions]
+    names = [v + version for v in b.gen_variants for version in b.versions]
     gen = {v: (models[v] if v in models else build(b, v)).model.eval() for v in names}
     # one token of id 0: the time does not depend on what the text says
     prompt = torch.zeros((1, 1), dtype=torch.long, device=b.device)
