@@ -560,11 +560,21 @@ def _ms(ms, digits=4, sign=""):  # "mean ± std"; "mean ± –" for one seed; "�
     std = "–" if ms[1] is None else f"{ms[1]:.{digits}f}"
     return "–" if ms[0] is None else f"{ms[0]:{sign}.{digits}f} ± {std}"
 
-def _delta(d):  # "Δ mean ± std | wins/n"
+def _delta(d):  # two cells: "Δ mean ± std", "wins/n"
     if not d or not d["n"]:
-        return "– | –"
+        return ["–", "–"]
     ties = f" ({d['ties']} tied)" if d["ties"] else ""
-    return f"{_ms((d['mean'], d['std']), sign='+')} | {d['wins']}/{d['n']}{ties}"
+    return [_ms((d["mean"], d["std"]), sign="+"), f"{d['wins']}/{d['n']}{ties}"]
+
+def table(header, rows):
+    """A markdown table's lines. A row with more or fewer cells than the header is an error: a
+    column added to one and not the other would otherwise stop the table rendering, silently."""
+    for cells in rows:
+        if len(cells) != len(header):
+            raise ValueError(f"a report row has {len(cells)} cells for {len(header)} columns "
+                             f"({' | '.join(header)}): {cells}")
+    lines = ["| " + " | ".join(str(c) for c in cells) + " |" for cells in [header, *rows]]
+    return lines[:1] + ["|---" * len(header) + "|"] + lines[1:]
 
 def group_notes(g, baseline):
     """The lines under a group's heading: what its runs share, what to read its table with."""
@@ -578,6 +588,17 @@ def group_notes(g, baseline):
     if not g["base"]:
         lines += [f"(no finished {baseline} run here: no paired differences)", ""]
     return lines
+
+def milestone_table(rows, marks):  # per variant: val loss at each milestone, its Δ and wins
+    header = ["variant"]
+    for m in marks:
+        header += [f"val @{m}", f"Δ @{m}", "wins"]
+    cells = []
+    for row in rows:
+        cells.append([row["label"]])
+        for m in marks:
+            cells[-1] += [_ms(row["at"][m][0]), *_delta(row["at"][m][1])]
+    return table(header, cells)
 
 def markdown(folders, runs, groups, baseline, notes):
     finished = [r for r in runs if r["summary"]]
@@ -594,28 +615,26 @@ def markdown(folders, runs, groups, baseline, notes):
         char, marks = g["level"] == "char", g["milestones"]
         lines += [f"## {title}", "", *group_notes(g, baseline)]
         numbers = route_numbers([run for row in g["rows"] for run in row["runs"]])
-        lines += [f"| variant | lr | block | seeds | val loss | val {'bpc' if char else 'ppl'} | "
-                  f"Δ val loss | wins | {''.join(k + ' | ' for k in numbers)}train s |",
-                  "|---" * (9 + len(numbers)) + "|"]
+        header = ["variant", "lr", "block", "seeds", "val loss", f"val {'bpc' if char else 'ppl'}",
+                  "Δ val loss", "wins", *numbers, "train s"]
+        rows = []
         for row in g["rows"]:
             name = f"**{row['label']}** (baseline)" if row is g["base"] else row["label"]
-            cells = ""
+            routes = []
             for k in numbers:
-                cells += _ms(row["routes"].get(k, (None, None)), 3)
+                cell = _ms(row["routes"].get(k, (None, None)), 3)
                 if k == "js_mean" and row["js_pair"]:
-                    cells += f" ({row['js_pair']})"  # what the two routes feed
-                cells += " | "
-            lines.append(f"| {name} | {row['lr']:g} | {row['block'] or '–'} | {len(row['runs'])} "
-                         f"| {_ms(row['val'])} | {_ms(row['metric'], 4 if char else 2)} | "
-                         f"{_delta(row['delta'])} | {cells}{_ms(row['wall'], 0)} |")
+                    cell += f" ({row['js_pair']})"  # what the two routes feed
+                routes.append(cell)
+            rows.append([name, f"{row['lr']:g}", row["block"] or "–", len(row["runs"]),
+                         _ms(row["val"]), _ms(row["metric"], 4 if char else 2),
+                         *_delta(row["delta"]), *routes, _ms(row["wall"], 0)])
+        lines += table(header, rows)
         edges = [f"WARNING: {row['edge']}" for row in g["rows"] if row["edge"]]
         lines += [""] * bool(edges) + edges
         if marks:
-            lines += ["", "Milestones (val loss where the token count crossed each one):", "",
-                      "| variant |" + "".join(f" val @{m} | Δ @{m} | wins |" for m in marks),
-                      "|---" * (1 + 3 * len(marks)) + "|"]
-            lines += [f"| {row['label']} |" + "".join(f" {_ms(row['at'][m][0])} | "
-                      f"{_delta(row['at'][m][1])} |" for m in marks) for row in g["rows"]]
+            lines += ["", "Milestones (val loss where the token count crossed each one):", ""]
+            lines += milestone_table(g["rows"], marks)
         others = [f"- {row['label']}: " + "; ".join(
             f"lr {lr:g}: {m:.4f} ({n} seeds)" for lr, (m, n) in sorted(row["others"].items()))
             for row in g["rows"] if row["others"]]

@@ -106,6 +106,11 @@ def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path,
     assert "| **block** (baseline) | 0.002 | 2 | 3 | 2.5000 ± 0.5000 |" in text
     assert "| rd | 2.9000 ± 0.1414 | -0.0500 ± 0.0707 | 1/2 (1 tied) |" in text
     assert "## fineweb_edu, 16 layers" in text and "val ppl" in text
+    # every row of every table has its header's cells (a separator short of one: no table at all)
+    tables = [part.splitlines() for part in text.split("\n\n") if part.startswith("|")]
+    assert len(tables) == 3 and all(len({line.count("|") for line in t}) == 1 for t in tables)
+    with pytest.raises(ValueError, match="1 cells for 2 columns"):  # a column added to the header
+        experiments.table(["variant", "late loss"], [["rd"]])
 
 
 def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, capsys):
