@@ -143,9 +143,11 @@ def open_data(ckpt, run_dir, data=None):
         raise UsageError(f"{folder} is not the dataset the run in {run_dir} was trained on "
                          f"({ckpt['dataset']['dataset']}, vocab {ckpt['dataset']['vocab_size']}): "
                          "give --data with that dataset")
-    # relative to the working folder, as a --data given here would be; save() records it
-    # relative to the run folder
-    return Path(os.path.relpath(folder)) if not data else folder, meta
+    # as it was given: absolute, or relative to the working folder, as a --data given here would
+    # be (save() records it relative to the run folder)
+    if data or Path(ckpt["data_dir"]).is_absolute():
+        return folder, meta
+    return Path(os.path.relpath(folder)), meta
 
 def save(out_dir, state, progress, improved, device, rank=0, world=1):
     """state (the model's and the optimizer's state dicts, config, settings, data_dir, dataset),

@@ -81,7 +81,8 @@ def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
     assert whole["final"] == part["final"] and whole["best_val_loss"] == part["best_val_loss"]
 
 
-def test_resume_from_elsewhere_and_of_a_finished_run(routed, tmp_path, monkeypatch, capsys):
+def test_resume_from_elsewhere_and_of_a_finished_run(demo, routed, tmp_path, monkeypatch,
+                                                     capsys):
     # routed ran in its project folder with --data demo: data/demo, recorded from runs/routed
     assert weights(routed)["data_dir"] == os.path.join("..", "..", "data", "demo")
     shutil.copytree(routed.parent.parent, tmp_path / "moved")  # the whole project moves
@@ -104,6 +105,10 @@ def test_resume_from_elsewhere_and_of_a_finished_run(routed, tmp_path, monkeypat
     # a larger budget in tokens continues it (8 x 32 tokens a step: 6 steps)
     assert run(train.main, ["--out_dir", out, "--resume", "--max_tokens", 6 * 256], capsys)[0] == 0
     assert summary(out)["step"] == 6
+    # an absolute --data stays absolute in the commands it prints, not ../../.. from here
+    trained(demo, tmp_path / "abs", "--stop_after", 2)
+    printed = run(train.main, ["--out_dir", tmp_path / "abs", "--resume"], capsys)[1]
+    assert f"--data {demo} " in printed
 
 
 def test_same_seed_runs_start_paired_across_variants_and_batches_ignore_processes(demo, tmp_path):
