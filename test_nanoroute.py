@@ -890,7 +890,7 @@ def test_kernel_reuses_a_key_norm_only_for_the_same_value_and_doubles_its_buffer
     # the kernel computes a completed source's key norm once a forward, for the next block's reads;
     # a source replaced by another value under its name (an override of complete) gets its own
     g = torch.Generator().manual_seed(0)
-    x, y, x2 = (torch.randn(2, 5, 16, generator=g).to(device) for _ in range(3))
+    x, y, x2 = (torch.randn(2, 5, 16, generator=g).to(device).requires_grad_() for _ in range(3))
     query, bias = torch.randn(16, generator=g).to(device), torch.zeros(2, device=device)
     routes, sources = {0: (query, bias), 1: (-query, bias)}, {0: [], 1: []}
     first = nanoroute.BlockReads(routes, [("x", x), ("y", y)], [[1]], MATCH, None, sources)
@@ -898,6 +898,13 @@ def test_kernel_reuses_a_key_norm_only_for_the_same_value_and_doubles_its_buffer
     # its slot comes after y's: the weights still come in the read's order, x's first
     h, weights, _ = then(0, [], keep_weights=True)
     torch.testing.assert_close((h, weights), nanoroute.depth_read(query, bias, [3 * x2, y]))
+    # and the first block's backward still reads x, not what took its name (its saved slots)
+    grads = torch.autograd.grad((first(1, [])[0] + h).square().sum(), (x, y, x2))
+    want = nanoroute.depth_read(-query, bias, [x, y])[0] + nanoroute.depth_read(query, bias,
+                                                                               [3 * x2, y])[0]
+    want = want.square().sum()
+    for got, ref in zip(grads, torch.autograd.grad(want, (x, y, x2))):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     # h is its own tensor, not a view that would keep the other read's phase 1 alive
     assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
     # sources added in complete() may pass the buffer's capacity: each growth copies the buffer,

@@ -32,7 +32,8 @@ def test_every_folder_a_kill_leaves_is_resumed_or_started_over(demo, tmp_path, m
     monkeypatch.setattr(checkpoint, "write_atomic", real)
     assert len(states) >= 7  # metrics.jsonl, best.pt, last.pt at step 0, and on
     for i, state in enumerate(states):
-        if (state / "last.pt").exists():
+        if (state / "last.pt").exists():  # a save finished: a plain run refuses, --resume goes on
+            assert "already holds a run" in error_line(train.main, tiny(demo, state, *FLAGS), capsys)
             code, _, err = run(train.main, ["--out_dir", state, "--resume", *FLAGS[4:]], capsys)
         else:  # stopped in its first save: --resume says how to start it over, which does
             code, _, err = run(train.main, ["--out_dir", state, "--resume"], capsys)
