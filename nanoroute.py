@@ -544,17 +544,18 @@ class DepthRouting:
         if rd.average and l % 2 == 0:  # Q, K and V read the mean of the reads, ½(h^QK + h^V)
             return sum(h.values()) / len(h), None, None
         x, x_k, x_v = (h[role] if role in h else h[rd.q] for role in roles)  # tied: q's read
-        if x_k is x:  # x feeds the keys too: attention's one fused projection
-            x_k = None
-        if x_v is x:
-            x_v = None
-        return x, x_k, x_v
+        # None where x feeds the keys or values too: attention's one fused projection
+        return x, *(None if t is x else t for t in (x_k, x_v))
 
     # ----- the forward loop ------------------------------------------------------
     def _attnres(self, e, rope, cache, routes):
         """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}] (and WAV's
         details) and its own block's sources, runs, and appends its update to the block; a full
         block's sources join the pool. The final readout reads them all."""
+        unknown = set(self.masked) - set(self.reads)  # e.g. RD tied's attn.v: its read is attn's
+        if unknown:
+            raise ValueError(f"masked: {', '.join(map(str, unknown))} is not a read of this model "
+                             f"(its reads: {', '.join(map(str, self.reads))})")
         m, n_sub = self.config.routing_block, 2 * self.config.n_layer
         pool, block, kernel = [Source("emb", e)], [], None  # completed sources; block l // m so far
         for l in range(n_sub):

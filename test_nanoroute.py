@@ -1337,6 +1337,10 @@ def test_masked_sources_get_no_weight_the_rest_renormalise_and_fast_equals_refer
     model.masked = {nanoroute.Read(0, "attn"): {"emb"}}
     with pytest.raises(ValueError, match="masking every source of layer0.attn"):
         model(tokens())
+    # a read the model does not make (here no RD: no value route) is refused, not ignored
+    model.masked = {nanoroute.Read(1, "attn.v"): {"emb"}}
+    with pytest.raises(ValueError, match="layer1.attn.v is not a read of this model"):
+        model(tokens())
     # a mask is a −inf logit bias, a kernel input: forward and every gradient follow it
     for mode in ("rd_wav", "heads_wav_rd"):
         assert_fast_equals_reference(mode, device, "float32", MaskedModel)
