@@ -804,9 +804,12 @@ def ablate(args, extra):
     names = args.mask.split(",") if args.mask else []
     mask, kept = chosen_mask(pools, model.config.routing_block, names, args.older_than, args.read)
 
+    # in the run's precision (--dtype, on this device): unmasked, its loss is the run's evals'
+    ctx = train.autocast(train.pick_dtype(s["dtype"], device), device)
+
     def score(masked):  # train.evaluate's number on the run's eval crops, masked
         model.masked = masked
-        return train.evaluate(model, val, offsets, T, device, micro_batch=s["micro_batch"])
+        return train.evaluate(model, val, offsets, T, device, ctx, s["micro_batch"])
     base, rows = score({}), []
     path = "fast (the kernel takes the −inf logits)" if model.config.fast_routing else "reference"
     print(f"{args.run_dir} ({args.ckpt}.pt, step {saved['progress']['step']}): val loss "

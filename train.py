@@ -273,6 +273,9 @@ def pick_dtype(name, device):
     # no float16: it would need a GradScaler; bf16 has float32's range and needs none
     return getattr(torch, name)
 
+def autocast(dtype, device):  # bf16: the forward under autocast, the weights stay float32
+    return torch.autocast(device.type, dtype=dtype) if dtype == torch.bfloat16 else nullcontext()
+
 def get_lr(step, a):
     """Linear warmup over warmup_iters steps, then cosine decay to min_lr at the last step."""
     if step < a.warmup_iters:
@@ -308,8 +311,7 @@ class Run:
         a, T = self.settings, self.config.sequence_len
         self.tokens_per_step = a.batch_size * a.grad_accum * T
         self.master, self.t_start = self.rank == 0, time.time()
-        bf16 = self.dtype == torch.bfloat16
-        self.ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+        self.ctx = autocast(self.dtype, self.device)
         # drawn once: every evaluation of the run (and of a paired run) scores the same crops
         self.eval_batches = [eval_offsets(len(d), T, a.batch_size, a.eval_tokens, split)
                              for split, d in enumerate(self.splits)]

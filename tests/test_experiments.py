@@ -441,7 +441,8 @@ def evaluate(model, val, offsets, masked):
         return torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
 
 
-def test_ablate_matches_direct_evaluations_its_control_and_one_read(block_run, tmp_path, capsys):
+def test_ablate_matches_direct_evaluations_its_control_and_one_read(demo, block_run, tmp_path,
+                                                                   capsys):
     code, printed, _ = run(experiments.main, ["ablate", block_run, "--mask", "emb", "--draws", 4],
                            capsys)
     result = json.loads((block_run / "ablate_best_mask-emb.json").read_text())
@@ -457,6 +458,12 @@ def test_ablate_matches_direct_evaluations_its_control_and_one_read(block_run, t
     base = evaluate(model, val, offsets, {})
     assert result["base_val_loss"] == pytest.approx(base, abs=1e-6)
     assert base == pytest.approx(saved["progress"]["best_val_loss"], abs=1e-5)  # train.py's score
+    # in the run's precision: a bf16 run's unmasked loss is its own evals' too
+    bf16 = trained(demo, tmp_path / "bf16", "--max_iters", 1, "--residual", "attnres",
+                   "--dtype", "bfloat16")
+    assert run(experiments.main, ["ablate", bf16, "--mask", "emb", "--draws", 1], capsys)[0] == 0
+    loss = json.loads((bf16 / "ablate_best_mask-emb.json").read_text())["base_val_loss"]
+    assert loss == checkpoint.load(bf16 / "best.pt", "")["progress"]["best_val_loss"]
     reads = {str(r): r for r in model.reads}
     every = {reads[name]: set(hidden) for row in result["rows"] if row["read"] == "all"
              for name, hidden in row["masked"].items()}
