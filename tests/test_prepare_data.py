@@ -167,6 +167,11 @@ def test_text8_from_a_mirror_its_download_resumed_by_range_or_from_zero(mirror, 
     out = pd.prepare("text8", tmp_path / "kept", keep_downloads=True)
     assert mirror.log[-1] == ("text8.zip", f"bytes={len(zipped) // 2}-")  # asked, got it all
     assert (out / "downloads" / "text8.zip").read_bytes() == zipped
+    # a later job made anew (a damaged split) reuses the kept file and leaves it: not its own
+    (out / "train.bin").write_bytes(b"\0")
+    asked = len(mirror.log)
+    assert pd.prepare("text8", out) == out and len(mirror.log) == asked
+    assert (out / "downloads" / "text8.zip").read_bytes() == zipped
 
 
 def test_tinystories_vocabulary_end_of_text_and_rare_characters(mirror, tmp_path, monkeypatch):
