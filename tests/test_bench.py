@@ -87,6 +87,17 @@ def test_rounds_interleave_every_model_and_the_numbers_add_up(tmp_path, training
     assert data["complete"] and data["machine"]["command"].startswith("python bench.py --shape")
 
 
+def test_a_bench_cut_short_keeps_what_it_measured_and_says_it_is_not_complete(tmp_path,
+                                                                            monkeypatch):
+    def cut(*args):  # Ctrl-C while generation is timed, the last part
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench, "time_generation", cut)
+    with pytest.raises(SystemExit, match="130"):  # the shell's code for Ctrl-C
+        bench_json(tmp_path, "--variants", "prenorm,block", "--iters", 1, "--gen_tokens", 2)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert not data["complete"] and list(data["variants"]) == ["prenorm", "block"]
+
+
 def test_compile_raises_the_recompile_limit_and_counts_each_models_graphs(tmp_path):
     # with a limit of 1, the second model of the same GPT.forward would run eager: bench.py
     # raises it for its run, and each model's own backend counts what it compiled and ran

@@ -113,6 +113,18 @@ def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path,
         experiments.table(["variant", "late loss"], [["rd"]])
 
 
+def test_the_baseline_is_its_row_naming_the_fewest_settings(tmp_path):
+    # block with a routing setting off its default is a row of its own, however its label sorts
+    for seed in (0, 1):
+        hand_run(tmp_path, f"block_L4_s{seed}", "block", seed, 2.0)
+        hand_run(tmp_path, f"coef_L4_s{seed}", "block", seed, 1.0, route_entropy_coef=0.5)
+        hand_run(tmp_path, f"rd_L4_s{seed}", "rd", seed, 2.5)
+    group, = report(tmp_path)
+    rows = {row["label"]: row for row in group["rows"]}
+    assert group["base"] is rows["block"] and len(rows) == 3
+    assert rows["rd"]["delta"]["mean"] == pytest.approx(0.5)
+
+
 def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, capsys):
     """A 40-step 128-wide run is not a seed of a 300-step 64-wide one; where and how a run ran
     (out_dir, device, compile, the data folder as written) does not split a group. train.py's
