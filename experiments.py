@@ -426,7 +426,9 @@ def read_run(d, name):
         config = {**{k: DEFAULTS[k] for k in CONFIG_FIELDS}, **summary["config"]}
         settings = {**DEFAULTS, **summary["train"]}
         swept, base = (info or {}).get("set", {}), (info or {}).get("set_base", {})
-        both = {**settings, **config, "data": Path(settings["data"]).name}  # from any folder
+        # the data by its folder's name (from any folder) and level (a text as bytes or characters)
+        both = {**settings, **config, "data": Path(settings["data"]).name,
+                "level": summary["level"]}
         # a routing knob (needs=) is the variant's, named in its row where not the default (so
         # prenorm and a wav of wav_rho 2 pair); so are the --set values; `home`: at the baselines
         knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
@@ -523,8 +525,8 @@ def make_row(name, block, by_lr):
     for a, b in [(a, b) for a, b in zip(runs, runs[1:]) if a["seed"] == b["seed"]]:
         raise UsageError(f"runs {a['name']} and {b['name']} are both {name}, seed {a['seed']}, lr "
                          f"{lr:g} in one setup: neither pairs clearly; report one at a time")
-    # char level: bits per character (nats / ln 2); GPT-2 tokens: perplexity
-    to_metric = (lambda v: v / math.log(2)) if runs[0]["level"] == "char" else math.exp
+    # the level's unit (prepare_data.LEVELS): bits per character, perplexity for GPT-2 tokens
+    to_metric = prepare_data.LEVELS[runs[0]["level"]][1]
     routes = {k: mean_std(r["routes"].get(k) for r in runs) for k in route_numbers(runs)}
     return dict(variant=name, block=block, lr=lr, runs=runs, val=mean_std(r["final"] for r in runs),
                 label=label, off=runs[0]["off"], edge=edge,
@@ -580,7 +582,8 @@ def group_notes(g, baseline):
     """The lines under a group's heading: what its runs share, what to read its table with."""
     # the settings every run here shares off its default: a report says what the runs were
     # (one since removed from train.py has no default: named)
-    shared = [f"{k} {v}" for k, v in g["setup"] if k != "data" and v != repr(DEFAULTS.get(k))]
+    shared = [f"{k} {v}" for k, v in g["setup"]
+              if k not in ("data", "level") and v != repr(DEFAULTS.get(k))]
     lines = [f"Every run here: {', '.join(shared)}.", ""] * bool(shared)
     # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
     if len({row["block"] for row in g["rows"]} - {None}) > 1:
@@ -612,11 +615,11 @@ def markdown(folders, runs, groups, baseline, notes):
              "route feeding the queries vs the values' (which, in brackets), nats.", ""]
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
-        char, marks = g["level"] == "char", g["milestones"]
+        unit, marks = prepare_data.LEVELS[g["level"]][0], g["milestones"]
         lines += [f"## {title}", "", *group_notes(g, baseline)]
         numbers = route_numbers([run for row in g["rows"] for run in row["runs"]])
-        header = ["variant", "lr", "block", "seeds", "val loss", f"val {'bpc' if char else 'ppl'}",
-                  "Δ val loss", "wins", *numbers, "train s"]
+        header = ["variant", "lr", "block", "seeds", "val loss", f"val {unit}", "Δ val loss",
+                  "wins", *numbers, "train s"]
         rows = []
         for row in g["rows"]:
             name = f"**{row['label']}** (baseline)" if row is g["base"] else row["label"]
@@ -627,7 +630,7 @@ def markdown(folders, runs, groups, baseline, notes):
                     cell += f" ({row['js_pair']})"  # what the two routes feed
                 routes.append(cell)
             rows.append([name, f"{row['lr']:g}", row["block"] or "–", len(row["runs"]),
-                         _ms(row["val"]), _ms(row["metric"], 4 if char else 2),
+                         _ms(row["val"]), _ms(row["metric"], 4 if unit == "bpc" else 2),
                          *_delta(row["delta"]), *routes, _ms(row["wall"], 0)])
         lines += table(header, rows)
         edges = [f"WARNING: {row['edge']}" for row in g["rows"] if row["edge"]]

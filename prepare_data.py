@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -314,8 +315,9 @@ DATASETS = {
 }
 
 # --- The API train.py and sample.py use. ---
-# The levels decoder and encoder know (and train.py's bpc: char level), and no other
-LEVELS = ("char", "gpt2")
+# The levels decoder and encoder know, and no other; each with the unit its loss is also given in
+# (train.py's eval lines and summary, the report): bits per character, perplexity per GPT-2 token
+LEVELS = {"char": ("bpc", lambda nats: nats / math.log(2)), "gpt2": ("ppl", math.exp)}
 
 def prepare(name, out_dir=None, **options):
     """Prepare dataset `name` into out_dir (default data/NAME) by the rules of the top."""
@@ -345,7 +347,8 @@ def prepare(name, out_dir=None, **options):
     meta, splits = DATASETS[name].prepare(o, fetch)
     if meta["level"] not in LEVELS:
         raise ValueError(f"dataset {name} returns level {meta['level']!r}: use \"char\" "
-                         "(Unicode characters) or \"gpt2\", or add one to LEVELS, decoder, encoder")
+                         "(Unicode characters) or \"gpt2\", or add one to LEVELS (with its unit), "
+                         "decoder and encoder")
     meta = {"dataset": name, **meta, "source": meta.get("source", sources), "splits": {}}
     meta["sha256"] = {}  # each split's: what tells a run's text from other text (checkpoint.py)
     dtype = np.dtype(meta["dtype"])

@@ -107,8 +107,10 @@ def prompt_ids(a, meta, data_dir, sequence_len):
         ids = prepare_data.open_split(data_dir, "val", meta)[:sequence_len].tolist()
     elif meta["level"] == "gpt2":
         ids = [prepare_data.GPT2_EOT]
-    else:  # a newline, or a space in a vocabulary without one (text8)
+    elif meta["level"] == "char":  # a newline, or a space in a vocabulary without one (text8)
         ids = [next((meta["chars"].index(c) for c in "\n " if c in meta["chars"]), 0)]
+    else:  # another level: a newline, as its encoder writes it
+        ids = prepare_data.encoder(meta, data_dir)("\n")
     if not ids:
         raise UsageError(f"--start {a.start!r} is empty: give at least one character")
     if len(ids) > sequence_len:

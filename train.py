@@ -541,13 +541,14 @@ def evaluate_and_save(run, lr, crossed=()):
         if run.master else None  # 8 fixed val crops
     for label in crossed:
         p.milestones[label] = dict(step=p.step, tokens=p.tokens, val_loss=val_loss)
-    bpc = val_loss / math.log(2) if run.meta["level"] == "char" else None
+    unit, in_unit = prepare_data.LEVELS[run.meta["level"]]  # bpc for characters
     js = stats and stats["js_mean"]
     record(run, dict(type="eval", step=p.step, tokens=p.tokens, train_loss=train_loss,
-                     val_loss=val_loss, val_bpc=bpc, lr=lr, elapsed_s=round(run.elapsed(), 3),
-                     milestone=",".join(crossed) or None, routes=stats),
+                     val_loss=val_loss, **{f"val_{unit}": in_unit(val_loss)}, lr=lr,
+                     elapsed_s=round(run.elapsed(), 3), milestone=",".join(crossed) or None,
+                     routes=stats),
            f"eval step {p.step} | train {train_loss:.4f} | val {val_loss:.4f}"
-           + (f" | bpc {bpc:.4f}" if bpc is not None else "")
+           + f" | {unit} {in_unit(val_loss):.4f}"
            + (f" | js_mean {js:.4f}" if js is not None else "")
            + (f" | milestone {','.join(crossed)}" if crossed else ""))
     improved, p.best_val_loss = val_loss < p.best_val_loss, min(p.best_val_loss, val_loss)
@@ -601,12 +602,14 @@ def finish(run):
         test_loss = evaluate(run.model, test, batches, T, run.device, run.ctx, a.micro_batch,
                              run.rank, run.world)
     last = next(line for line in reversed(p.lines) if line["type"] == "eval")
-    bpc = (lambda v: v / math.log(2) if meta["level"] == "char" and v is not None else None)
+    unit, in_unit = prepare_data.LEVELS[meta["level"]]
+    final = {"val_loss": last["val_loss"], f"val_{unit}": in_unit(last["val_loss"]),
+             "test_loss": test_loss,
+             f"test_{unit}": None if test_loss is None else in_unit(test_loss)}
     summary = dict(config=dataclasses.asdict(run.config), train=dataclasses.asdict(a),
                    dataset=meta["dataset"], level=meta["level"], step=p.step,
                    tokens_seen=p.tokens, best_val_loss=p.best_val_loss, milestones=p.milestones,
-                   final=dict(val_loss=last["val_loss"], val_bpc=bpc(last["val_loss"]),
-                              test_loss=test_loss, test_bpc=bpc(test_loss)),
+                   final=final,
                    wall_time_s=round(run.elapsed(), 3), routes=last["routes"])
     if run.master:
         write_json(run.out_dir / "summary.json", summary)

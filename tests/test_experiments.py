@@ -125,6 +125,19 @@ def test_the_baseline_is_its_row_naming_the_fewest_settings(tmp_path):
     assert rows["rd"]["delta"]["mean"] == pytest.approx(0.5)
 
 
+def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_path, capsys):
+    for seed in (0, 1):  # one text as characters and as tokens: never paired across the two
+        hand_run(tmp_path, f"chars/block_s{seed}", "block", seed, 2.0)
+        hand_run(tmp_path, f"tokens/prenorm_s{seed}", "prenorm", seed, 4.0, level="gpt2")
+    groups = {g["level"]: g for g in report(tmp_path)}
+    assert groups["char"]["rows"][0]["metric"][0] == pytest.approx(2.0 / math.log(2))
+    assert groups["gpt2"]["rows"][0]["metric"][0] == pytest.approx(math.exp(4.0))
+    assert groups["gpt2"]["base"] is None  # no block run at that level: no Δ
+    assert run(experiments.main, ["report", tmp_path], capsys)[0] == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| val bpc |" in text and "| val ppl |" in text and "(level 'gpt2')" in text
+
+
 def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, capsys):
     """A 40-step 128-wide run is not a seed of a 300-step 64-wide one; where and how a run ran
     (out_dir, device, compile, the data folder as written) does not split a group. train.py's

@@ -149,6 +149,8 @@ def test_gpt2_level_run_starts_after_endoftext_and_decodes_its_tokens(tmp_path, 
     (data / "meta.json").write_text(json.dumps(dict(meta, splits=splits)))
     trained(data, tmp_path / "run", "--max_iters", 2, "--n_layer", 1, "--n_embd", 16,
             "--sequence_len", 16, capsys=capsys)
+    final = json.loads((tmp_path / "run" / "summary.json").read_text())["final"]
+    assert final["val_ppl"] == pytest.approx(math.exp(final["val_loss"]))  # the level's unit
     text = sample_text(capsys, tmp_path / "run", "--num_samples", 1, "--max_new_tokens", 4)
     assert re.fullmatch(r"( t\d+|<\|endoftext\|>){4}\n" + SEP, text), text
 
