@@ -447,6 +447,8 @@ def read_run(d, name):
                    depth=config["n_layer"], seed=settings["seed"], lr=settings["lr"], block=block,
                    final=float(summary["final"]["val_loss"]), level=summary["level"], setup=setup,
                    milestones=summary.get("milestones") or {}, routes=summary.get("routes") or {},
+                   # what the data was, where the run recorded it: a folder prepared anew differs
+                   data_sha256=json.dumps(summary.get("data_sha256"), sort_keys=True),
                    set=knobs | swept, set_base=base, row=row, home=home, off=row != home)
     return run
 
@@ -585,6 +587,10 @@ def group_notes(g, baseline):
     shared = [f"{k} {v}" for k, v in g["setup"]
               if k not in ("data", "level") and v != repr(DEFAULTS.get(k))]
     lines = [f"Every run here: {', '.join(shared)}.", ""] * bool(shared)
+    # grouped by the data folder's name: say so where the splits' SHA-256 show other data in it
+    if len({r["data_sha256"] for row in g["rows"] for r in row["runs"]} - {"null"}) > 1:
+        lines += ["**WARNING: these runs trained on different data** in folders of one name (their "
+                  "splits' SHA-256 differ): prepare each text in its own folder.", ""]
     # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
     if len({row["block"] for row in g["rows"]} - {None}) > 1:
         lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]

@@ -607,7 +607,8 @@ def finish(run):
              "test_loss": test_loss,
              f"test_{unit}": None if test_loss is None else in_unit(test_loss)}
     summary = dict(config=dataclasses.asdict(run.config), train=dataclasses.asdict(a),
-                   dataset=meta["dataset"], level=meta["level"], step=p.step,
+                   dataset=meta["dataset"], level=meta["level"], data_sha256=meta.get("sha256"),
+                   step=p.step,
                    tokens_seen=p.tokens, best_val_loss=p.best_val_loss, milestones=p.milestones,
                    final=final,
                    wall_time_s=round(run.elapsed(), 3), routes=last["routes"])

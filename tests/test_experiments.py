@@ -136,6 +136,13 @@ def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_pat
     assert run(experiments.main, ["report", tmp_path], capsys)[0] == 0
     text = (tmp_path / "report.md").read_text()
     assert "| val bpc |" in text and "| val ppl |" in text and "(level 'gpt2')" in text
+    assert "different data" not in text
+    # the folder prepared anew between two runs (other options): their data's digests differ
+    for seed, digest in ((0, "a1"), (1, "b2")):
+        path = tmp_path / "chars" / f"block_s{seed}" / "summary.json"
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), data_sha256={"val": digest})))
+    run(experiments.main, ["report", tmp_path], capsys)
+    assert (tmp_path / "report.md").read_text().count("WARNING: these runs trained on different") == 1
 
 
 def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, capsys):
