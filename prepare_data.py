@@ -330,9 +330,11 @@ def prepare(name, out_dir=None, **options):
                          "prepare_data.py: give a new or empty folder with --out")
     if owner in DATASETS and owner != name:
         raise UsageError(f"{out} holds the {owner} dataset; prepare {name} in another --out folder")
+    # an option added since the folder was made counts at its default there, as the code ran then
+    defaults = {k: opt.default for k, opt in DATASETS[name].options.items()}
+    same = meta and meta.get("options") is not None and {**defaults, **meta["options"]} == recorded
     with contextlib.suppress(UsageError):  # a damaged split: prepared anew
-        if meta and meta.get("options") == recorded and all(
-                open_split(out, split) is not None for split in load_meta(out)["splits"]):
+        if same and all(open_split(out, split) is not None for split in load_meta(out)["splits"]):
             (out / "progress.json").unlink(missing_ok=True)  # of a run killed after meta.json
             print(f"{out} is already prepared")
             return out

@@ -138,6 +138,10 @@ def test_demo_is_deterministic_whole_stories_and_every_split_in_the_vocabulary(t
     capsys.readouterr()
     pd.prepare("demo", tmp_path / "a", demo_mb=0.05)
     assert "already prepared" in capsys.readouterr().out and files_in(a) == files_in(b)
+    # a folder made before an option existed (seed, say) was made at its default: nothing to do
+    (a / "meta.json").write_text(json.dumps(dict(meta, options=dict(demo_mb=0.05))))
+    pd.prepare("demo", tmp_path / "a", demo_mb=0.05)
+    assert "already prepared" in capsys.readouterr().out
     encode = pd.encoder(meta, a)  # the char encoder: a round trip, and unknown characters named
     assert decode(encode('Lily said, "Hi!"\n')) == 'Lily said, "Hi!"\n'
     with pytest.raises(UsageError, match="'€' '☃'; remove or replace them"):
