@@ -91,8 +91,9 @@ def test_resume_from_elsewhere_and_of_a_finished_run(demo, routed, tmp_path, mon
     monkeypatch.chdir(tmp_path)  # and is resumed from elsewhere
     out = tmp_path / "moved" / "runs" / "routed"
     # the optimizer's flags too: used, not only saved (loading its state would put 0.95 back)
-    assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", "5", "--beta2", "0.99",
-                            "--weight_decay", "0.05"])[0] == 0
+    code, printed, _ = run(train.main, ["--out_dir", out, "--resume", "--max_iters", "5",
+                                        "--beta2", "0.99", "--weight_decay", "0.05"], capsys)
+    assert code == 0 and f"--data {os.path.join('moved', 'data', 'demo')} " in printed  # from here
     assert metrics(out)[-1]["step"] == 5 and weights(out)["settings"]["max_iters"] == 5
     groups = weights(out)["optimizer"]["param_groups"]
     assert [g["betas"] for g in groups] == [(0.9, 0.99)] * 2
