@@ -23,6 +23,11 @@ import torch.distributed as dist
 
 import prepare_data
 from common import UsageError, write_atomic
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: no lock there
+    fcntl = None
 from nanoroute import GPT, GPTConfig
 
 # what a run writes into its folder: any of them there means a run is there
@@ -40,9 +45,33 @@ class Progress:
     lines: list = dataclasses.field(default_factory=list)  # metrics.jsonl
     seconds: float = 0.0  # spent before this invocation
 
+_LOCKS = {}  # {folder: the open descriptor its lock is held on}, until release()
+
+def lock(out_dir):
+    """Holds out_dir for this process (rank 0, the one that writes) until release() or its end,
+    however it ends: another train.py on the folder, such as a --resume while the run still trains
+    (torchrun's workers outlive a kill of torchrun), is refused rather than writing beside it."""
+    if fcntl is None or os.environ.get("RANK", "0") != "0" or out_dir in _LOCKS:
+        return
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(f"{out_dir} is in use by another train.py, still running: wait for it "
+                         "or stop it (under torchrun, its workers too)") from None
+    _LOCKS[out_dir] = fd
+
+def release():  # the folders lock() holds: train.main may be called again from Python
+    for fd in _LOCKS.values():
+        os.close(fd)
+    _LOCKS.clear()
+
 def check_out_dir(out_dir, resume):
     """The checkpoint to resume (--resume), with a kill's temporary files gone; or None after
     checking that out_dir holds no run (or only what a run stopped in its first save left)."""
+    if out_dir.is_dir():  # first: a live run's files are its own, temporary ones too
+        lock(out_dir)
     if resume:
         ckpt = load(out_dir / "last.pt", f"nothing to resume in {out_dir} (no last.pt): train "
                     "without --resume first")
@@ -62,6 +91,7 @@ def make_out_dir(out_dir):
     """A new run's folder, without a kill's temporary files. Made only after every check of the
     run, its settings' and its model's: a refused run leaves no empty folder behind."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    lock(out_dir)
     remove_temporary_files(out_dir)
 
 def stopped_in_first_save(out_dir):

@@ -342,6 +342,7 @@ def main(argv=None):
             signal.signal(sig, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
+        checkpoint.release()
     if "RANK" in os.environ:
         # a torchrun worker: exit at once (checkpoint.leave says why)
         checkpoint.leave(0)

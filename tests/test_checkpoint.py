@@ -3,13 +3,17 @@ run, with the uninterrupted run's result; what a run reads is checked first."""
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 
 import torch
 
 import checkpoint
 import train
-from conftest import error_line, flip_a_stored_byte, metrics, run, same_weights, tiny, without_times
+from conftest import (ROOT, error_line, flip_a_stored_byte, metrics, run, same_weights, tiny,
+                      weights, without_times)
 
 FLAGS = ["--max_iters", 2, "--eval_interval", 1, "--device", "cpu"]  # saves at steps 0, 1, 2
 NOT_MINE = ".last.pt.notmine.tmp"  # a name write_atomic never makes (7 characters, not 8)
@@ -66,3 +70,24 @@ def test_resume_checks_best_pt_and_reads_files_and_a_saved_run_stays(demo, tmp_p
     err = error_line(train.main, tiny(demo, out, *FLAGS), capsys)
     assert "already holds a run (best.pt, metrics.jsonl)" in err
     assert (out / "best.pt").read_bytes() == best
+
+
+def test_a_folder_a_live_run_writes_is_refused_until_it_ends(demo, tmp_path, capsys):
+    out = tmp_path / "live"  # still training: a --resume beside it would write into its files
+    flags = tiny(demo, out, "--max_iters", 10 ** 6, "--eval_interval", 2, "--device", "cpu")
+    live = subprocess.Popen([sys.executable, ROOT / "train.py", *map(str, flags)],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            if (out / "last.pt").exists():
+                break
+            time.sleep(0.1)
+        # a resume (of 1 step: were it let through, it would end at once) and a new run
+        for argv in (["--out_dir", out, "--resume", "--max_iters", 1], tiny(demo, out)):
+            assert "in use by another train.py, still running" in error_line(train.main, argv,
+                                                                              capsys)
+    finally:
+        live.kill()  # SIGKILL: nothing saved, and its lock goes with it
+        live.wait()
+    step = weights(out)["progress"]["step"]
+    assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", step + 1])[0] == 0
