@@ -489,6 +489,10 @@ def test_explicit_flags_beat_a_preset_and_the_printed_baseline_keeps_all_but_the
     assert train.resolve_settings({"preset": "wav12", "max_tokens": 10**8})[0].max_tokens == 10**8
     a, model = train.resolve_settings({"preset": "rd_s"})
     train.check_settings(a, 8, model)  # on 8 GPUs: shares of 8 sequences, under its micro-batch 16
+    # 2 processes, 6 sequences each, in forwards of 4 and 2: unequal, refused (12 % 4 is no test)
+    a, model = train.resolve_settings({"batch_size": 12, "micro_batch": 4})
+    with pytest.raises(train.UsageError, match="divides its share"):
+        train.check_settings(a, 2, model)
     # resumed with its preset again, a run made with a smaller batch would silently take 64
     a, model = train.resolve_settings({"preset": "wav12", "batch_size": 8})
     ckpt = dict(config=model, settings=dataclasses.asdict(a))
