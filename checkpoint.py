@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 import prepare_data
 from common import UsageError, write_atomic
+from nanoroute import GPT, GPTConfig
 
 try:
     import fcntl
 except ImportError:  # not on Windows: no lock there
     fcntl = None
-from nanoroute import GPT, GPTConfig
 
 # what a run writes into its folder: any of them there means a run is there
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "summary.json")
