@@ -140,6 +140,9 @@ def sweep_grid(a, variants):
         raise UsageError("sweep custom needs --data FOLDER (a prepared dataset) and --variants, "
                          "e.g. --data data/demo --variants prenorm,block,wav,rd")
     if a.name == "custom":  # the dataset its meta.json names (a missing demo is made first)
+        if a.data_root != "data":  # the named sweeps' folder of datasets: custom's is --data
+            raise UsageError(f"--data_root {a.data_root}: only the named sweeps read it; sweep "
+                             f"custom reads --data: give the whole path, --data {a.data_root}/...")
         folder = prepare_data.dataset_folder(a.data)
         demo = folder.name == "demo" and not (folder / "meta.json").exists()
         dataset = "demo" if demo else prepare_data.load_meta(folder)["dataset"]
@@ -549,15 +552,19 @@ def route_numbers(runs):
             names[k] = names.get(k, False) or number
     return [k for k, number in names.items() if number]
 
+def data_name(g):  # a group's data: its folder, and the dataset where they differ (textfile)
+    folder = Path(g["rows"][0]["runs"][0]["summary"]["train"]["data"]).name
+    return g["dataset"] if folder == g["dataset"] else f"{folder} ({g['dataset']})"
+
 def titles(groups):
-    """Each group's heading; groups of one dataset and depth also name what sets them apart."""
+    """Each group's heading; groups of one data and depth also name what sets them apart."""
     heads = []
     for g in groups:
         twins = [dict(h["setup"]) for h in groups
-                 if (h["dataset"], h["depth"]) == (g["dataset"], g["depth"])]
+                 if (data_name(h), h["depth"]) == (data_name(g), g["depth"])]
         diff = [f"{k} {dict(g['setup']).get(k, 'unset')}" for k in sorted(set().union(*twins))
                 if len({t.get(k) for t in twins}) > 1]
-        heads.append(f"{g['dataset']}, {g['depth']} layers" + f" ({', '.join(diff)})" * bool(diff))
+        heads.append(f"{data_name(g)}, {g['depth']} layers" + f" ({', '.join(diff)})" * bool(diff))
     return heads
 
 def _ms(ms, digits=4, sign=""):  # "mean ± std"; "mean ± –" for one seed; "–" for none

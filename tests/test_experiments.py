@@ -79,7 +79,7 @@ def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path,
             hand_run(tmp_path, f"{variant}_L4_s{seed}", variant, seed, val,
                      milestones=[("10K", 10_000, val), ("2K", 2_000, at[variant, seed])])
     hand_run(tmp_path, "fw/block_L16_s0", "block", 0, 3.0, depth=16, level="gpt2",
-             dataset="fineweb_edu")
+             dataset="fineweb_edu", data="data/fineweb_edu")
     demo, fw = report(tmp_path)
     assert (demo["dataset"], demo["depth"], fw["dataset"]) == ("demo", 4, "fineweb_edu")
     rows = {row["variant"]: row for row in demo["rows"]}
@@ -143,6 +143,13 @@ def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_pat
         path.write_text(json.dumps(dict(json.loads(path.read_text()), data_sha256={"val": digest})))
     run(experiments.main, ["report", tmp_path], capsys)
     assert (tmp_path / "report.md").read_text().count("WARNING: these runs trained on different") == 1
+
+
+def test_text_files_are_headed_by_their_folders(tmp_path):
+    for name, data in (("a", "data/notes"), ("b", "/elsewhere/tales")):  # one dataset: textfile
+        hand_run(tmp_path, name, "block", 0, 2.0, dataset="textfile", data=data)
+    assert experiments.titles(report(tmp_path)) == ["notes (textfile), 4 layers",
+                                                    "tales (textfile), 4 layers"]
 
 
 def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, capsys):
@@ -273,6 +280,7 @@ def test_bad_input_is_one_error_line(demo, block_run, tmp_path, capsys):
         ([*custom[:-1], tmp_path / "text8", "--variants", "block"],
          f"data folder {tmp_path / 'text8'} does not exist"),
         ([*custom[:-2], "--variants", "block"], "sweep custom needs --data FOLDER"),
+        ([*custom, "--variants", "block", "--data_root", "big"], "--data_root big: only the named"),
         (["sweep", "tiny", "--data", demo, "--dry_run"], "only sweep custom takes a data folder"),
         ([*custom, "--variants", "block", "--", "--n_layer", "8"],
          "--n_layer after --: the sweep sets it for each run; use --depths"),
