@@ -13,7 +13,7 @@ import torch
 import checkpoint
 import train
 from conftest import (ROOT, error_line, flip_a_stored_byte, metrics, run, same_weights, tiny,
-                      weights, without_times)
+                      trained, weights, without_times)
 
 FLAGS = ["--max_iters", 2, "--eval_interval", 1, "--device", "cpu"]  # saves at steps 0, 1, 2
 NOT_MINE = ".last.pt.notmine.tmp"  # a name write_atomic never makes (7 characters, not 8)
@@ -91,3 +91,19 @@ def test_a_folder_a_live_run_writes_is_refused_until_it_ends(demo, tmp_path, cap
         live.wait()
     step = weights(out)["progress"]["step"]
     assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", step + 1])[0] == 0
+
+
+def test_the_lock_lasts_until_train_main_returns_and_goes_with_any_end(demo, tmp_path,
+                                                                      monkeypatch, capsys):
+    out, seen, real = tmp_path / "run", [], train.next_commands
+    resume = [sys.executable, ROOT / "train.py", "--out_dir", out, "--resume"]
+
+    def another_resume(run):  # the summary is written; the folder is still this run's
+        seen.append(subprocess.run(resume, capture_output=True, text=True))
+        return real(run)
+    monkeypatch.setattr(train, "next_commands", another_resume)
+    trained(demo, out, *FLAGS)
+    assert seen[0].returncode == 2 and "in use by another train.py" in seen[0].stderr
+    # a train.main that fails once it holds the lock (a model flag the run does not have) frees it
+    error_line(train.main, ["--out_dir", out, "--resume", "--n_layer", 3], capsys)
+    assert subprocess.run([*resume, "--max_iters", "3"], capture_output=True).returncode == 0
