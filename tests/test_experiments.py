@@ -128,10 +128,13 @@ def test_the_baseline_is_its_row_naming_the_fewest_settings(tmp_path):
 def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_path, capsys):
     for seed in (0, 1):  # one text as characters and as tokens: never paired across the two
         hand_run(tmp_path, f"chars/block_s{seed}", "block", seed, 2.0)
-        hand_run(tmp_path, f"tokens/prenorm_s{seed}", "prenorm", seed, 4.0, level="gpt2")
+        hand_run(tmp_path, f"tokens/prenorm_s{seed}", "prenorm", seed, 3.0 + 2 * seed,
+                 level="gpt2")
     groups = {g["level"]: g for g in report(tmp_path)}
     assert groups["char"]["rows"][0]["metric"][0] == pytest.approx(2.0 / math.log(2))
-    assert groups["gpt2"]["rows"][0]["metric"][0] == pytest.approx(math.exp(4.0))
+    ppl = [math.exp(3.0), math.exp(5.0)]  # each seed's, then their mean (not exp of the mean)
+    assert groups["gpt2"]["rows"][0]["metric"] == pytest.approx((statistics.fmean(ppl),
+                                                                  statistics.stdev(ppl)))
     assert groups["gpt2"]["base"] is None  # no block run at that level: no Δ
     assert run(experiments.main, ["report", tmp_path], capsys)[0] == 0
     text = (tmp_path / "report.md").read_text()
@@ -142,7 +145,8 @@ def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_pat
         path = tmp_path / "chars" / f"block_s{seed}" / "summary.json"
         path.write_text(json.dumps(dict(json.loads(path.read_text()), data_sha256={"val": digest})))
     run(experiments.main, ["report", tmp_path], capsys)
-    assert (tmp_path / "report.md").read_text().count("WARNING: these runs trained on different") == 1
+    text = (tmp_path / "report.md").read_text()
+    assert text.count("WARNING: these runs trained on different") == 1
 
 
 def test_text_files_are_headed_by_their_folders(tmp_path):
@@ -499,12 +503,21 @@ def test_ablate_matches_direct_evaluations_its_control_and_one_read(demo, block_
     base = evaluate(model, val, offsets, {})
     assert result["base_val_loss"] == pytest.approx(base, abs=1e-6)
     assert base == pytest.approx(saved["progress"]["best_val_loss"], abs=1e-5)  # train.py's score
-    # in the run's precision: a bf16 run's unmasked loss is its own evals' too
+    # in the run's precision: a bf16 run's unmasked loss is its own evals' too, and so are its masks
     bf16 = trained(demo, tmp_path / "bf16", "--max_iters", 1, "--residual", "attnres",
                    "--dtype", "bfloat16")
     assert run(experiments.main, ["ablate", bf16, "--mask", "emb", "--draws", 1], capsys)[0] == 0
-    loss = json.loads((bf16 / "ablate_best_mask-emb.json").read_text())["base_val_loss"]
+    in_bf16 = json.loads((bf16 / "ablate_best_mask-emb.json").read_text())
+    loss = in_bf16["base_val_loss"]
     assert loss == checkpoint.load(bf16 / "best.pt", "")["progress"]["best_val_loss"]
+    model16, _, val16, offsets16 = experiments.load_model(bf16)
+    row = in_bf16["rows"][-1]
+    model16.masked = {r: set(row["masked"][str(r)]) for r in model16.reads
+                      if str(r) in row["masked"]}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        masked = train.evaluate(model16, val16, offsets16, model16.config.sequence_len,
+                                torch.device("cpu"))
+    assert row["delta"] == masked - loss
     reads = {str(r): r for r in model.reads}
     every = {reads[name]: set(hidden) for row in result["rows"] if row["read"] == "all"
              for name, hidden in row["masked"].items()}

@@ -190,6 +190,12 @@ def test_tinystories_vocabulary_end_of_text_and_rare_characters(mirror, tmp_path
     assert meta["chars"] == frequent + [pd.EOT, "\ufffd"]
     assert set(meta["splits"]) == {"train", "val"}
     assert meta["replaced"] == sorted(c for c in set(plain) if plain.count(c) == 1)
+    # made before --v1 existed (its default, False, then): not downloaded nor made again
+    options = {k: v for k, v in meta["options"].items() if k != "v1"}
+    (out / "meta.json").write_text(json.dumps(dict(meta, options=options)))
+    asked = len(mirror.log)
+    pd.prepare("tinystories", tmp_path / "ts", min_per_million=1.5e6 / len(plain))
+    assert len(mirror.log) == asked and (out / "meta.json").read_text().count('"v1"') == 0
 
     def ids(text):
         stories = [[frequent.index(c) if c in frequent else len(frequent) + 1 for c in s]
