@@ -1,5 +1,6 @@
 """checkpoint.py: every folder a kill can leave is continued by --resume or started over by a plain
-run, with the uninterrupted run's result; what a run reads is checked first."""
+run, with the uninterrupted run's result; what a run reads is checked first; a folder a running
+train.py writes is refused to any other."""
 
 import os
 import shutil
