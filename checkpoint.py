@@ -60,6 +60,9 @@ def lock(out_dir):
         os.close(fd)
         raise UsageError(f"{out_dir} is in use by another train.py, still running: wait for it "
                          "or stop it (under torchrun, its workers too)") from None
+    except OSError:  # a file system without locks (some network ones): unlocked, as before
+        os.close(fd)
+        return
     _LOCKS[out_dir] = fd
 
 def release():  # the folders lock() holds: train.main may be called again from Python
