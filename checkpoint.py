@@ -60,8 +60,10 @@ def lock(out_dir):
         os.close(fd)
         raise UsageError(f"{out_dir} is in use by another train.py, still running: wait for it "
                          "or stop it (under torchrun, its workers too)") from None
-    except OSError:  # a file system without locks (some network ones): unlocked, as before
+    except OSError:  # a file system without locks (some network ones): unlocked, and said
         os.close(fd)
+        print(f"note: {out_dir} cannot be locked here: nothing stops a second train.py writing "
+              "there", flush=True)
         return
     _LOCKS[out_dir] = fd
 
