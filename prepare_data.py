@@ -319,6 +319,18 @@ DATASETS = {
 # (train.py's eval lines and summary, the report): bits per character, perplexity per GPT-2 token
 LEVELS = {"char": ("bpc", lambda nats: nats / math.log(2)), "gpt2": ("ppl", math.exp)}
 
+def prepared(name, out, meta, recorded):
+    """True if out holds dataset `name` made with these options, every split whole (a damaged
+    one: prepared anew). An option added since the folder was made counts at its default there,
+    as the code ran then."""
+    defaults = {k: opt.default for k, opt in DATASETS[name].options.items()}
+    if not meta or meta.get("options") is None or {**defaults, **meta["options"]} != recorded:
+        return False
+    try:
+        return all(open_split(out, split) is not None for split in load_meta(out)["splits"])
+    except UsageError:
+        return False
+
 def prepare(name, out_dir=None, **options):
     """Prepare dataset `name` into out_dir (default data/NAME) by the rules of the top."""
     o, recorded = _options(name, options)
@@ -330,14 +342,10 @@ def prepare(name, out_dir=None, **options):
                          "prepare_data.py: give a new or empty folder with --out")
     if owner in DATASETS and owner != name:
         raise UsageError(f"{out} holds the {owner} dataset; prepare {name} in another --out folder")
-    # an option added since the folder was made counts at its default there, as the code ran then
-    defaults = {k: opt.default for k, opt in DATASETS[name].options.items()}
-    same = meta and meta.get("options") is not None and {**defaults, **meta["options"]} == recorded
-    with contextlib.suppress(UsageError):  # a damaged split: prepared anew
-        if same and all(open_split(out, split) is not None for split in load_meta(out)["splits"]):
-            (out / "progress.json").unlink(missing_ok=True)  # of a run killed after meta.json
-            print(f"{out} is already prepared")
-            return out
+    if prepared(name, out, meta, recorded):
+        (out / "progress.json").unlink(missing_ok=True)  # of a run killed after meta.json
+        print(f"{out} is already prepared")
+        return out
     progress, sources = {"dataset": name, "options": recorded, "made": progress.get("made", [])}, []
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "progress.json", progress)  # first: from now on the folder is this job's
