@@ -543,13 +543,13 @@ def evaluate_and_save(run, lr, crossed=()):
     for label in crossed:
         p.milestones[label] = dict(step=p.step, tokens=p.tokens, val_loss=val_loss)
     unit, in_unit = prepare_data.LEVELS[run.meta["level"]]  # bpc for characters
-    js = stats and stats["js_mean"]
+    val_in_unit, js = in_unit(val_loss), stats and stats["js_mean"]
     record(run, dict(type="eval", step=p.step, tokens=p.tokens, train_loss=train_loss,
-                     val_loss=val_loss, **{f"val_{unit}": in_unit(val_loss)}, lr=lr,
+                     val_loss=val_loss, **{f"val_{unit}": val_in_unit}, lr=lr,
                      elapsed_s=round(run.elapsed(), 3), milestone=",".join(crossed) or None,
                      routes=stats),
            f"eval step {p.step} | train {train_loss:.4f} | val {val_loss:.4f}"
-           + f" | {unit} {in_unit(val_loss):.4f}"
+           + f" | {unit} {val_in_unit:.4f}"
            + (f" | js_mean {js:.4f}" if js is not None else "")
            + (f" | milestone {','.join(crossed)}" if crossed else ""))
     improved, p.best_val_loss = val_loss < p.best_val_loss, min(p.best_val_loss, val_loss)
@@ -609,10 +609,9 @@ def finish(run):
              f"test_{unit}": None if test_loss is None else in_unit(test_loss)}
     summary = dict(config=dataclasses.asdict(run.config), train=dataclasses.asdict(a),
                    dataset=meta["dataset"], level=meta["level"], data_sha256=meta.get("sha256"),
-                   step=p.step,
-                   tokens_seen=p.tokens, best_val_loss=p.best_val_loss, milestones=p.milestones,
-                   final=final,
-                   wall_time_s=round(run.elapsed(), 3), routes=last["routes"])
+                   step=p.step, tokens_seen=p.tokens, best_val_loss=p.best_val_loss,
+                   milestones=p.milestones, final=final, wall_time_s=round(run.elapsed(), 3),
+                   routes=last["routes"])
     if run.master:
         write_json(run.out_dir / "summary.json", summary)
     run.log(f"done: {p.step} steps, {p.tokens:,} tokens, val {last['val_loss']:.4f}"
