@@ -62,15 +62,17 @@ PRESETS = {
 }
 
 def option(default, help, low=None, high=math.inf, parse=None, choices=None, runtime=False,
-           needs=None):
+           needs=None, fixed=False):
     """A TrainSettings field: its --help, range [low, high) or choices, a parse for a text not of
-    its type; runtime: how this invocation runs (not from last.pt); needs: as GPTConfig's."""
+    its type; runtime: how this invocation runs (not from last.pt); needs: as GPTConfig's; fixed:
+    what the run began with (its seed made its weights), which a --resume may not change."""
     if needs not in (None, "attnres", *CONFIG_FIELDS):  # e.g. another training setting's name
         raise ValueError(f"needs={needs!r}: not a GPTConfig field. needs= marks a setting of the "
                          "depth routing (the paired baseline drops it); check a setting that needs "
                          "another training setting in check_settings")
     return dataclasses.field(default=default, metadata=dict(
-        help=help, low=low, high=high, parse=parse, choices=choices, runtime=runtime, needs=needs))
+        help=help, low=low, high=high, parse=parse, choices=choices, runtime=runtime, needs=needs,
+        fixed=fixed))
 
 @dataclasses.dataclass
 class TrainSettings:
@@ -100,7 +102,7 @@ class TrainSettings:
     milestones: str | None = option(None, "also evaluate where the token count crosses these, "
                                     "e.g. 0.25B,0.5B,1B,2B")
     log_interval: int = option(20, "print and log the train loss every this many steps", low=1)
-    seed: int = option(1337, "data order and initial weights", low=0, high=2 ** 63)
+    seed: int = option(1337, "data order and initial weights", low=0, high=2 ** 63, fixed=True)
     device: str = option("auto", "auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps", runtime=True)
     dtype: str = option("auto", "auto: bf16 autocast on a GPU with native bf16, else float32",
                         choices=("auto", "float32", "bfloat16"), runtime=True)
@@ -147,12 +149,13 @@ def resolve_settings(explicit, ckpt=None):
         # loads into: another value given with --resume differs from the run, not new to it
         ckpt = dict(ckpt, config=config_defaults | ckpt["config"])
         run = {**ckpt["settings"], **ckpt["config"]}
+        fixed = {f.name for f in dataclasses.fields(TrainSettings) if f.metadata["fixed"]}
         for name, value in given.items():
             if name not in run or value == run[name] or name == "data":  # data: open_data's
                 continue
-            # a model flag may not change the run; a preset's training settings neither: its
-            # batch and schedule would silently replace the run's
-            if name in explicit and name in ckpt["config"]:
+            # a model flag or a fixed setting may not change the run; a preset's training
+            # settings neither: its batch and schedule would silently replace the run's
+            if name in explicit and (name in ckpt["config"] or name in fixed):
                 raise UsageError(f"--{name} {value} differs from the run's {name}={run[name]}: "
                                  "drop it to resume the run, or start one in another --out_dir")
             if name not in explicit:

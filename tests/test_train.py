@@ -276,6 +276,9 @@ def test_folders_models_datasets_and_checkpoints_a_run_refuses(demo, routed, tmp
     assert "no last.pt" in err
     err = error_line(train.main, ["--out_dir", routed, "--resume", "--n_embd", "64"], capsys)
     assert "--n_embd 64 differs from the run's n_embd=32" in err
+    # the seed made the run's weights: another would record a seed the run never had
+    err = error_line(train.main, ["--out_dir", routed, "--resume", "--seed", 5], capsys)
+    assert "--seed 5 differs from the run's seed=" in err
     err = error_line(train.main, ["--out_dir", routed, "--resume", "--preset", "wav12"], capsys)
     assert "--preset wav12 sets rd=off, the run's is decoupled: drop --preset to resume" in err
     other = tmp_path / "other"
