@@ -47,7 +47,8 @@ def cli(main):
 FLAG_SYNONYMS = {"learning_rate": "lr", "block_size": "sequence_len", "context_len": "sequence_len",
                  "n_layers": "n_layer", "n_heads": "n_head", "d_model": "n_embd",
                  "gradient_accumulation_steps": "grad_accum", "max_steps": "max_iters",
-                 "iters": "max_iters", "out": "out_dir", "init_from": "resume"}
+                 "iters": "max_iters", "out": "out_dir"}
+# not nanoGPT's init_from: its checkpoint path (a fine-tune) is not what --resume does
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse without abbreviations; a bad flag is one `error:` line naming the nearest flag."""

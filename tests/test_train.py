@@ -437,6 +437,7 @@ def test_peak_flops_of_known_gpus_only_and_bf16_from_capability_8(monkeypatch):
 @pytest.mark.parametrize("argv, words", [
     (["--learning_rate", "1"], "did you mean --lr?"),  # unknown flag
     (["--max_iter", "3"], "unrecognized arguments: --max_iter"),  # abbreviated flag
+    (["--init_from", "out"], "--init_from out; see --help"),  # no hint: --resume is not a fine-tune
     (["--wav", "maybe"], "--wav: invalid true_or_false value"),
     (["--vocab_size", "9"], "unrecognized arguments: --vocab_size"),  # the data's
     (["--lr", "-1"], "--lr -1.0: must be at least 0"),
