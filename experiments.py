@@ -452,6 +452,8 @@ def read_run(d, name):
                    milestones=summary.get("milestones") or {}, routes=summary.get("routes") or {},
                    # what the data was, where the run recorded it: a folder prepared anew differs
                    data_sha256=json.dumps(summary.get("data_sha256"), sort_keys=True),
+                   # float32 or bfloat16 (older runs: --dtype where not auto, else unknown)
+                   precision=summary.get("precision", settings["dtype"].replace("auto", "")),
                    set=knobs | swept, set_base=base, row=row, home=home, off=row != home)
     return run
 
@@ -598,6 +600,12 @@ def group_notes(g, baseline):
     if len({r["data_sha256"] for row in g["rows"] for r in row["runs"]} - {"null"}) > 1:
         lines += ["**WARNING: these runs trained on different data** in folders of one name (their "
                   "splits' SHA-256 differ): prepare each text in its own folder.", ""]
+    # precision is how a run ran (--dtype auto is bf16 on one device, float32 on another), yet
+    # it moves the loss: pairs across it measure it too
+    precisions = sorted({r["precision"] for row in g["rows"] for r in row["runs"]} - {""})
+    if len(precisions) > 1:
+        lines += [f"**WARNING: these runs ran at different precisions** ({', '.join(precisions)}): "
+                  "their differences measure the precision too: give every run one --dtype.", ""]
     # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
     if len({row["block"] for row in g["rows"]} - {None}) > 1:
         lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]

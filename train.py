@@ -612,7 +612,7 @@ def finish(run):
              f"test_{unit}": None if test_loss is None else in_unit(test_loss)}
     summary = dict(config=dataclasses.asdict(run.config), train=dataclasses.asdict(a),
                    dataset=meta["dataset"], level=meta["level"], data_sha256=meta.get("sha256"),
-                   step=p.step, tokens_seen=p.tokens, best_val_loss=p.best_val_loss,
+                   precision=str(run.dtype)[6:], step=p.step, tokens_seen=p.tokens, best_val_loss=p.best_val_loss,
                    milestones=p.milestones, final=final, wall_time_s=round(run.elapsed(), 3),
                    routes=last["routes"])
     if run.master:

@@ -147,6 +147,14 @@ def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_pat
     run(experiments.main, ["report", tmp_path], capsys)
     text = (tmp_path / "report.md").read_text()
     assert text.count("WARNING: these runs trained on different") == 1
+    assert "different precisions" not in text  # hand_run's --dtype auto: unknown, like older runs
+    # one seed in bf16 (--dtype auto on a GPU), the other in float32: said, the two named
+    for seed, precision in ((0, "bfloat16"), (1, "float32")):
+        path = tmp_path / "chars" / f"block_s{seed}" / "summary.json"
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), precision=precision)))
+    run(experiments.main, ["report", tmp_path], capsys)
+    text = (tmp_path / "report.md").read_text()
+    assert text.count("WARNING: these runs ran at different precisions** (bfloat16, float32)") == 1
 
 
 def test_text_files_are_headed_by_their_folders(tmp_path):

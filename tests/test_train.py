@@ -46,6 +46,7 @@ def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(routed
     assert done["final"]["val_bpc"] == pytest.approx(last["val_loss"] / math.log(2))
     data = prepare_data.load_meta(out / weights(out)["data_dir"])  # the report tells data apart
     assert done["data_sha256"] == data["sha256"] and len(data["sha256"]) == 3
+    assert done["precision"] == "float32"  # --dtype auto on a CPU: what it resolved to
     assert done["milestones"]["1K"]["val_loss"] == last["val_loss"]
     assert done["best_val_loss"] == min(x["val_loss"] for x in lines if x["type"] == "eval")
     assert done["final"]["test_loss"] > 0 and done["routes"]["js_mean"] is not None
