@@ -631,9 +631,10 @@ def markdown(folders, runs, groups, baseline, notes):
              "variant and --set values. Val loss: the last eval's, nats/token, mean ± sample std "
              f"over seeds. Δ: paired difference to **{baseline}** (same seed), or (Δ vs) to the "
              "same variant at the baseline of its --set values (the default, else the first "
-             "given); wins: seeds where lower. lr: of the lowest mean. Then the routes' numbers "
-             "(routing_stats): entropy_norm_mean, the route entropy normalised; js_mean, RD's "
-             "route feeding the queries vs the values' (which, in brackets), nats.", ""]
+             "given), over the seeds both have; wins: of those n seeds, where lower. lr: of the "
+             "lowest mean. Then the routes' numbers (routing_stats): entropy_norm_mean, the route "
+             "entropy normalised; js_mean, RD's route feeding the queries vs the values' (which, "
+             "in brackets), nats.", ""]
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
         unit, marks = prepare_data.LEVELS[g["level"]][0], g["milestones"]
