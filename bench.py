@@ -130,6 +130,7 @@ class Bench:
         self.out["routing_blocks"] = routing_blocks(self.shape, self.variants)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        self.save()  # now: an earlier bench's file there would say complete for this one
 
     def save(self):
         """--json rewritten whole with what is measured so far: a run cut short keeps it."""

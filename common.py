@@ -22,8 +22,9 @@ from pathlib import Path
 class UsageError(Exception):
     """A problem the user can fix; its message says what failed and what to do."""
 
-def cli(main):
-    """main(argv=None) as a command: a UsageError or OSError is one `error:` line, exit code 2."""
+def cli(main, again=None):
+    """main(argv=None) as a command: a UsageError or OSError is one `error:` line, exit code 2.
+    again: what the same command does once more after a Ctrl-C, where it continues the work."""
     @functools.wraps(main)
     def run(argv=None):
         try:
@@ -36,7 +37,7 @@ def cli(main):
             message = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
         # Ctrl-C: one line, no traceback; 130 = 128 + SIGINT, as a shell reports it
         except KeyboardInterrupt:
-            print("error: interrupted; the same command continues what was done", file=sys.stderr)
+            print("error: interrupted" + (f"; {again}" if again else ""), file=sys.stderr)
             sys.exit(130)
         # one line even when the message holds newlines
         print("error: " + " ".join(message.split()), file=sys.stderr)

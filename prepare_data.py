@@ -11,6 +11,7 @@ another dataset's; the same dataset with other options (or a changed --input) is
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -518,7 +519,7 @@ def encoder(meta, folder):
     return encode
 
 # --- Command line: a flag for every option of RUN_OPTIONS and DATASETS. ---
-@cli
+@functools.partial(cli, again="the same command keeps what is done and resumes a download")
 def main(argv=None):
     listing = "\n".join(f"  {name:<12} {d.help}" for name, d in DATASETS.items())
     p = ArgumentParser(description="Prepare a dataset folder for train.py.", epilog="datasets:\n"

@@ -96,6 +96,13 @@ def test_a_bench_cut_short_keeps_what_it_measured_and_says_it_is_not_complete(tm
         bench_json(tmp_path, "--variants", "prenorm,block", "--iters", 1, "--gen_tokens", 2)
     data = json.loads((tmp_path / "bench.json").read_text())
     assert not data["complete"] and list(data["variants"]) == ["prenorm", "block"]
+    # an earlier bench's complete file, then one cut before its first step: it says so at once
+    (tmp_path / "bench.json").write_text(json.dumps(dict(data, complete=True)))
+    monkeypatch.setattr(bench, "build", cut)
+    with pytest.raises(SystemExit, match="130"):
+        bench_json(tmp_path, "--variants", "rd")
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert not data["complete"] and data["variants"] == {} and "rd" in data["args"]["variants"]
 
 
 def test_compile_raises_the_recompile_limit_and_counts_each_models_graphs(tmp_path):

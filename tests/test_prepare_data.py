@@ -434,6 +434,20 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, argv, words)
     assert words in error_line(pd.main, [a.format(tmp=tmp_path) for a in argv], capsys)
 
 
+def test_ctrl_c_is_one_line_saying_whether_the_same_command_continues(tmp_path, capsys,
+                                                                     monkeypatch):
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(pd, "prepare", stopped)  # Ctrl-C while it prepares: kept, resumed
+    with pytest.raises(SystemExit) as e:
+        pd.main(["demo", "--out", str(tmp_path / "d")])
+    assert e.value.code == 130
+    assert "error: interrupted; the same command keeps what is done" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # sample.py, bench.py: nothing to continue, no promise
+        common.cli(stopped)()
+    assert e.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
+
+
 def test_training_and_sampling_import_it_without_the_download_packages(tmp_path):
     blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in ["requests", "urllib3", "tqdm",
                                                                   "tiktoken"])
