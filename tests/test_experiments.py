@@ -387,6 +387,8 @@ def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_p
         {"OMP_NUM_THREADS": "1"}  # tiny's one thread beats --jobs' share
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert experiments.job_slots(2, extra=["--device", "cpu"]) == [{}, {}]
+    # the threads you set beat tiny's one: the runs inherit yours
+    assert experiments.run_env(dict(env={"OMP_NUM_THREADS": "1"}), {}) == {}
     d = tmp_path / "run"  # a failed run: its last error line
     d.mkdir()
     (d / "train.log").write_text("note: an error of no consequence\nerror: the real one\n")
