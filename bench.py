@@ -213,8 +213,10 @@ def load_against(path):
         raise UsageError(f"--against {path}: importing {file} failed: {type(e).__name__}: "
                          f"{' '.join(str(e).split())}") from None
     if not (hasattr(module, "GPT") and hasattr(module, "GPTConfig")):
-        raise UsageError(f"--against {path}: {file} has no GPT and GPTConfig: is it a "
-                         "nanoroute.py?")
+        # empty: a `git show BRANCH:nanoroute.py > FILE` whose BRANCH does not exist
+        why = "it is empty (did the command that wrote it fail?)" if not file.stat().st_size \
+            else "is it a nanoroute.py?"
+        raise UsageError(f"--against {path}: {file} has no GPT and GPTConfig: {why}")
     return module
 
 def cpu_name():
