@@ -219,7 +219,9 @@ def open_data(a, ckpt, run_dir, master, given):
     """The dataset's folder and meta.json (--resume: the run's own, unless --data is given)."""
     if ckpt is not None:
         folder, meta = checkpoint.open_data(ckpt, run_dir, a.data if given else None)
-        a.data = str(folder)
+        # as the run named it (demo) where that still names the folder here, else its path
+        if prepare_data.dataset_folder(a.data).resolve() != folder.resolve():
+            a.data = str(folder)
         return folder, meta
     folder = prepare_data.dataset_folder(a.data)
     if folder.name == "demo" and not (folder / "meta.json").exists() and master:
@@ -612,9 +614,9 @@ def finish(run):
              f"test_{unit}": None if test_loss is None else in_unit(test_loss)}
     summary = dict(config=dataclasses.asdict(run.config), train=dataclasses.asdict(a),
                    dataset=meta["dataset"], level=meta["level"], data_sha256=meta.get("sha256"),
-                   precision=str(run.dtype)[6:], step=p.step, tokens_seen=p.tokens, best_val_loss=p.best_val_loss,
-                   milestones=p.milestones, final=final, wall_time_s=round(run.elapsed(), 3),
-                   routes=last["routes"])
+                   precision=str(run.dtype)[6:], step=p.step, tokens_seen=p.tokens,
+                   best_val_loss=p.best_val_loss, milestones=p.milestones, final=final,
+                   wall_time_s=round(run.elapsed(), 3), routes=last["routes"])
     if run.master:
         write_json(run.out_dir / "summary.json", summary)
     run.log(f"done: {p.step} steps, {p.tokens:,} tokens, val {last['val_loss']:.4f}"

@@ -147,7 +147,7 @@ def test_preset_shape_mfu_and_profile(tmp_path, monkeypatch, capsys):
     (["--device", "tpu"], "--device tpu: choose auto, cpu"),
     (["--against", "missing.py"], "--against missing.py: no such file"),
     (["--against", "not_nanoroute.py"], "not_nanoroute.py has no GPT and GPTConfig: is it a"),
-    (["--against", "empty.py"], "empty.py has no GPT and GPTConfig: it is empty"),  # git show failed
+    (["--against", "empty.py"], "empty.py has no GPT and GPTConfig: it is empty"),  # no git show
     (["--against", "broken.py"], "importing broken.py failed: SyntaxError"),
     (["--against", "no_rd.py", "--variants", "rd"], "rd@against: the --against version cannot"),
     (["--json", ""], "^error: argument --json: '': give a file name; see --help\n$"),

@@ -109,6 +109,11 @@ def test_resume_from_elsewhere_and_of_a_finished_run(demo, routed, tmp_path, mon
     # a larger budget in tokens continues it (8 x 32 tokens a step: 6 steps)
     assert run(train.main, ["--out_dir", out, "--resume", "--max_tokens", 6 * 256], capsys)[0] == 0
     assert summary(out)["step"] == 6
+    shutil.copytree(routed, tmp_path / "moved" / "runs" / "again")
+    monkeypatch.chdir(tmp_path / "moved")  # in the folder it ran in: data as it was given, demo
+    code = run(train.main, ["--out_dir", "runs/again", "--resume", "--max_iters", 5], capsys)[0]
+    assert code == 0
+    assert summary(tmp_path / "moved" / "runs" / "again")["train"]["data"] == "demo"
     # an absolute --data stays absolute in the commands it prints, not ../../.. from here
     trained(demo, tmp_path / "abs", "--stop_after", 2)
     printed = run(train.main, ["--out_dir", tmp_path / "abs", "--resume"], capsys)[1]
