@@ -71,6 +71,9 @@ class ArgumentParser(argparse.ArgumentParser):
         hint = f" (did you mean --{known[close[0]]}?)" if close else ""
         self.exit(2, f"error: {message}{hint}; see --help\n")
 
+def is_number(value):  # a number to log or tabulate: not a bool, which isinstance calls an int
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
 def count(text):
     """Token counts: '2B' -> 2_000_000_000 (also M, K, plain integers); '1M,2M' -> a list."""
     if "," in str(text):

@@ -550,8 +550,7 @@ def route_numbers(runs):
     names = {}
     for r in runs:
         for k, v in r["routes"].items():
-            number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            names[k] = names.get(k, False) or number
+            names[k] = names.get(k, False) or common.is_number(v)
     return [k for k, number in names.items() if number]
 
 def data_name(g):  # a group's data: its folder, and the dataset where they differ (textfile)

@@ -710,8 +710,8 @@ def record(run, line, text):
         # routing_stats), as routes/<name>
         routes = {f"routes/{k}": v for k, v in (line.get("routes") or {}).items()}
         numbers = {}
-        for k, v in {**line, **routes}.items():  # numbers alone (a bool is an int to isinstance)
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+        for k, v in {**line, **routes}.items():  # numbers alone
+            if k != "step" and common.is_number(v):
                 numbers[f"{line['type']}/{k}"] = v
         run.wandb.log(numbers, step=line["step"])  # our step is wandb's step
 
