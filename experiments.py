@@ -686,26 +686,33 @@ def report(args, extra):
     # finished runs alone: an unfinished run's loss is of an earlier step, not comparable
     groups = summarize([r for r in runs if r["summary"]], baseline)
     text = markdown(args.folders, runs, groups, baseline, notes)
+    Figure = figure_class() if args.plots or heatmaps else None
+    if (args.plots or heatmaps) and Figure is None:  # in report.md too: its figures are missing
+        text += f"\n{NO_MATPLOTLIB}\n"
     out = Path(args.out or Path(args.folders[0]) / "report.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, text.encode())
     print(text + f"\nwrote {out}")
-    if args.plots or heatmaps:
+    if Figure is not None:
         figures = {"val_loss.png": (val_loss_figure, groups, baseline)} if groups else {}
         for name, matrix in heatmaps.items():
             safe = re.sub(r"[^\w.-]+", "_", name).strip("_.")  # a run's path as a file name
             figures[f"routes_{safe}.png"] = (routes_figure, name, *matrix)
-        save_figures(out.parent, figures)
+        save_figures(out.parent, figures, Figure)
     return 0
 
 # --- Figures (matplotlib is optional). ---
 
-def save_figures(folder, figures):
-    """Each {FILE: (draw, *args)}: draw(Figure, *args) as the PNG folder/FILE."""
+def figure_class():  # matplotlib's Figure, or None where it is not installed
     try:
         # Figure, not pyplot: no display or global state needed; matplotlib stays optional
         from matplotlib.figure import Figure
     except ImportError:
-        return print(NO_MATPLOTLIB)
+        return None
+    return Figure
+
+def save_figures(folder, figures, Figure):
+    """Each {FILE: (draw, *args)}: draw(Figure, *args) as the PNG folder/FILE."""
     for name, (draw, *args) in figures.items():
         fig = draw(Figure, *args)
         write_atomic(folder / name, lambda f: fig.savefig(f, format="png", dpi=110))
@@ -723,7 +730,10 @@ def val_loss_figure(Figure, groups, baseline):
             # a variant's colour from its place in VARIANTS: the same in every figure
             shade = colormaps["tab20"](([*VARIANTS, row["variant"]].index(row["variant"])) % 20)
             curves = [r["curve"] for r in row["runs"]]
-            band(ax, curves, shade, f"{row['label']} (lr {row['lr']:g}, {len(curves)})")
+            # the routing block where the group's rows differ in it: else two alike labels
+            blocks = {r["block"] for r in g["rows"]} - {None}
+            m = f"block {row['block']}, " if len(blocks) > 1 and row["block"] else ""
+            band(ax, curves, shade, f"{row['label']} ({m}lr {row['lr']:g}, {len(curves)})")
             band(dax, [{t: y - base[r["seed"]][t] for t, y in r["curve"].items()
                         if t in base[r["seed"]]} for r in row["runs"]
                        if r["seed"] in base and row is not g["base"]], shade)
@@ -857,7 +867,11 @@ def ablate(args, extra):
     write_json(folder / f"ablate_{tag}.json", dict(vars(args), step=saved["progress"]["step"],
                fast_routing=model.config.fast_routing, base_val_loss=base, rows=rows, kept=kept))
     print(f"wrote {folder / f'ablate_{tag}.json'}")
-    return save_figures(folder, {f"ablate_{tag}.png": (ablate_figure, rows, folder.name, tag)}) or 0
+    Figure = figure_class()
+    if Figure is None:
+        return print(NO_MATPLOTLIB) or 0
+    save_figures(folder, {f"ablate_{tag}.png": (ablate_figure, rows, folder.name, tag)}, Figure)
+    return 0
 
 def ablate_figure(Figure, rows, run, tag):
     fig = Figure(figsize=(7, 1.4 + 0.4 * len(rows)), layout="constrained")

@@ -598,10 +598,18 @@ def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block
     assert matrix[0] == [pytest.approx(1.0), None, None, None]  # the first read sees emb alone
     assert all(sum(w for w in row if w is not None) == pytest.approx(1.0) for row in matrix)
     (tmp_path / "val_loss.png").unlink()
+    # block at another routing block too: a row of its own, its legend says which block it is
+    hand_run(tmp_path, "block_m1_s0", "block", 0, 2.05, attnres_block=1)
+    groups = report(tmp_path)
+    fig = experiments.val_loss_figure(experiments.figure_class(), groups, "block")
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert {"block (block 1, lr 0.002, 1)", "block (block 2, lr 0.002, 2)"} <= set(labels), labels
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if not installed
-    code, printed, _ = run(experiments.main, ["report", tmp_path, "--plots"], capsys)
+    out = tmp_path / "new" / "report.md"  # in a folder not made yet: made
+    code, printed, _ = run(experiments.main, ["report", tmp_path, "--plots", "--out", out], capsys)
     assert code == 0 and experiments.NO_MATPLOTLIB in printed and "| rd | 0.002 |" in printed
-    assert not (tmp_path / "val_loss.png").exists()
+    assert experiments.NO_MATPLOTLIB in out.read_text()  # the report says its figures are missing
+    assert not (tmp_path / "new" / "val_loss.png").exists()
 
 
 def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_path, capsys):
