@@ -366,6 +366,12 @@ def start(argv):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return explicit, rank, world, device
 
+def budget_steps(a, T, progress):
+    """--max_tokens as steps: those done, then enough of this batch's to reach the budget (rounded
+    up: the run sees at least it), whatever the batch of the steps it resumes from."""
+    left = max(0, a.max_tokens - progress["tokens"])
+    return progress["step"] + math.ceil(left / (a.batch_size * a.grad_accum * T))
+
 def setup(argv, stop):
     """Everything before the first step: settings, processes, data, model, --resume. None: a
     finished run resumed with nothing to add."""
@@ -388,8 +394,7 @@ def setup(argv, stop):
         raise UsageError(f"--batch_size {a.batch_size} x --sequence_len {T} does not fit in "
                          f"{data_dir} (train / val: {len(splits[0])} / {len(splits[1])} tokens)")
     if a.max_tokens:
-        # rounded up: the run sees at least the budget
-        a.max_iters = math.ceil(a.max_tokens / (a.batch_size * a.grad_accum * T))
+        a.max_iters = budget_steps(a, T, ckpt["progress"] if ckpt else dict(step=0, tokens=0))
     if finished(out_dir, ckpt, a.max_iters, rank):
         return None
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True

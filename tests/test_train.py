@@ -152,6 +152,10 @@ def test_schedule_token_budget_and_micro_batches(demo, tmp_path):
     assert budget.max_tokens is None and budget.max_iters == 5  # explicit steps beat preset tokens
     trained(demo, tmp_path / "t", "--max_tokens", "1K", "--batch_size", "4", "--eval_tokens", "128")
     assert metrics(tmp_path / "t")[-1]["step"] == 8  # ceil(1000 / (4 x 32))
+    # resumed with a larger batch: the budget still counts the tokens seen, not steps x batch
+    trained(demo, tmp_path / "b", "--max_tokens", "2K", "--batch_size", "4", "--stop_after", "3")
+    assert run(train.main, ["--out_dir", tmp_path / "b", "--resume", "--batch_size", 8])[0] == 0
+    assert summary(tmp_path / "b")["tokens_seen"] == 3 * 128 + 7 * 256  # ceil(1616 / 256) = 7
     # micro-batches: the same batches and gradient, in smaller forwards
     for name, extra in (("whole", []), ("micro", ["--micro_batch", "2"])):
         trained(demo, tmp_path / name, "--max_iters", "2", *extra)
