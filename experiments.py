@@ -438,9 +438,11 @@ def read_run(d, name):
                  and not inert(k, config) and x != DEFAULTS[k]}
         row, home = [repr(sorted({**knobs, **swept, **at}.items())) for at in ({}, base)]
         # what makes a group: every other setting (data, width, schedule...), as sorted text:
-        # hashable, and equal exactly when two runs were set up alike
+        # hashable, and equal exactly when two runs were set up alike; under --max_tokens the
+        # budget, not the steps it made of each run's batch
+        derived = {"max_iters"} if settings["max_tokens"] else set()
         setup = tuple(sorted((k, repr(x)) for k, x in both.items()
-                             if k not in {*NOT_SETUP, *swept} and not NEEDS.get(k)))
+                             if k not in {*NOT_SETUP, *swept, *derived} and not NEEDS.get(k)))
         block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
         # no run.json (train.py by hand): the first variant its config matches, else its residual
         fits = [v for v in VARIANTS if variant(v).items() <= config.items()] + [config["residual"]]

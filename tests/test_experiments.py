@@ -274,6 +274,17 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
     five, = [row for row in group["rows"] if row["off"]]
     assert five["lr"] == 2e-3  # paired with warmup_iters=20 at 2e-3, not at the other rate
     assert five["delta"] == pytest.approx(dict(mean=0.15, std=0.0707107, wins=0, ties=0, n=2))
+    # --set batch_size=16,8 under one token budget: twice the steps at 8, still one group
+    for seed in (0, 1):
+        for batch, steps, final in ((16, 10, 2.0), (8, 20, 2.1)):
+            d = hand_run(tmp_path / "budget", f"block_s{seed}_b{batch}", "block", seed, final,
+                         batch_size=batch, max_tokens=40960, max_iters=steps)
+            (d / "run.json").write_text(json.dumps(dict(
+                variant="block", seed=seed, args=[], set={"batch_size": str(batch)},
+                set_base={"batch_size": "16"})))
+    group, = report(tmp_path / "budget")
+    eight, = [row for row in group["rows"] if row["off"]]
+    assert eight["delta"] == pytest.approx(dict(mean=0.1, std=0.0, wins=0, ties=0, n=2))
 
 
 # --- Sweeps ---
