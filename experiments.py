@@ -727,7 +727,7 @@ def val_loss_figure(Figure, groups, baseline):
                         gridspec_kw=dict(height_ratios=[3, 2]))
     for g, title, ax, dax in zip(groups, titles(groups), axes[0], axes[1]):
         for row in g["rows"]:
-            # lower panel: each run minus its same-seed partner, at the token counts both reached
+            # lower panel: each run minus its same-seed partner (minus: at its own token counts)
             base = {r["seed"]: r["curve"] for r in row["vs"] or []}
             # a variant's colour from its place in VARIANTS: the same in every figure
             shade = colormaps["tab20"](([*VARIANTS, row["variant"]].index(row["variant"])) % 20)
@@ -736,16 +736,24 @@ def val_loss_figure(Figure, groups, baseline):
             blocks = {r["block"] for r in g["rows"]} - {None}
             m = f"block {row['block']}, " if len(blocks) > 1 and row["block"] else ""
             band(ax, curves, shade, f"{row['label']} ({m}lr {row['lr']:g}, {len(curves)})")
-            band(dax, [{t: y - base[r["seed"]][t] for t, y in r["curve"].items()
-                        if t in base[r["seed"]]} for r in row["runs"]
+            band(dax, [minus(r["curve"], base[r["seed"]]) for r in row["runs"]
                        if r["seed"] in base and row is not g["base"]], shade)
         late = [y for row in g["rows"] for r in row["runs"] for t, y in r["curve"].items()
                 if t >= 0.2 * max(r["curve"], default=0)]  # the first fifth would dwarf the rest
         dax.axhline(0, color="black", linewidth=0.8)
         ax.set(title=title, ylabel="val loss (nats/token)", ylim=(None, max(late, default=None)))
-        dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline} or Δ vs (same seed)")
+        dax.set(xlabel="tokens", ylabel=f"Δ val loss vs {baseline} or Δ vs (same seed; "
+                "between its evals, linear)")
         ax.legend(fontsize=8, title="variant (lr, seeds); band: min–max", title_fontsize=8)
     return fig
+
+def minus(curve, partner):
+    """curve − partner ({tokens: val loss}) at curve's token counts within partner's span, partner
+    linear between its evals: runs of other batches (--set batch_size) evaluate at other counts."""
+    tokens = sorted(partner)
+    losses = [partner[t] for t in tokens]
+    return {t: y - np.interp(t, tokens, losses) for t, y in curve.items()
+            if tokens and tokens[0] <= t <= tokens[-1]}
 
 def band(ax, curves, shade, label=None):
     """Mean line and min–max band over curves ({tokens: value}), at the tokens all reached."""

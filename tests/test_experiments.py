@@ -285,6 +285,10 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
     group, = report(tmp_path / "budget")
     eight, = [row for row in group["rows"] if row["off"]]
     assert eight["delta"] == pytest.approx(dict(mean=0.1, std=0.0, wins=0, ties=0, n=2))
+    # its curve against its partner's in the figure: evaluated at other token counts, the
+    # partner's linear between its evals (not left out: an empty band), within its span
+    partner = {0: 4.0, 200: 2.0, 400: 1.0}
+    assert experiments.minus({100: 2.0, 300: 1.5, 500: 1.0}, partner) == {100: -1.0, 300: 0.0}
 
 
 # --- Sweeps ---
