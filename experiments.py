@@ -109,7 +109,8 @@ def plan(a, extra=()):
             for chosen in [dict(zip(mine, values)) for values in itertools.product(*mine.values())]:
                 swept = {k[2:]: x for k, x in chosen.items() if k in settings}
                 run = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
-                run += "".join(f"_{k}{x}" for k, x in swept.items())  # block_L4_s0_wav_rho2
+                # block_L4_s0_wav_rho2; a value with a / (a path) stays one folder's name
+                run += "".join(f"_{k}{file_safe(x)}" for k, x in swept.items())
                 run = f"{dataset}/{run}" if len(grid["datasets"]) > 1 else run
                 preset = presets[depth] if presets else None
                 args = run_args(preset, folder, depth, seed, v, block, grid["flags"], chosen, lr)
@@ -123,6 +124,9 @@ def plan(a, extra=()):
     for note in notes:  # once every check passed
         print(note)
     return runs
+
+def file_safe(text):  # text as one file or folder name: runs/a/b -> runs_a_b
+    return re.sub(r"[^\w.-]+", "_", str(text))
 
 def check_run(run, world):
     """train.py's checks of a run's settings and model (check_settings): a combination that
@@ -211,6 +215,11 @@ def set_values(given, taken):
         values.sort(key=lambda value: value != DEFAULTS[name])  # stable: else the first given
         # %g text: 1e-3 and 0.001 are one value, one run folder name
         settings[f"--{name}"] = [f"{x:g}" if isinstance(x, float) else str(x) for x in values]
+        folders = [file_safe(x) for x in settings[f"--{name}"]]  # in its runs' folder names
+        if len(set(folders)) < len(folders):
+            raise UsageError(f"--set {item}: two values make one run folder name "
+                             f"({', '.join(folders)}): give values that differ in a letter or "
+                             "digit")
     return settings
 
 def train_args(argv, where):
@@ -698,8 +707,7 @@ def report(args, extra):
     if Figure is not None:
         figures = {"val_loss.png": (val_loss_figure, groups, baseline)} if groups else {}
         for name, matrix in heatmaps.items():
-            safe = re.sub(r"[^\w.-]+", "_", name).strip("_.")  # a run's path as a file name
-            figures[f"routes_{safe}.png"] = (routes_figure, name, *matrix)
+            figures[f"routes_{file_safe(name).strip('_.')}.png"] = (routes_figure, name, *matrix)
         save_figures(out.parent, figures, Figure)
     return 0
 

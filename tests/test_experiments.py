@@ -283,6 +283,8 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
                 variant="block", seed=seed, args=[], set={"batch_size": str(batch)},
                 set_base={"batch_size": "16"})))
     group, = report(tmp_path / "budget")
+    # a --set value that names a folder (a setting of yours) is one folder in a run's name
+    assert experiments.file_safe("../data/ood v2") == ".._data_ood_v2"
     eight, = [row for row in group["rows"] if row["off"]]
     assert eight["delta"] == pytest.approx(dict(mean=0.1, std=0.0, wins=0, ties=0, n=2))
     # its curve against its partner's in the figure: evaluated at other token counts, the
