@@ -148,6 +148,7 @@ def test_preset_shape_mfu_and_profile(tmp_path, monkeypatch, capsys):
     (["--against", "missing.py"], "--against missing.py: no such file"),
     (["--against", "not_nanoroute.py"], "not_nanoroute.py has no GPT and GPTConfig: is it a"),
     (["--against", "empty.py"], "empty.py has no GPT and GPTConfig: it is empty"),  # no git show
+    (["--against", "old"], "nanoroute.py has no GPT and GPTConfig: it is empty"),  # its folder
     (["--against", "broken.py"], "importing broken.py failed: SyntaxError"),
     (["--against", "no_rd.py", "--variants", "rd"], "rd@against: the --against version cannot"),
     (["--json", ""], "^error: argument --json: '': give a file name; see --help\n$"),
@@ -161,6 +162,8 @@ def test_bad_input_is_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
     (tmp_path / "not_nanoroute.py").write_text("x = 1\n")
     (tmp_path / "broken.py").write_text("def forward(self:\n")
     (tmp_path / "empty.py").write_text("")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "nanoroute.py").write_text("")
     (tmp_path / "no_rd.py").write_text("from nanoroute import GPT\ndef GPTConfig(**fields):\n"
                                        "    raise TypeError(\"unexpected keyword argument 'rd'\")")
     err = error_line(bench.main, [*TINY, "--iters", "1", *argv], capsys)

@@ -622,11 +622,11 @@ def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert {"block (block 1, lr 0.002, 1)", "block (block 2, lr 0.002, 2)"} <= set(labels), labels
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if not installed
-    out = tmp_path / "new" / "report.md"  # in a folder not made yet: made
+    out = tmp_path / "new" / "er" / "report.md"  # in folders not made yet: made
     code, printed, _ = run(experiments.main, ["report", tmp_path, "--plots", "--out", out], capsys)
     assert code == 0 and experiments.NO_MATPLOTLIB in printed and "| rd | 0.002 |" in printed
     assert experiments.NO_MATPLOTLIB in out.read_text()  # the report says its figures are missing
-    assert not (tmp_path / "new" / "val_loss.png").exists()
+    assert not (tmp_path / "new" / "er" / "val_loss.png").exists()
 
 
 def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_path, capsys):

@@ -138,6 +138,15 @@ def test_routes_view(routed, heads, demo, tmp_path, capsys):
     assert "residual=prenorm model: it has no depth routing or learned mixing weights" in err
 
 
+def test_ctrl_c_is_one_line_with_no_promise_to_continue(routed, monkeypatch, capsys):
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sample.checkpoint, "load", stopped)  # Ctrl-C as it loads
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--out_dir", str(routed)])
+    assert e.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
+
+
 def test_gpt2_level_run_starts_after_endoftext_and_decodes_its_tokens(tmp_path, capsys):
     data, splits = tmp_path / "gpt2", {"train": 4000, "val": 1000}  # random ids, made-up tokens
     data.mkdir()

@@ -154,7 +154,8 @@ def test_schedule_token_budget_and_micro_batches(demo, tmp_path):
     assert metrics(tmp_path / "t")[-1]["step"] == 8  # ceil(1000 / (4 x 32))
     # resumed with a larger batch: the budget still counts the tokens seen, not steps x batch
     trained(demo, tmp_path / "b", "--max_tokens", "2K", "--batch_size", "4", "--stop_after", "3")
-    assert run(train.main, ["--out_dir", tmp_path / "b", "--resume", "--batch_size", 8])[0] == 0
+    for flags in (["--batch_size", 8, "--stop_after", 5], []):  # the second: at its new batch
+        assert run(train.main, ["--out_dir", tmp_path / "b", "--resume", *flags])[0] == 0
     assert summary(tmp_path / "b")["tokens_seen"] == 3 * 128 + 7 * 256  # ceil(1616 / 256) = 7
     # micro-batches: the same batches and gradient, in smaller forwards
     for name, extra in (("whole", []), ("micro", ["--micro_batch", "2"])):
@@ -287,8 +288,9 @@ def test_folders_models_datasets_and_checkpoints_a_run_refuses(demo, routed, tmp
     err = error_line(train.main, ["--out_dir", routed, "--resume", "--n_embd", "64"], capsys)
     assert "--n_embd 64 differs from the run's n_embd=32" in err
     # the seed made the run's weights: another would record a seed the run never had
-    err = error_line(train.main, ["--out_dir", routed, "--resume", "--seed", 5], capsys)
-    assert "--seed 5 differs from the run's seed=" in err
+    for data in ([], ["--data", demo]):  # with --data too (its folder, spelled another way)
+        err = error_line(train.main, ["--out_dir", routed, "--resume", *data, "--seed", 5], capsys)
+        assert "--seed 5 differs from the run's seed=" in err
     err = error_line(train.main, ["--out_dir", routed, "--resume", "--preset", "wav12"], capsys)
     assert "--preset wav12 sets rd=off, the run's is decoupled: drop --preset to resume" in err
     other = tmp_path / "other"
