@@ -108,9 +108,7 @@ def plan(a, extra=()):
             mine = {k: values for k, values in options.items() if not inert(k[2:], variant(v))}
             for chosen in [dict(zip(mine, values)) for values in itertools.product(*mine.values())]:
                 swept = {k[2:]: x for k, x in chosen.items() if k in settings}
-                run = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
-                # block_L4_s0_wav_rho2; a value with a / (a path) stays one folder's name
-                run += "".join(f"_{k}{file_safe(x)}" for k, x in swept.items())
+                run = run_name(v, depth, seed, lr, swept)
                 run = f"{dataset}/{run}" if len(grid["datasets"]) > 1 else run
                 preset = presets[depth] if presets else None
                 args = run_args(preset, folder, depth, seed, v, block, grid["flags"], chosen, lr)
@@ -124,6 +122,11 @@ def plan(a, extra=()):
     for note in notes:  # once every check passed
         print(note)
     return runs
+
+def run_name(v, depth, seed, lr, swept):  # block_L4_s0, then its lr and --set values
+    name = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")
+    # block_L4_s0_wav_rho2; a value with a / (a path) stays one folder's name
+    return name + "".join(f"_{k}{file_safe(x)}" for k, x in swept.items())
 
 def file_safe(text):  # text as one file or folder name: runs/a/b -> runs_a_b
     return re.sub(r"[^\w.-]+", "_", str(text))
