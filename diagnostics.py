@@ -11,9 +11,11 @@ import re
 
 import torch
 
-# What a source's name says, for legends: a letter and a number (C<i>: block i), or a word
+# What a source's name says, for legends: a letter and a number (C<i>: block i), or a word; then
+# what a suffix after its dot says (WAV's details). A name not here is "named by the model"
 SOURCE_KINDS = {"emb": "embedding", "C": "completed block i", "P": "partial block",
-                "L": "layer i's output"}
+                "L": "layer i's output", ".phase": "WAV detail (phase basis)",
+                ".split": "WAV detail (split basis)"}
 
 def source_block(name):
     """The block of a source, by its name: -1 for emb, b for C<b> (L<b>) and its details, inf for P
@@ -23,12 +25,15 @@ def source_block(name):
     return -1 if block == "emb" else int(numbered[1]) if numbered else math.inf
 
 def source_legend(sources):
-    """"emb: embedding, C<i>: completed block i, ..." for the kinds of name in `sources`."""
-    kinds = {}  # "C<i>": "C", "emb": "emb", in pool order
+    """"emb: embedding, C<i>: completed block i, .phase: ..." for the kinds of name and suffix in
+    `sources`, in pool order."""
+    kinds = {}  # "C<i>": "C", "emb": "emb", ".phase": ".phase", in pool order
     for source in sources:
-        block = source.partition(".")[0]
+        block, dot, suffix = source.partition(".")
         kind = re.sub(r"\d+$", "", block)
         kinds[f"{kind}<i>" if kind != block else block] = kind
+        if dot:  # a source of a block, C0.phase: the suffix says which
+            kinds[dot + suffix] = dot + suffix
     return ", ".join(f"{label}: {SOURCE_KINDS.get(kind, 'named by the model')}"
                      for label, kind in kinds.items())
 

@@ -27,6 +27,7 @@ References:
 import contextlib
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -206,10 +207,7 @@ VARIANTS = {
 def variant(name):
     """VARIANTS[name] with every field a variant may set (the others' defaults), so that nothing of
     a preset or another variant leaks into it (a wav preset run as block gets wav=False)."""
-    every_field = {}
-    for row in VARIANTS.values():
-        for field_name in row:
-            every_field[field_name] = CONFIG_FIELDS[field_name].default
+    every_field = {f: CONFIG_FIELDS[f].default for row in VARIANTS.values() for f in row}
     return every_field | VARIANTS[name]
 
 # -----------------------------------------------------------------------------
@@ -422,6 +420,15 @@ class DepthRouting:
             per_block = 1
         return 1 + per_block * (l // m) + (per_block if l % m else 0)
 
+    def kernel_slots(self):
+        """How many completed sources the kernel stores a forward: those the last sublayer reads,
+        then a last full block's that only the readout reads (its state, unless
+        wav_readout_details). Count a source added in complete() here too, or the kernel warns."""
+        n_sub, m = 2 * self.config.n_layer, self.config.routing_block
+        per_block = 1 + len(self.bases)
+        last = per_block if self.config.wav_readout_details else 1
+        return 1 + per_block * ((n_sub - 1) // m) + last * (n_sub % m == 0)
+
     # ----- the pool --------------------------------------------------------------
     def detail_signs(self, l):
         """SPEC: WAV v1 bases. Sublayer l's sign in each basis: phase +1 attention, −1 MLP; split
@@ -465,9 +472,7 @@ class DepthRouting:
         key = read.key
         query = self.query[key] if key in self.query else self.frozen_query
         beta = self.detail_bias[key] if key in self.detail_bias else self.frozen_detail_bias
-        by_basis = {None: query.new_zeros(())}  # a state source: no bias
-        for k, basis in enumerate(self.bases):
-            by_basis[basis] = beta[k]
+        by_basis = {None: query.new_zeros(()), **dict(zip(self.bases, beta))}  # a state: no bias
         bias = torch.stack([by_basis[s.basis] for s in sources])
         if key in self.static_logits:  # SPEC: Controls, static routing
             if len(sources) != len(self.static_logits[key]):  # e.g. sources added in complete()
@@ -497,14 +502,8 @@ class DepthRouting:
         rows = self.block_coefficients(first, sublayers[-1] - first)[:len(partial)]
         match = functools.partial(matching_scale, rho=self.config.wav_rho)
         routes = {read: self.route(read, s) for read, s in sources.items()}
-        # the buffer's slots: the sources that the last sublayer reads, then those of a last full
-        # block, which only the readout reads (its state alone, unless wav_readout_details)
-        n_sub, m = 2 * self.config.n_layer, self.config.routing_block
-        per_block = 1 + len(self.bases)
-        last = per_block if self.config.wav_readout_details else 1
-        capacity = 1 + per_block * ((n_sub - 1) // m) + last * (n_sub % m == 0)
         return BlockReads(routes, [(s.name, s.value) for s in pool], rows, match, previous,
-                          sources, self.config.route_heads, capacity)
+                          sources, self.config.route_heads, self.kernel_slots())
 
     def read(self, read, pool, block, first, kernel, routes):
         """SPEC: the read `read` over the pool and the sources of its block (the updates `block`
@@ -757,11 +756,10 @@ class BlockReads:
     once. Phase 2 (per call): an online softmax merges a read's phase-1 summary with the block's
     own sources, linear combinations of the block's updates that are never built.
 
-    routes: {read: (query (d,), bias (S + P_r,))}, the bias over the S completed sources, then the
-    P_r block sources it sees (0 or P); completed: [(key, value (B, T, d))]; coefficients: P rows
-    of n numbers, or a (P, n) tensor (learned), and match: the block's sources (_block_state);
-    previous: the last block's (its buffer is reused); sources: {read: its sources}, returned with
-    each read; heads: H route heads (SPEC: Multi-head reads); capacity: the buffer's slots."""
+    routes: {read: (query (d,), bias (S + P_r,))}, a bias per S completed source, then per block
+    source it sees (0 or P); completed: [(key, value (B, T, d))]; coefficients (P rows of n numbers,
+    or a (P, n) tensor) and match: the block's sources (_block_state); previous: the last block's
+    (its buffer reused); sources: {read: what it reads}; heads: H; capacity: the buffer's slots."""
 
     def __init__(self, routes, completed, coefficients, match, previous, sources, heads=1,
                  capacity=1):
@@ -804,6 +802,8 @@ class BlockReads:
                 continue
             n = len(self.owners)
             if n == self.buffer.size(0):  # more sources than `capacity`: a copy, twice as large
+                warnings.warn(f"fast_routing: more sources than kernel_slots() counts ({n}): the "
+                              "kernel copies its buffer at each forward; count them there")
                 self.buffer = torch.cat([self.buffer, torch.empty_like(self.buffer)])
                 self.inv_rms = torch.cat([self.inv_rms, torch.empty_like(self.inv_rms)])
             # slot n is new: the views of slots < n that earlier blocks saved for backward are

@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -540,8 +541,11 @@ def test_js_divergence_and_routing_stats_entropy_means_and_sources_of_any_name()
         w = torch.full((len(names), 1, 1, 1), 1 / len(names))
         fake = [dict(read=nanoroute.Read(0, "mix"), name="layer0.mix", weights=w, sources=names)]
         assert routing_stats(fake)["sources"] == order
-    assert diagnostics.source_legend(["emb", "C0", "C0.phase", "C1", "P", "stream"]) == \
-        "emb: embedding, C<i>: completed block i, P: partial block, stream: named by the model"
+    # a legend names each kind of source once, and never passes off one it does not know (a
+    # suffix of a new source, C0.mean) as another
+    legend = diagnostics.source_legend(["emb", "C0", "C0.phase", "C1", "C1.mean", "P", "stream"])
+    assert legend == ("emb: embedding, C<i>: completed block i, .phase: WAV detail (phase basis), "
+                      ".mean: named by the model, P: partial block, stream: named by the model")
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -847,7 +851,7 @@ def kernel_and_reference(inputs, precision, device, n_partial):
         with precision_context(device, precision):
             routes = {r: (queries[r], biases[r, :S + n_partial]) for r in (0, 1)}
             reads = nanoroute.BlockReads(routes, list(enumerate(completed)), coefficients, MATCH,
-                                         None, routes)
+                                         None, routes, capacity=S)
             for n in range(1, len(updates) + 1):
                 for r in (0, 1):
                     if kernel:
@@ -893,7 +897,8 @@ def test_kernel_reuses_a_key_norm_only_for_the_same_value_and_doubles_its_buffer
     x, y, x2 = (torch.randn(2, 5, 16, generator=g).to(device).requires_grad_() for _ in range(3))
     query, bias = torch.randn(16, generator=g).to(device), torch.zeros(2, device=device)
     routes, sources = {0: (query, bias), 1: (-query, bias)}, {0: [], 1: []}
-    first = nanoroute.BlockReads(routes, [("x", x), ("y", y)], [[1]], MATCH, None, sources)
+    first = nanoroute.BlockReads(routes, [("x", x), ("y", y)], [[1]], MATCH, None, sources,
+                                 capacity=3)
     then = nanoroute.BlockReads(routes, [("x", 3 * x2), ("y", y)], [[1]], MATCH, first, sources)
     # its slot comes after y's: the weights still come in the read's order, x's first
     h, weights, _ = then(0, [], keep_weights=True)
@@ -908,13 +913,16 @@ def test_kernel_reuses_a_key_norm_only_for_the_same_value_and_doubles_its_buffer
     # h is its own tensor, not a view that would keep the other read's phase 1 alive
     assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
     # sources added in complete() may pass the buffer's capacity: each growth copies the buffer,
-    # and earlier blocks' saved views keep the old copy alive, so it doubles (here 1 to 16)
+    # and earlier blocks' saved views keep the old copy alive, so it doubles (here 1 to 16), and
+    # says so: kernel_slots must count them
     values = [torch.randn(2, 5, 16, generator=g).to(device) for _ in range(9)]
     kernels = [None]
-    for n in range(1, 10):
-        routes = {0: (query, torch.zeros(n, device=device))}
-        completed = list(enumerate(values[:n]))
-        kernels.append(nanoroute.BlockReads(routes, completed, [[1]], MATCH, kernels[-1], {0: []}))
+    with pytest.warns(UserWarning, match=r"than kernel_slots\(\) counts \(\d\).*count them there"):
+        for n in range(1, 10):
+            routes = {0: (query, torch.zeros(n, device=device))}
+            completed = list(enumerate(values[:n]))
+            kernels.append(nanoroute.BlockReads(routes, completed, [[1]], MATCH, kernels[-1],
+                                                {0: []}))
     assert len({id(k.buffer) for k in kernels[1:]}) == 5
     want = nanoroute.depth_read(query, routes[0][1], values)[0]
     torch.testing.assert_close(kernels[-1](0, [])[0], want)
@@ -938,9 +946,17 @@ def docs_class(name):
 
 
 def assert_extension_fast_equals_reference(cfg, device, model_class):
-    """assert_fast_equals_reference in both precisions: docs/routing.md's check for a change."""
-    for precision in PRECISIONS:
-        assert_fast_equals_reference(cfg, device, precision, model_class)
+    """docs/routing.md's check for a change: assert_fast_equals_reference in both precisions, and
+    with dropout, whose draws a random number drawn in route would shift on one path (the kernel
+    calls route at a block's start, the reference at each read); and the kernel's buffer holds
+    every completed source without growing (its warning is an error: count them in kernel_slots)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "fast_routing")
+        for precision in PRECISIONS:
+            assert_fast_equals_reference(cfg, device, precision, model_class)
+        dropout = {**cfg, "dropout": 0.1}
+        (fast, _), (ref, _), _ = fast_and_reference(dropout, device, "float32", model_class)
+        torch.testing.assert_close(fast, ref, **float32_tolerance(device))  # the same draws
 
 
 # A new detail basis: one small method override, the README's (its Python blocks, and
