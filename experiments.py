@@ -456,11 +456,9 @@ def read_run(d, name):
         setup = tuple(sorted((k, repr(x)) for k, x in both.items()
                              if k not in {*NOT_SETUP, *swept, *derived} and not NEEDS.get(k)))
         block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
-        # no run.json (train.py by hand): the first variant its config matches, else its residual
-        fits = [v for v in VARIANTS if variant(v).items() <= config.items()] + [config["residual"]]
         # off: a --set value off its baseline; such a row pairs with `home`, its own variant at the
-        # baselines (summarize)
-        run.update(variant=run["variant"] or fits[0], dataset=summary["dataset"],
+        # baselines (summarize). No run.json (train.py by hand): named by its config
+        run.update(variant=run["variant"] or config_variant(config), dataset=summary["dataset"],
                    depth=config["n_layer"], seed=settings["seed"], lr=settings["lr"], block=block,
                    final=float(summary["final"]["val_loss"]), level=summary["level"], setup=setup,
                    milestones=summary.get("milestones") or {}, routes=summary.get("routes") or {},
@@ -470,6 +468,15 @@ def read_run(d, name):
                    precision=summary.get("precision", settings["dtype"].replace("auto", "")),
                    set=knobs | swept, set_base=base, row=row, home=home, off=row != home)
     return run
+
+
+def config_variant(config):
+    """The name of the VARIANTS row a config is, the first that matches; else of the nearest row
+    (fewest fields apart) and how the config differs from it, "wav, rd=decoupled": never a name
+    that another variant's runs may have."""
+    apart = {v: {k: config[k] for k, x in variant(v).items() if config[k] != x} for v in VARIANTS}
+    nearest = min(apart, key=lambda v: len(apart[v]))  # the first of the nearest rows
+    return ", ".join([nearest, *(f"{k}={x}" for k, x in apart[nearest].items())])
 
 
 def mean_std(values):  # (mean, sample std, ddof=1): std None for one value, both for none

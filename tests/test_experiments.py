@@ -125,6 +125,18 @@ def test_the_baseline_is_its_row_naming_the_fewest_settings(tmp_path):
     assert rows["rd"]["delta"]["mean"] == pytest.approx(0.5)
 
 
+def test_a_run_by_hand_is_named_by_its_config_as_a_variant_or_the_nearest_and_its_changes(
+        tmp_path):
+    # train.py by hand leaves no run.json: each variant's run is named by its VARIANTS row, and a
+    # config that no row is (two variants at once) by the nearest row and how it differs, never by
+    # its residual alone ("attnres"), which would pass it off as another run
+    for v in nanoroute.VARIANTS:
+        hand_run(tmp_path, v, v, 0, 2.0, run_json=False)
+    hand_run(tmp_path, "wav_rd", "wav", 0, 2.0, run_json=False, rd="decoupled")
+    names = {d.name: experiments.read_run(d, d.name)["variant"] for d in tmp_path.iterdir()}
+    assert names == {**{v: v for v in nanoroute.VARIANTS}, "wav_rd": "wav, rd=decoupled"}
+
+
 def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_path, capsys):
     for seed in (0, 1):  # one text as characters and as tokens: never paired across the two
         hand_run(tmp_path, f"chars/block_s{seed}", "block", seed, 2.0)
