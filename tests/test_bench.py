@@ -225,7 +225,8 @@ def test_models_start_paired_memory_counts_no_buffer_and_a_fallback_is_said(tmp_
     assert "| prenorm |" in capsys.readouterr().out.split("### Generation")[1].split("NO")[0]
 
 
-def test_routing_bytes_floor_is_below_the_kernels_passes_and_full_attnres_is_quadratic():
+def test_routing_bytes_floor_is_below_the_kernels_passes_and_full_attnres_is_quadratic(
+        monkeypatch):
     sys.path.insert(0, str(ROOT / "tools"))
     from routing_bytes import routing_bytes
 
@@ -240,6 +241,10 @@ def test_routing_bytes_floor_is_below_the_kernels_passes_and_full_attnres_is_qua
     full = [routing_bytes(config(n, attnres_block=1))[0] for n in (8, 16)]
     block = [routing_bytes(config(n))[0] for n in (8, 16)]
     assert full[1] / full[0] > 3 > block[1] / block[0]
+    # a model with sources of its own (counted in kernel_slots) is refused, not counted as Block's
+    monkeypatch.setattr(nanoroute.GPT, "kernel_slots", lambda self: 99)
+    with pytest.raises(ValueError, match="stores 99 completed sources a forward, routing_bytes"):
+        routing_bytes(config(4))
 
 
 @pytest.mark.gpu

@@ -30,6 +30,13 @@ def routing_bytes(config, batch=BATCH):
     unit = batch * config.sequence_len * config.n_embd * 4  # one (B, T, d) float32 tensor
     n_sub, m = 2 * config.n_layer, config.routing_block
     per_block = 1 + len(model.bases)
+    # it counts the sources of Block AttnRes, WAV and RD: a model whose kernel stores others (a
+    # source added in complete()) is refused, not given their numbers
+    last = per_block if config.wav_readout_details else 1
+    counted = 1 + per_block * ((n_sub - 1) // m) + last * (n_sub % m == 0)
+    if model.kernel_slots() != counted:
+        raise ValueError(f"the kernel stores {model.kernel_slots()} completed sources a forward, "
+                         f"routing_bytes counts {counted}: count the new ones in routing_bytes()")
     must = now = 0
     for first in range(0, n_sub + 1, m):
         subs = list(range(first, min(first + m, n_sub))) or [n_sub]  # the last: the readout
