@@ -241,6 +241,7 @@ class KVCache:
     def update(self, layer, k, v):  # k, v (B, nh, T, hs) at positions pos..pos+T-1
         assert self.pos == 0 or k.size(2) == 1, "after the prefill, feed one token at a time"
         end = self.pos + k.size(2)
+        assert k.shape == self.k[layer, :, :, self.pos:end].shape, "KVCache not shaped as the keys"
         self.k[layer, :, :, self.pos:end] = k
         self.v[layer, :, :, self.pos:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
@@ -752,9 +753,8 @@ class GPT(DepthRouting, nn.Module):
 
 class BlockReads:
     """The reads of one routing block, two-phase (SPEC: Two-phase computation). Phase 1 (here):
-    every read over the completed sources in one batched pass over a buffer that holds each source
-    once. Phase 2 (per call): an online softmax merges a read's phase-1 summary with the block's
-    own sources, linear combinations of the block's updates that are never built.
+    every read over the completed sources, one batched pass over a buffer holding each once. Phase
+    2 (per call): an online softmax merges it with the block's own sources, never built.
 
     routes: {read: (query (d,), bias (S + P_r,))}, a bias per S completed source, then per block
     source it sees (0 or P); completed: [(key, value (B, T, d))]; coefficients (P rows of n numbers,

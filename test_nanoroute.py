@@ -548,6 +548,16 @@ def test_js_divergence_and_routing_stats_entropy_means_and_sources_of_any_name()
                       ".mean: named by the model, P: partial block, stream: named by the model")
 
 
+def test_kv_cache_refuses_keys_of_another_shape():
+    # one key head written into a cache of two would broadcast into both, and generation would still
+    # equal recompute: a change to the attention's heads (grouped queries) must size the cache too
+    cache = nanoroute.KVCache(GPTConfig(**TINY), batch=1, device="cpu", dtype=torch.float32)
+    k = torch.zeros(1, TINY["n_head"], 3, TINY["n_embd"] // TINY["n_head"])
+    cache.update(0, k, k)
+    with pytest.raises(AssertionError, match="KVCache not shaped as the keys"):
+        cache.update(1, k[:, :1], k[:, :1])
+
+
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_causal_and_kv_cache_generate_equals_full_recompute(mode):
     model = randomise_routing(make_model(**ALL_MODES[mode], sequence_len=8), scale=0.3)
