@@ -306,12 +306,26 @@ def pending(runs, launcher):
                 if changed:
                     print(f"WARNING: {d} ran with other flags: {', '.join(changed)}; it is kept "
                           "(use another --out to run these)")
+                else:  # the same flags, yet another model: a default changed in the code since
+                    config = json.loads((d / "summary.json").read_text())["config"]
+                    changed = drifted(run, config)
+                    if changed:
+                        print(f"WARNING: {d} ran at other defaults: its flags now make "
+                              f"{', '.join(changed)}; it is kept (use another --out to run these)")
             print(f"skip {d}: finished")
             continue
         # an interrupted run continues from its last.pt: the same command resumes the sweep
         resume = ["--resume"] if (d / "last.pt").exists() else []
         todo.append((run, [*launcher, *run["args"], "--out_dir", str(d), *resume]))
     return todo
+
+def drifted(run, config):
+    """The model fields in which a finished run's config differs from what its flags make now,
+    "wav_rho 2.0 (was 4.0)"; a field newer than the run is left out (its default is the old way)."""
+    explicit = {k: x for k, x in train_args(run["args"], run["name"]).items() if x is not None}
+    now = train.resolve_settings(explicit)[1]  # vocab_size None: the data's, not a flag's
+    return [f"{k} {now[k]} (was {config[k]})" for k in now
+            if k in config and now[k] is not None and now[k] != config[k]]
 
 def launch(todo, slots):
     """Each (run, command), len(slots) at once: {failed run: its last error line}."""

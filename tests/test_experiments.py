@@ -470,6 +470,27 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     assert "| prenorm | 0.002 | – | 1 |" in printed
 
 
+def test_a_finished_run_at_another_default_is_kept_with_a_warning(demo, tmp_path, capsys):
+    # the same flags, but the code's default changed since it ran (wav_rho 4 -> 2, say): the sweep
+    # keeps it, as any finished run, and says in what it is another model than its flags now make
+    run, = plan("sweep", "custom", "--data", demo, "--variants", "wav", "--depths", "2",
+                "--seeds", "0", "--out", tmp_path, "--", *SWEPT)
+    run["dir"].mkdir(parents=True)
+    (run["dir"] / "run.json").write_text(json.dumps(dict(variant="wav", args=run["args"])))
+    given = experiments.train_args(run["args"], run["name"]).items()
+    model = train.resolve_settings({k: x for k, x in given if x is not None})[1]
+    config = {**model, "vocab_size": 27, "wav_rho": 2.0}  # as its summary.json recorded it
+    (run["dir"] / "summary.json").write_text(json.dumps(dict(config=config)))
+    assert experiments.pending([run], ["train.py"]) == []
+    printed = capsys.readouterr().out
+    assert f"WARNING: {run['dir']} ran at other defaults: its flags now make wav_rho 4.0 (was " \
+        "2.0); it is kept" in printed and f"skip {run['dir']}: finished" in printed
+    config["wav_rho"] = 4.0  # as they make it now: no word
+    (run["dir"] / "summary.json").write_text(json.dumps(dict(config=config)))
+    assert experiments.pending([run], ["train.py"]) == []
+    assert "WARNING" not in capsys.readouterr().out
+
+
 def test_a_sweep_stopped_by_sigterm_waits_for_its_runs_to_save_and_resumes(demo, tmp_path, capsys):
     """`kill -TERM -- -PGID` (a sweep under nohup): the running run saves last.pt, the sweep waits
     for it, starts no other, says how to resume and exits 143; the same command finishes both runs,

@@ -81,7 +81,8 @@ def cells(line):
 def test_routes_view(routed, heads, demo, tmp_path, capsys):
     lines = sample_text(capsys, routed, "--routes", "--start", "Once upon").splitlines()
     assert lines[0] == f"depth routing of {routed / 'best.pt'} over a 9-token prompt: 'Once upon'"
-    assert lines[1] == "sources: emb: embedding, C<i>: completed block i, P: partial block"
+    assert lines[1] == ("sources: emb: embedding, C<i>: completed block i, P: partial block, "
+                        ".phase: WAV detail (phase basis), .split: WAV detail (split basis)")
     assert lines[3].split() == ["emb", "C0", "P", "P.ph", "P.sp", "H"]  # the readout: no details
     rows = {line.split()[0]: line for line in lines if line.startswith(("layer", "readout"))}
     assert list(rows) == ["layer0.attn", "layer0.attn.v", "layer0.mlp", "layer1.attn",
