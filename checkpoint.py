@@ -215,6 +215,12 @@ def save(out_dir, state, progress, improved, device, rank=0, world=1):
     for name in ("best.pt", "last.pt") if improved else ("last.pt",):
         write_atomic(out_dir / name, buffer.getbuffer())
 
+def param_names(model, optimizer):
+    """The names of the optimizer's parameters, group by group: its saved state is matched to the
+    parameters by this order alone (a refactor that reorders them would load it into others)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
 def restore(ckpt, out_dir, model, optimizer, seed, device, rank=0, world=1):
     """--resume: last.pt's weights and optimizer state into model and optimizer, each process's
     RNG states (reseeded from seed if another process count wrote it); returns its Progress."""
@@ -222,7 +228,15 @@ def restore(ckpt, out_dir, model, optimizer, seed, device, rank=0, world=1):
     model_from(ckpt, path, model)
     # load_state_dict puts the saved groups' settings back: keep this invocation's, so that a flag
     # given with --resume (--beta2 0.99, --weight_decay 0.05) is used, not only printed and saved
-    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    settings = [{k: v for k, v in group.items() if k != "params"}
+                for group in optimizer.param_groups]
+    names = param_names(model, optimizer)
+    if ckpt.get("params", names) != names:  # a checkpoint from before the names were kept: as is
+        now, was = sum(names, []), sum(ckpt["params"], [])
+        i = next((i for i, pair in enumerate(zip(now, was)) if pair[0] != pair[1]), len(was))
+        raise UsageError(f"checkpoint {path}: its optimizer state is of other parameters, in their "
+                         f"order (#{i}: {was[i:i + 1] or 'none'}, here {now[i:i + 1] or 'none'}):"
+                         " resume with the nanoroute that wrote it, or start a run")
     try:
         optimizer.load_state_dict(ckpt["optimizer"])
     except (ValueError, KeyError) as e:

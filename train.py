@@ -571,6 +571,7 @@ def evaluate_and_save(run, lr, crossed=()):
 def save(run, improved):
     """checkpoint.save of what --resume needs: weights, optimizer, settings, data, progress."""
     state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+                 params=checkpoint.param_names(run.raw_model, run.optimizer),
                  config=dataclasses.asdict(run.config), settings=dataclasses.asdict(run.settings),
                  data_dir=run.data_dir, dataset=checkpoint.dataset_identity(run.meta))
     progress = dataclasses.replace(run.progress, seconds=run.elapsed())  # the run's time so far

@@ -73,6 +73,21 @@ def test_resume_checks_best_pt_and_reads_files_and_a_saved_run_stays(demo, tmp_p
     assert (out / "best.pt").read_bytes() == best
 
 
+def test_resume_refuses_an_optimizer_state_of_parameters_in_another_order(demo, tmp_path, capsys):
+    # AdamW's state follows the parameters by position: a model that orders them otherwise (a
+    # refactor) would take each moment of another parameter, of the same shape without a word
+    out = tmp_path / "r"
+    assert run(train.main, tiny(demo, out, *FLAGS))[0] == 0
+    ckpt = torch.load(out / "last.pt", weights_only=True)
+    decay = ckpt["params"][0]
+    assert len(decay) > 2 and "lm_head.weight" not in decay  # tied: once, as wte.weight
+    decay[1], decay[2] = decay[2], decay[1]
+    torch.save(ckpt, out / "last.pt")
+    err = error_line(train.main, ["--out_dir", out, "--resume", "--max_iters", 3], capsys)
+    assert f"its optimizer state is of other parameters, in their order (#1: ['{decay[1]}'], " \
+        f"here ['{decay[2]}'])" in err, err
+
+
 def test_a_folder_a_live_run_writes_is_refused_until_it_ends(demo, tmp_path, capsys):
     out = tmp_path / "live"  # still training: a --resume beside it would write into its files
     flags = tiny(demo, out, "--max_iters", 10 ** 6, "--eval_interval", 2, "--device", "cpu")
