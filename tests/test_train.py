@@ -57,6 +57,21 @@ def test_a_run_writes_its_files_and_ends_with_how_it_routes_and_what_next(routed
     assert best["best_val_loss"] == done["best_val_loss"] == last_pt["best_val_loss"]
 
 
+def test_each_micro_step_trains_on_crops_of_its_own(demo, tmp_path, monkeypatch):
+    # --grad_accum 2: a step's two micro-steps see batch_offsets of (step, 0) and (step, 1), not
+    # the same crops twice (which would count twice the tokens for one batch's gradient)
+    seen, real = [], train.get_batch
+    monkeypatch.setattr(train, "get_batch", lambda data, offsets, *rest: seen.append(
+        (len(data), offsets.tolist())) or real(data, offsets, *rest))
+    trained(demo, tmp_path / "r", "--grad_accum", 2, "--max_iters", 2, "--eval_interval", 2)
+    a = train.TrainSettings()
+    B, T = int(TINY[TINY.index("--batch_size") + 1]), int(TINY[TINY.index("--sequence_len") + 1])
+    n = len(prepare_data.open_split(demo, "train"))
+    want = [train.batch_offsets(a.seed, step, micro, n, T, B).tolist()
+            for step in (0, 1) for micro in (0, 1)]
+    assert [offsets for size, offsets in seen if size == n and offsets in want] == want
+
+
 def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
     # dropout (each process's RNG state), grad_accum and micro_batch: all must carry over
     flags = [*ROUTED, "--dropout", "0.1", "--grad_accum", "2", "--micro_batch", "4",
