@@ -241,6 +241,12 @@ def test_routing_bytes_floor_is_below_the_kernels_passes_and_full_attnres_is_qua
     full = [routing_bytes(config(n, attnres_block=1))[0] for n in (8, 16)]
     block = [routing_bytes(config(n))[0] for n in (8, 16)]
     assert full[1] / full[0] > 3 > block[1] / block[0]
+    # the readout's floor: it reads each source it sees once, 3 passes (the details too with
+    # wav_readout_details): the difference is the readout's pool, as the model counts it
+    wav, both = (config(4, wav=True, wav_readout_details=on) for on in (False, True))
+    readout = [nanoroute.GPT(c).pool_size(nanoroute.Read(4, "readout")) for c in (wav, both)]
+    unit = 8 * 16 * 32 * 4  # routing_bytes' batch of 8, one (B, T, d) float32 tensor
+    assert routing_bytes(both)[0] - routing_bytes(wav)[0] == 3 * (readout[1] - readout[0]) * unit
     # a model with sources of its own (counted in kernel_slots) is refused, not counted as Block's
     monkeypatch.setattr(nanoroute.GPT, "kernel_slots", lambda self: 99)
     with pytest.raises(ValueError, match="stores 99 completed sources a forward, routing_bytes"):
