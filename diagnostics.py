@@ -53,8 +53,8 @@ def routing_stats(routes):
     "sources": every source, in pool order; "entropy_norm_mean": over the reads of more than one
     source that every variant has (one a sublayer, RD: the one feeding the queries, and the
     readout); "js": {"layer{j}": nats} (RD: the route feeding the queries vs the one feeding the
-    values; not layer 0, whose routes both read e alone), "js_mean", "js_pair": what the two
-    routes feed, e.g. "QK‖V" (RD_MODES says it), None without two routes."""
+    values; not where both read one source, 0 by construction: layer 0's read e alone), "js_mean",
+    "js_pair": what the two routes feed, e.g. "QK‖V" (RD_MODES says it), None without two routes."""
     reads = {}
     for r in routes:
         w, n = r["weights"], len(r["sources"])  # (S, B, T, H)
@@ -72,7 +72,7 @@ def routing_stats(routes):
     values = {r["read"].layer: r for r in routes if "V" in r.get("feeds", "")}
     pairs = {j: (queries[j], values[j]) for j in queries if values[j] is not queries[j]}
     js = {f"layer{j}": js_divergence(q["weights"], v["weights"])
-          for j, (q, v) in pairs.items() if j > 0}
+          for j, (q, v) in pairs.items() if len(q["sources"]) > 1}
     pair = next((f"{q['feeds']}‖{v['feeds']}" for q, v in pairs.values()), None)
     # a read that feeds keys or values alone is RD's extra route: the other variants lack it
     norms = [s["entropy_norm"] for s in reads.values() if s["entropy_norm"] is not None

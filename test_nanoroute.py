@@ -487,6 +487,14 @@ def test_rd_decoupled_equals_off_at_init_and_differs_once_v_query_moves():
     # layer 0's two routes both read e alone (JS = 0 by construction): left out of js and js_mean
     assert list(stats["js"]) == ["layer1", "layer2"]
     assert stats["js_mean"] == pytest.approx(stats["js"]["layer1"] / 2)
+    # by what they read, not by their layer: a routing that starts higher up (its first routed
+    # layer reads one source) leaves that layer out, and layer 0 counts where it reads more
+    one = [dict(r, sources=["pre"], weights=r["weights"][:1] / r["weights"][:1]) for r in routes
+           if r["read"].layer == 1]
+    two = [r for r in routes if r["read"].layer == 2]  # C0, emb, P, ...
+    moved = [dict(r, read=r["read"]._replace(layer=0)) for r in two]
+    assert list(routing_stats(one + two)["js"]) == ["layer2"]
+    assert list(routing_stats(moved)["js"]) == ["layer0"]
 
 
 def test_rd_frozen_v_keeps_the_value_route_at_its_init():
