@@ -551,7 +551,8 @@ def test_js_divergence_and_routing_stats_entropy_means_and_sources_of_any_name()
         assert routing_stats(fake)["sources"] == order
     # a legend names each kind of source once, and never passes off one it does not know (a
     # suffix of a new source, C0.mean) as another
-    legend = diagnostics.source_legend(["emb", "C0", "C0.phase", "C1", "C1.mean", "P", "stream"])
+    names = ["emb", "C0", "C0.phase", "C1", "C1.mean", "C12", "C12.phase", "P", "stream"]
+    legend = diagnostics.source_legend(names)
     assert legend == ("emb: embedding, C<i>: completed block i, .phase: WAV detail (phase basis), "
                       ".mean: named by the model, P: partial block, stream: named by the model")
 
@@ -559,11 +560,12 @@ def test_js_divergence_and_routing_stats_entropy_means_and_sources_of_any_name()
 def test_kv_cache_refuses_keys_of_another_shape():
     # one key head written into a cache of two would broadcast into both, and generation would still
     # equal recompute: a change to the attention's heads (grouped queries) must size the cache too
-    cache = nanoroute.KVCache(GPTConfig(**TINY), batch=1, device="cpu", dtype=torch.float32)
-    k = torch.zeros(1, TINY["n_head"], 3, TINY["n_embd"] // TINY["n_head"])
+    cache = nanoroute.KVCache(GPTConfig(**TINY), batch=2, device="cpu", dtype=torch.float32)
+    k = torch.zeros(2, TINY["n_head"], 3, TINY["n_embd"] // TINY["n_head"])
     cache.update(0, k, k)
-    with pytest.raises(AssertionError, match="KVCache not shaped as the keys"):
-        cache.update(1, k[:, :1], k[:, :1])
+    for other in (k[:, :1], k[:1]):  # one head, or one sequence of two: neither broadcasts
+        with pytest.raises(AssertionError, match="KVCache not shaped as the keys"):
+            cache.update(1, other, other)
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)

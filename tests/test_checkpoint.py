@@ -2,6 +2,7 @@
 run, with the uninterrupted run's result; what a run reads is checked first; a folder a running
 train.py writes is refused to any other."""
 
+import io
 import os
 import shutil
 import subprocess
@@ -78,14 +79,19 @@ def test_resume_refuses_an_optimizer_state_of_parameters_in_another_order(demo, 
     # refactor) would take each moment of another parameter, of the same shape without a word
     out = tmp_path / "r"
     assert run(train.main, tiny(demo, out, *FLAGS))[0] == 0
-    ckpt = torch.load(out / "last.pt", weights_only=True)
-    decay = ckpt["params"][0]
-    assert len(decay) > 2 and "lm_head.weight" not in decay  # tied: once, as wte.weight
-    decay[1], decay[2] = decay[2], decay[1]
-    torch.save(ckpt, out / "last.pt")
-    err = error_line(train.main, ["--out_dir", out, "--resume", "--max_iters", 3], capsys)
-    assert f"its optimizer state is of other parameters, in their order (#1: ['{decay[1]}'], " \
-        f"here ['{decay[2]}'])" in err, err
+    saved = (out / "last.pt").read_bytes()
+    groups = torch.load(out / "last.pt", weights_only=True)["params"]
+    assert "lm_head.weight" not in groups[0]  # tied: once, as wte.weight
+    assert [len(g) > 1 for g in groups] == [True, True]  # matrices; the routing's queries
+    for g, group in enumerate(groups):  # two swapped in either group: the flat position named
+        ckpt = torch.load(io.BytesIO(saved), weights_only=True)
+        names = ckpt["params"][g]
+        names[0], names[1] = names[1], names[0]
+        torch.save(ckpt, out / "last.pt")
+        err = error_line(train.main, ["--out_dir", out, "--resume", "--max_iters", 3], capsys)
+        i = sum(len(earlier) for earlier in groups[:g])
+        assert f"its optimizer state is of other parameters, in their order (#{i}: " \
+            f"['{names[0]}'], here ['{names[1]}'])" in err, err
 
 
 def test_a_folder_a_live_run_writes_is_refused_until_it_ends(demo, tmp_path, capsys):

@@ -133,8 +133,11 @@ def test_a_run_by_hand_is_named_by_its_config_as_a_variant_or_the_nearest_and_it
     for v in nanoroute.VARIANTS:
         hand_run(tmp_path, v, v, 0, 2.0, run_json=False)
     hand_run(tmp_path, "wav_rd", "wav", 0, 2.0, run_json=False, rd="decoupled")
+    # two rows as near (block and block_h4, one field apart): the first, in the table's order
+    hand_run(tmp_path, "heads2", "block", 0, 2.0, run_json=False, route_heads=2)
     names = {d.name: experiments.read_run(d, d.name)["variant"] for d in tmp_path.iterdir()}
-    assert names == {**{v: v for v in nanoroute.VARIANTS}, "wav_rd": "wav, rd=decoupled"}
+    assert names == {**{v: v for v in nanoroute.VARIANTS}, "wav_rd": "wav, rd=decoupled",
+                     "heads2": "block, route_heads=2"}
 
 
 def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_path, capsys):
@@ -485,7 +488,12 @@ def test_a_finished_run_at_another_default_is_kept_with_a_warning(demo, tmp_path
     printed = capsys.readouterr().out
     assert f"WARNING: {run['dir']} ran at other defaults: its flags now make wav_rho 4.0 (was " \
         "2.0); it is kept" in printed and f"skip {run['dir']}: finished" in printed
-    config["wav_rho"] = 4.0  # as they make it now: no word
+    # a default that changed to a false value (dropout 0.1 -> 0.0) counts the same
+    config |= {"wav_rho": 4.0, "dropout": 0.1}
+    (run["dir"] / "summary.json").write_text(json.dumps(dict(config=config)))
+    assert experiments.pending([run], ["train.py"]) == []
+    assert "its flags now make dropout 0.0 (was 0.1); it is kept" in capsys.readouterr().out
+    config["dropout"] = 0.0  # as they make it now: no word
     (run["dir"] / "summary.json").write_text(json.dumps(dict(config=config)))
     assert experiments.pending([run], ["train.py"]) == []
     assert "WARNING" not in capsys.readouterr().out
