@@ -134,12 +134,16 @@ def file_safe(text):  # text as one file or folder name: runs/a/b -> runs_a_b
 def check_run(run, world):
     """train.py's checks of a run's settings and model (check_settings): a combination that
     train.py refuses is one line now, not a failed run in the middle of a sweep."""
-    explicit = {k: x for k, x in train_args(run["args"], run["name"]).items() if x is not None}
     try:
-        a, model = train.resolve_settings(explicit)
+        a, model = resolved(run)
         train.check_settings(a, world, model)
     except UsageError as e:
         raise UsageError(f"run {run['name']}: train.py refuses it: {e}") from None
+
+def resolved(run):
+    """(TrainSettings, the model's settings) that train.py makes of a run's flags."""
+    explicit = {k: x for k, x in train_args(run["args"], run["name"]).items() if x is not None}
+    return train.resolve_settings(explicit)
 
 def sweep_grid(a, variants):
     """The grid of sweep a.name: SWEEPS' entry, or custom's on the dataset of --data."""
@@ -322,8 +326,7 @@ def pending(runs, launcher):
 def drifted(run, config):
     """The model fields in which a finished run's config differs from what its flags make now,
     "wav_rho 2.0 (was 4.0)"; a field newer than the run is left out (its default is the old way)."""
-    explicit = {k: x for k, x in train_args(run["args"], run["name"]).items() if x is not None}
-    now = train.resolve_settings(explicit)[1]  # vocab_size None: the data's, not a flag's
+    now = resolved(run)[1]  # vocab_size None: the data's, not a flag's
     return [f"{k} {now[k]} (was {config[k]})" for k in now
             if k in config and now[k] is not None and now[k] != config[k]]
 

@@ -480,8 +480,7 @@ def test_a_finished_run_at_another_default_is_kept_with_a_warning(demo, tmp_path
                 "--seeds", "0", "--out", tmp_path, "--", *SWEPT)
     run["dir"].mkdir(parents=True)
     (run["dir"] / "run.json").write_text(json.dumps(dict(variant="wav", args=run["args"])))
-    given = experiments.train_args(run["args"], run["name"]).items()
-    model = train.resolve_settings({k: x for k, x in given if x is not None})[1]
+    model = experiments.resolved(run)[1]  # what train.py makes of its flags
     config = {**model, "vocab_size": 27, "wav_rho": 2.0}  # as its summary.json recorded it
     (run["dir"] / "summary.json").write_text(json.dumps(dict(config=config)))
     assert experiments.pending([run], ["train.py"]) == []
