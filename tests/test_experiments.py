@@ -111,6 +111,10 @@ def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path,
     assert len(tables) == 3 and all(len({line.count("|") for line in t}) == 1 for t in tables)
     with pytest.raises(ValueError, match="1 cells for 2 columns"):  # a column added to the header
         experiments.table(["variant", "late loss"], [["rd"]])
+    # a seed the baseline lacks drops out of the pairs, and of n (wins/n counts pairs)
+    lone = [dict(seed=2, val=2.1), dict(seed=5, val=2.4)]
+    assert experiments.paired(lone, [dict(seed=2, val=2.0)], lambda r: r["val"]) == \
+        pytest.approx(dict(mean=0.1, std=None, wins=0, ties=0, n=1))
 
 
 def test_the_baseline_is_its_row_naming_the_fewest_settings(tmp_path):
