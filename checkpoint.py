@@ -44,6 +44,7 @@ class Progress:
     milestones: dict = dataclasses.field(default_factory=dict)  # {label: step, tokens, val_loss}
     lines: list = dataclasses.field(default_factory=list)  # metrics.jsonl
     seconds: float = 0.0  # spent before this invocation
+    changes: list = dataclasses.field(default_factory=list)  # settings --resume gave anew
 
 _LOCKS = {}  # {folder: the open descriptor its lock is held on}, until release()
 

@@ -470,8 +470,12 @@ def read_run(d, name):
         # hashable, and equal exactly when two runs were set up alike; under --max_tokens the
         # budget, not the steps it made of each run's batch
         derived = {"max_iters"} if settings["max_tokens"] else set()
-        setup = tuple(sorted((k, repr(x)) for k, x in both.items()
-                             if k not in {*NOT_SETUP, *swept, *derived} and not NEEDS.get(k)))
+        setup = [(k, repr(x)) for k, x in both.items()
+                 if k not in {*NOT_SETUP, *swept, *derived} and not NEEDS.get(k)]
+        # settings a --resume gave anew (train.py records them): a run pairs with runs changed alike
+        changes = [f"{c['setting']} {c['was']} → {c['now']} at step {c['step']}"
+                   for c in summary.get("changes", [])]
+        setup = tuple(sorted(setup + [("changed at --resume", ", ".join(changes))] * bool(changes)))
         block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
         # off: a --set value off its baseline; such a row pairs with `home`, its own variant at the
         # baselines (summarize). No run.json (train.py by hand): named by its config

@@ -415,6 +415,7 @@ def setup(argv, stop):
         run.progress = checkpoint.restore(ckpt, out_dir, raw_model, optimizer, a.seed, device, rank,
                                           world)
         run.log(f"resuming {out_dir / 'last.pt'} at step {run.progress.step}")
+        note_changes(run, ckpt["settings"])
     else:
         torch.manual_seed(a.seed + rank)  # each process its own dropout stream
     describe(run)
@@ -430,6 +431,22 @@ def finished(out_dir, ckpt, max_iters, rank):
         print(f"{out_dir} holds a finished run (step {ckpt['progress']['step']}, --max_iters "
               f"{max_iters}): nothing to add; a larger --max_iters continues it", flush=True)
     return True
+
+def note_changes(run, saved):
+    """A training setting that --resume gives anew changes the run from this step on: recorded in
+    its progress (summary.json's changes: the report groups the run by them) and said, since a
+    run started with it, its paired baseline included, is not this run."""
+    # data: its folder may move; log_interval: how often it prints; under --max_tokens the steps
+    # are the budget's (its batch is what changed)
+    skip = {"data", "log_interval", *["max_iters"] * bool(run.settings.max_tokens)}
+    for f in dataclasses.fields(TrainSettings):
+        was, now = saved.get(f.name), getattr(run.settings, f.name)
+        if f.metadata["runtime"] or f.name in skip or f.name not in saved or now == was:
+            continue
+        step = run.progress.step
+        run.progress.changes.append(dict(step=step, setting=f.name, was=was, now=now))
+        run.log(f"note: --{f.name} {now} from step {step} on (was {was}): summary.json records "
+                "the change; runs that pair with this one must change alike")
 
 def describe(run):
     """What the run trains: the data, the model, the schedule and where it runs. Every setting off
@@ -621,7 +638,8 @@ def finish(run):
     summary = dict(config=dataclasses.asdict(run.config), train=dataclasses.asdict(a),
                    dataset=meta["dataset"], level=meta["level"], data_sha256=meta.get("sha256"),
                    precision=str(run.dtype)[6:], step=p.step, tokens_seen=p.tokens,
-                   best_val_loss=p.best_val_loss, milestones=p.milestones, final=final,
+                   best_val_loss=p.best_val_loss, milestones=p.milestones, changes=p.changes,
+                   final=final,
                    wall_time_s=round(run.elapsed(), 3), routes=last["routes"])
     if run.master:
         write_json(run.out_dir / "summary.json", summary)
@@ -654,8 +672,18 @@ def next_commands(run):
     if any(line.get("routes") for line in run.progress.lines):  # routing or learned mixing
         commands.append((command("sample.py", [*here, "--routes"]), "how each read routes"))
     if config.residual != "prenorm":
-        flags, baseline = baseline_flags(a, config)
-        commands += [(command("train.py", flags, run.world), "the baseline: same seed, batches"),
+        # a run whose settings --resume changed: its baseline starts as it started, then changes
+        # as it did (the earliest value of each changed setting first)
+        changes = run.progress.changes
+        flags, baseline = baseline_flags(dataclasses.replace(
+            a, **{c["setting"]: c["was"] for c in reversed(changes)}), config)
+        resumes = {}  # step: the flags its --resume gave
+        for c in changes:
+            resumes.setdefault(c["step"], []).append(f"--{c['setting']} {c['now']}")
+        why = "the baseline: same seed, batches" + "".join(
+            f"; as this run: --stop_after {step}, then --resume {' '.join(given)}"
+            for step, given in resumes.items())
+        commands += [(command("train.py", flags, run.world), why),
                      (command("experiments.py", ["report", a.out_dir, baseline]),
                       "compare the two once both have finished")]
     width = min(60, max(len(line) for line, _ in commands))

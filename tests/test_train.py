@@ -227,6 +227,39 @@ def test_the_printed_baseline_runs_and_is_the_same_run_without_routing(demo, tmp
         {k: v for k, v in baseline["train"].items() if k != "out_dir"}
 
 
+def test_a_setting_a_resume_changes_is_said_recorded_and_its_baseline_changes_alike(
+        demo, tmp_path, capsys):
+    import experiments
+    out = trained(demo, tmp_path / "run", "--residual", "attnres", "--max_iters", 4,
+                  "--stop_after", 2)
+    code, printed, _ = run(train.main, ["--out_dir", out, "--resume", "--lr", "0.01"], capsys)
+    assert code == 0 and "note: --lr 0.01 from step 2 on (was 0.002)" in printed
+    assert summary(out)["changes"] == [dict(step=2, setting="lr", was=0.002, now=0.01)]
+    # the printed baseline starts at the run's first settings and says how it changed
+    command, why = next(x for x in printed.splitlines() if "--residual prenorm" in x).split("  # ")
+    assert why.endswith("; as this run: --stop_after 2, then --resume --lr 0.01")
+    flags = shlex.split(command)[2:]
+    assert "--lr" not in flags
+    base = flags[flags.index("--out_dir") + 1]
+    assert run(train.main, [*flags, "--stop_after", 2])[0] == 0  # done as it says
+    assert run(train.main, ["--out_dir", base, "--resume", "--lr", "0.01"])[0] == 0
+    plain = trained(demo, tmp_path / "plain", "--residual", "prenorm", "--max_iters", 4)
+    # the report pairs the two that changed alike, apart from a run that never changed
+    runs = experiments.find_runs([out, base, plain])[0]
+    groups = experiments.summarize(runs, "block")
+    assert sorted(len(g["rows"]) for g in groups) == [1, 2]
+    pair = next(g for g in groups if len(g["rows"]) == 2)
+    assert ("changed at --resume", "lr 0.002 → 0.01 at step 2") in pair["setup"]
+    assert [row["delta"]["n"] for row in pair["rows"] if row is not pair["base"]] == [1]
+    # nothing given anew: nothing recorded, the baseline as before
+    again = trained(demo, tmp_path / "again", "--residual", "attnres", "--max_iters", 4,
+                    "--stop_after", 2)
+    capsys.readouterr()
+    printed = run(train.main, ["--out_dir", again, "--resume", "--log_interval", 2], capsys)[1]
+    assert "note: --" not in printed and summary(again)["changes"] == []
+    assert next(x for x in printed.splitlines() if "--residual prenorm" in x).endswith("batches")
+
+
 def test_the_route_entropy_loss_trains_the_routes_and_its_value(demo, tmp_path):
     for name, extra in (("none", []), ("0", ["--route_entropy_coef", 0]),
                         ("1", ["--route_entropy_coef", 1])):
