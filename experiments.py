@@ -487,6 +487,7 @@ def read_run(d, name):
                    data_sha256=json.dumps(summary.get("data_sha256"), sort_keys=True),
                    # float32 or bfloat16 (older runs: --dtype where not auto, else unknown)
                    precision=summary.get("precision", settings["dtype"].replace("auto", "")),
+                   ran=f"--device {settings['device']} --compile {settings['compile']}",
                    set=knobs | swept, set_base=base, row=row, home=home, off=row != home)
     return run
 
@@ -647,6 +648,11 @@ def group_notes(g, baseline):
     if len(precisions) > 1:
         lines += [f"**WARNING: these runs ran at different precisions** ({', '.join(precisions)}): "
                   "their differences measure the precision too: give every run one --dtype.", ""]
+    # how a run ran never splits a group, but its wall time (train s) measures that too
+    ran = sorted({r["ran"] for row in g["rows"] for r in row["runs"]})
+    if len(ran) > 1:
+        lines += [f"**train s compares runs that ran differently** ({'; '.join(ran)}): a time "
+                  "there is also one of device and compiling.", ""]
     # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
     if len({row["block"] for row in g["rows"]} - {None}) > 1:
         lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]

@@ -174,6 +174,15 @@ def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_pat
     run(experiments.main, ["report", tmp_path], capsys)
     text = (tmp_path / "report.md").read_text()
     assert text.count("WARNING: these runs ran at different precisions** (bfloat16, float32)") == 1
+    assert "ran differently" not in text
+    # one seed compiled: the same group (how it ran), but its wall time is not the other's
+    path = tmp_path / "chars" / "block_s1" / "summary.json"
+    done = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(done, train=dict(done["train"], compile=True))))
+    run(experiments.main, ["report", tmp_path], capsys)
+    text = (tmp_path / "report.md").read_text()
+    assert text.count("**train s compares runs that ran differently** (--device auto --compile "
+                      "False; --device auto --compile True)") == 1
 
 
 def test_text_files_are_headed_by_their_folders(tmp_path):
