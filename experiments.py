@@ -301,27 +301,37 @@ def pending(runs, launcher):
     todo = []
     for run in runs:
         d = run["dir"]
+        changed = flags_changed(run)
         if (d / "summary.json").exists():
-            with contextlib.suppress(OSError, ValueError, KeyError):  # no run.json: no warning
-                was = flag_dict(json.loads((d / "run.json").read_text())["args"])
-                now = flag_dict(run["args"])
-                changed = [f"{k} {now.get(k, 'unset')} (was {was.get(k, 'unset')})"
-                           for k in dict.fromkeys([*now, *was]) if now.get(k) != was.get(k)]
+            if changed:
+                print(f"WARNING: {d} ran with other flags: {', '.join(changed)}; it is kept "
+                      "(use another --out to run these)")
+            # the same flags, yet another model: a default changed in the code since
+            elif (d / "run.json").exists():
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    changed = drifted(run, json.loads((d / "summary.json").read_text())["config"])
                 if changed:
-                    print(f"WARNING: {d} ran with other flags: {', '.join(changed)}; it is kept "
-                          "(use another --out to run these)")
-                else:  # the same flags, yet another model: a default changed in the code since
-                    config = json.loads((d / "summary.json").read_text())["config"]
-                    changed = drifted(run, config)
-                    if changed:
-                        print(f"WARNING: {d} ran at other defaults: its flags now make "
-                              f"{', '.join(changed)}; it is kept (use another --out to run these)")
+                    print(f"WARNING: {d} ran at other defaults: its flags now make "
+                          f"{', '.join(changed)}; it is kept (use another --out to run these)")
             print(f"skip {d}: finished")
             continue
         # an interrupted run continues from its last.pt: the same command resumes the sweep
         resume = ["--resume"] if (d / "last.pt").exists() else []
+        if resume and changed:  # a training flag changes it from its last step (train.py says so)
+            print(f"WARNING: {d} resumes with other flags: {', '.join(changed)}; from its last "
+                  "step on (use another --out to run these from the start)")
         todo.append((run, [*launcher, *run["args"], "--out_dir", str(d), *resume]))
     return todo
+
+def flags_changed(run):
+    """The flags in which a run's command differs from the one it was started with (its
+    run.json), "--max_iters 80 (was 40)"; none without a readable run.json."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        was = flag_dict(json.loads((run["dir"] / "run.json").read_text())["args"])
+        now = flag_dict(run["args"])
+        return [f"{k} {now.get(k, 'unset')} (was {was.get(k, 'unset')})"
+                for k in dict.fromkeys([*now, *was]) if now.get(k) != was.get(k)]
+    return []
 
 def drifted(run, config):
     """The model fields in which a finished run's config differs from what its flags make now,

@@ -446,8 +446,9 @@ def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_p
 def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_failure(
         demo, tmp_path, capsys):
     """One real sweep through train.py, two runs at once: prenorm finished earlier with another
-    --max_iters (skipped, with a warning naming it), block interrupted after step 1 (resumed),
-    rd's folder holds a stray best.pt (train.py refuses it: the sweep goes on and exits 1)."""
+    --max_iters (skipped, with a warning naming it), block interrupted after step 1 (resumed,
+    with a warning naming the flag its first sweep gave otherwise), rd's folder holds a stray
+    best.pt (train.py refuses it: the sweep goes on and exits 1)."""
     out = tmp_path / "runs"
     argv = ["sweep", "custom", "--data", demo, "--variants", "prenorm,block,rd", "--depths", "2",
             "--seeds", "0", "--jobs", "2", "--out", out, "--", *SWEPT, "--max_iters", "3"]
@@ -459,6 +460,9 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     (prenorm["dir"] / "run.json").write_text(json.dumps(dict(variant="prenorm", args=before)))
     assert run(train.main, [*block["args"], "--out_dir", block["dir"], "--stop_after", 1])[0] == 0
     assert not (block["dir"] / "summary.json").exists()
+    started = [a.replace("3", "2") if a == "3" and prev == "--max_iters" else a  # its first sweep
+               for prev, a in zip(["", *block["args"]], block["args"])]
+    (block["dir"] / "run.json").write_text(json.dumps(dict(variant="block", args=started)))
     rd["dir"].mkdir(parents=True)
     (rd["dir"] / "best.pt").write_bytes(b"not a run of this sweep")
     capsys.readouterr()
@@ -468,6 +472,8 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     assert f"WARNING: {prenorm['dir']} ran with other flags: --max_iters 3 (was 5), --dropout " \
         "unset (was 0.1)" in printed
     assert f"skip {prenorm['dir']}: finished" in printed
+    assert f"WARNING: {block['dir']} resumes with other flags: --max_iters 3 (was 2); from its " \
+        "last step on" in printed
     assert f"[1/2] {block['dir']}: started (resuming from last.pt)" in printed
     assert f"[1/2] {block['dir']}: done in " in printed and "val loss " in printed
     assert printed.index(f"[2/2] {rd['dir']}: started") < printed.index(": done in ")  # 2 at once
