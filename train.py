@@ -440,8 +440,9 @@ def note_changes(run, saved):
     # are the budget's (its batch is what changed)
     skip = {"data", "log_interval", *["max_iters"] * bool(run.settings.max_tokens)}
     for f in dataclasses.fields(TrainSettings):
-        was, now = saved.get(f.name), getattr(run.settings, f.name)
-        if f.metadata["runtime"] or f.name in skip or f.name not in saved or now == was:
+        # a setting newer than the run: at its default there (the behaviour from before it)
+        was, now = saved.get(f.name, f.default), getattr(run.settings, f.name)
+        if f.metadata["runtime"] or f.name in skip or now == was:
             continue
         step = run.progress.step
         run.progress.changes.append(dict(step=step, setting=f.name, was=was, now=now))
@@ -672,22 +673,28 @@ def next_commands(run):
     if any(line.get("routes") for line in run.progress.lines):  # routing or learned mixing
         commands.append((command("sample.py", [*here, "--routes"]), "how each read routes"))
     if config.residual != "prenorm":
-        # a run whose settings --resume changed: its baseline starts as it started, then changes
-        # as it did (the earliest value of each changed setting first)
-        changes = run.progress.changes
-        flags, baseline = baseline_flags(dataclasses.replace(
-            a, **{c["setting"]: c["was"] for c in reversed(changes)}), config)
-        resumes = {}  # step: the flags its --resume gave
-        for c in changes:
-            resumes.setdefault(c["step"], []).append(f"--{c['setting']} {c['now']}")
-        why = "the baseline: same seed, batches" + "".join(
-            f"; as this run: --stop_after {step}, then --resume {' '.join(given)}"
-            for step, given in resumes.items())
+        flags, baseline, why = paired_baseline(run)
         commands += [(command("train.py", flags, run.world), why),
                      (command("experiments.py", ["report", a.out_dir, baseline]),
                       "compare the two once both have finished")]
     width = min(60, max(len(line) for line, _ in commands))
     return "\n".join(["next:"] + [f"  {line:<{width}}  # {why}" for line, why in commands])
+
+def paired_baseline(run):
+    """The paired baseline's flags, its --out_dir and what to say of it. A run whose settings a
+    --resume changed: the baseline starts as the run started (each one's first value), then is
+    resumed alike; the routing's own settings aside (the baseline has none)."""
+    changes = [c for c in run.progress.changes
+               if c["setting"] not in routing_fields(TrainSettings)]
+    start = dataclasses.replace(run.settings, **{c["setting"]: c["was"] for c in reversed(changes)})
+    flags, out = baseline_flags(start, run.config)
+    resumes = {}  # step: the flags its --resume gave
+    for c in changes:
+        resumes.setdefault(c["step"], []).append(f"--{c['setting']} {c['now']}")
+    alike = "; ".join(f"--stop_after {step}, then --resume {' '.join(given)}"
+                      for step, given in resumes.items())
+    why = "the baseline: same seed, batches" + f"; as this run: {alike}" * bool(alike)
+    return flags, out, why
 
 def plain_settings():
     """{name: value} of every setting, the model's and training's, as a plain train.py has it."""

@@ -124,6 +124,8 @@ def test_resume_from_elsewhere_and_of_a_finished_run(demo, routed, tmp_path, mon
     # a larger budget in tokens continues it (8 x 32 tokens a step: 6 steps)
     assert run(train.main, ["--out_dir", out, "--resume", "--max_tokens", 6 * 256], capsys)[0] == 0
     assert summary(out)["step"] == 6
+    # recorded as the budget it gave, not as the steps train.py made of it
+    assert [c["setting"] for c in summary(out)["changes"]] == ["max_tokens"]
     shutil.copytree(routed, tmp_path / "moved" / "runs" / "again")
     monkeypatch.chdir(tmp_path / "moved")  # in the folder it ran in: data as it was given, demo
     code = run(train.main, ["--out_dir", "runs/again", "--resume", "--max_iters", 5], capsys)[0]
@@ -231,25 +233,37 @@ def test_a_setting_a_resume_changes_is_said_recorded_and_its_baseline_changes_al
         demo, tmp_path, capsys):
     import experiments
     out = trained(demo, tmp_path / "run", "--residual", "attnres", "--max_iters", 4,
-                  "--stop_after", 2)
-    code, printed, _ = run(train.main, ["--out_dir", out, "--resume", "--lr", "0.01"], capsys)
-    assert code == 0 and "note: --lr 0.01 from step 2 on (was 0.002)" in printed
-    assert summary(out)["changes"] == [dict(step=2, setting="lr", was=0.002, now=0.01)]
-    # the printed baseline starts at the run's first settings and says how it changed
+                  "--stop_after", 1)
+    saved = torch.load(out / "last.pt", weights_only=True)
+    del saved["settings"]["route_entropy_coef"]  # a setting newer than the run: at its default
+    torch.save(saved, out / "last.pt")
+    resume = ["--out_dir", out, "--resume", "--lr", "0.01", "--route_entropy_coef", 0.1]
+    code, printed, _ = run(train.main, [*resume, "--stop_after", 2], capsys)
+    assert code == 0 and "note: --lr 0.01 from step 1 on (was 0.002)" in printed
+    code, printed, _ = run(train.main, ["--out_dir", out, "--resume", "--lr", "0.005"], capsys)
+    assert code == 0 and summary(out)["changes"] == [
+        dict(step=1, setting="lr", was=0.002, now=0.01),
+        dict(step=1, setting="route_entropy_coef", was=0.0, now=0.1),
+        dict(step=2, setting="lr", was=0.01, now=0.005)]
+    # the printed baseline starts at the run's first settings and says how it changed (but the
+    # routing's own settings: the baseline has none)
     command, why = next(x for x in printed.splitlines() if "--residual prenorm" in x).split("  # ")
-    assert why.endswith("; as this run: --stop_after 2, then --resume --lr 0.01")
+    assert why.endswith("; as this run: --stop_after 1, then --resume --lr 0.01; --stop_after 2, "
+                        "then --resume --lr 0.005")
     flags = shlex.split(command)[2:]
-    assert "--lr" not in flags
+    assert "--lr" not in flags and "--route_entropy_coef" not in flags
     base = flags[flags.index("--out_dir") + 1]
-    assert run(train.main, [*flags, "--stop_after", 2])[0] == 0  # done as it says
-    assert run(train.main, ["--out_dir", base, "--resume", "--lr", "0.01"])[0] == 0
+    for argv in ([*flags, "--stop_after", 1],  # done as it says
+                 ["--out_dir", base, "--resume", "--lr", "0.01", "--stop_after", 2],
+                 ["--out_dir", base, "--resume", "--lr", "0.005"]):
+        assert run(train.main, argv)[0] == 0
     plain = trained(demo, tmp_path / "plain", "--residual", "prenorm", "--max_iters", 4)
     # the report pairs the two that changed alike, apart from a run that never changed
-    runs = experiments.find_runs([out, base, plain])[0]
-    groups = experiments.summarize(runs, "block")
+    groups = experiments.summarize(experiments.find_runs([out, base, plain])[0], "block")
     assert sorted(len(g["rows"]) for g in groups) == [1, 2]
     pair = next(g for g in groups if len(g["rows"]) == 2)
-    assert ("changed at --resume", "lr 0.002 → 0.01 at step 2") in pair["setup"]
+    assert ("changed at --resume", "lr 0.002 → 0.01 at step 1, lr 0.01 → 0.005 at step 2") in \
+        pair["setup"]
     assert [row["delta"]["n"] for row in pair["rows"] if row is not pair["base"]] == [1]
     # nothing given anew: nothing recorded, the baseline as before
     again = trained(demo, tmp_path / "again", "--residual", "attnres", "--max_iters", 4,
