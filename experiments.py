@@ -482,9 +482,10 @@ def read_run(d, name):
         derived = {"max_iters"} if settings["max_tokens"] else set()
         setup = [(k, repr(x)) for k, x in both.items()
                  if k not in {*NOT_SETUP, *swept, *derived} and not NEEDS.get(k)]
-        # settings a --resume gave anew (train.py records them): a run pairs with runs changed alike
+        # settings a --resume gave anew (train.py records them): a run pairs with runs changed
+        # alike; but the routing's (needs=), which name its row by their last value
         changes = [f"{c['setting']} {c['was']} → {c['now']} at step {c['step']}"
-                   for c in summary.get("changes", [])]
+                   for c in summary.get("changes", []) if not NEEDS.get(c["setting"])]
         setup = tuple(sorted(setup + [("changed at --resume", ", ".join(changes))] * bool(changes)))
         block = GPTConfig(**config).routing_block if config["residual"] == "attnres" else None
         # off: a --set value off its baseline; such a row pairs with `home`, its own variant at the

@@ -315,6 +315,11 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
     assert experiments.file_safe("../data/ood v2") == ".._data_ood_v2"
     eight, = [row for row in group["rows"] if row["off"]]
     assert eight["delta"] == pytest.approx(dict(mean=0.1, std=0.0, wins=0, ties=0, n=2))
+    # one of them resumed at another batch_size than it began with: unlike its --set row's others
+    path = tmp_path / "budget" / "block_s1_b8" / "summary.json"
+    changed = [dict(step=5, setting="batch_size", was=16, now=8)]
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), changes=changed)))
+    assert len(report(tmp_path / "budget")) == 2
     # its curve against its partner's in the figure: evaluated at other token counts, the
     # partner's linear between its evals (not left out: an empty band), within its span
     partner = {0: 4.0, 200: 2.0, 400: 1.0}
