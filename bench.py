@@ -15,6 +15,7 @@ baseline's round i, which ran next to it) do not move with a drifting machine. S
 
 import contextlib
 import importlib.util
+import json
 import platform
 import shlex
 import statistics
@@ -128,7 +129,8 @@ class Bench:
               f"{machine['command']}\n{args.preset or args.shape}: "
               + ", ".join(f"{k}={v}" for k, v in self.shape.items()), flush=True)
         self.out["routing_blocks"] = routing_blocks(self.shape, self.variants)
-        if args.json:
+        if args.json:  # rewritten as results come: never over a file that is not a bench's
+            common.own_file(args.json, bench_file)
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         self.save()  # now: an earlier bench's file there would say complete for this one
 
@@ -218,6 +220,12 @@ def load_against(path):
             else "is it a nanoroute.py?"
         raise UsageError(f"--against {path}: {file} has no GPT and GPTConfig: {why}")
     return module
+
+def bench_file(text):  # a file bench.py wrote: JSON with its machine and rounds
+    with contextlib.suppress(ValueError):
+        data = json.loads(text)
+        return isinstance(data, dict) and {"machine", "rounds_ms"} <= data.keys()
+    return False
 
 def cpu_name():
     with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:

@@ -739,7 +739,9 @@ def report(args, extra):
     if variants and baseline not in variants:
         raise UsageError(f"--baseline {baseline}: no finished run of that variant; finished "
                          f"variants: {', '.join(sorted(variants))}")
-    # the checkpoints first: a wrong --heatmap is one line, with or without matplotlib
+    # the output and the checkpoints first: a wrong --out or --heatmap is one line
+    out = common.own_file(args.out or Path(args.folders[0]) / "report.md",
+                          lambda text: text.startswith("# Report: "))
     heatmaps = {name: route_matrix(next((r["dir"] for r in runs if r["name"] == name), Path(name)),
                                    args.data) for name in args.heatmap}
     # finished runs alone: an unfinished run's loss is of an earlier step, not comparable
@@ -748,7 +750,6 @@ def report(args, extra):
     Figure = figure_class() if args.plots or heatmaps else None
     if (args.plots or heatmaps) and Figure is None:  # in report.md too: its figures are missing
         text += f"\n{NO_MATPLOTLIB}\n"
-    out = Path(args.out or Path(args.folders[0]) / "report.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, text.encode())
     print(text + f"\nwrote {out}")

@@ -241,6 +241,11 @@ def test_report_keeps_unlike_runs_apart_and_reports_several_folders(tmp_path, ca
     text = (tmp_path / "both.md").read_text()
     assert code == 0 and "| wav | 0.002 | 4 | 1 | 1.7500 ± – |" in text
     assert "-0.2500 ± – | 1/1" in text
+    assert run(experiments.main, argv, capsys)[0] == 0  # its own report there: written again
+    (tmp_path / "notes.md").write_text("my notes\n")  # a file of yours: refused, kept
+    err = error_line(experiments.main, ["report", sweep, "--out", tmp_path / "notes.md"], capsys)
+    assert "notes.md exists and is not a file this script wrote: give another path" in err
+    assert (tmp_path / "notes.md").read_text() == "my notes\n"
     err = error_line(experiments.main, ["report", out, "--baseline", "rd"], capsys)
     assert "--baseline rd: no finished run of that variant; finished variants: block" in err
     # an unreadable run is left out; the same run in two folders stops the report
