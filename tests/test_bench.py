@@ -153,6 +153,7 @@ def test_preset_shape_mfu_and_profile(tmp_path, monkeypatch, capsys):
     (["--against", "no_rd.py", "--variants", "rd"], "rd@against: the --against version cannot"),
     (["--json", ""], "^error: argument --json: '': give a file name; see --help\n$"),
     (["--json", "notes.txt"], "notes.txt exists and is not a file this script wrote"),  # yours
+    (["--json", "mine.json"], "mine.json exists and is not a file this script wrote"),  # JSON
     (["--json", "old"], "old is a folder: give a file name"),
     (["--against", ""], "^error: argument --against: '': give a file name; see --help\n$"),
     # a nanoGPT name hints at the flag it means only where that flag exists: bench has no max_iters
@@ -166,6 +167,7 @@ def test_bad_input_is_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
     (tmp_path / "empty.py").write_text("")
     (tmp_path / "old").mkdir()
     (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "mine.json").write_text('{"lr": 0.001}\n')
     (tmp_path / "old" / "nanoroute.py").write_text("")
     (tmp_path / "no_rd.py").write_text("from nanoroute import GPT\ndef GPTConfig(**fields):\n"
                                        "    raise TypeError(\"unexpected keyword argument 'rd'\")")
