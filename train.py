@@ -640,8 +640,7 @@ def finish(run):
                    dataset=meta["dataset"], level=meta["level"], data_sha256=meta.get("sha256"),
                    precision=str(run.dtype)[6:], step=p.step, tokens_seen=p.tokens,
                    best_val_loss=p.best_val_loss, milestones=p.milestones, changes=p.changes,
-                   final=final,
-                   wall_time_s=round(run.elapsed(), 3), routes=last["routes"])
+                   final=final, wall_time_s=round(run.elapsed(), 3), routes=last["routes"])
     if run.master:
         write_json(run.out_dir / "summary.json", summary)
     run.log(f"done: {p.step} steps, {p.tokens:,} tokens, val {last['val_loss']:.4f}"
