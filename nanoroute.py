@@ -260,11 +260,9 @@ class CausalSelfAttention(nn.Module):
         if x_k is None and x_v is None:
             q, k, v = self.c_attn(x).split(C, dim=2)
         else:  # SPEC: RD-AttnRes, Q, K and V each from its own read, with the same weights
-            x_k = x if x_k is None else x_k
-            x_v = x if x_v is None else x_v
-            inputs = (x, x_k, x_v)
+            inputs = (x, *(x if t is None else t for t in (x_k, x_v)))
             bias = self.c_attn.bias
-            biases = bias.split(C) if bias is not None else (None, None, None)
+            biases = (None, None, None) if bias is None else bias.split(C)
             weights = self.c_attn.weight.split(C)
             q, k, v = (F.linear(t, w, b) for t, w, b in zip(inputs, weights, biases))
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -552,10 +550,6 @@ class DepthRouting:
         """SPEC: Attention Residuals. Sublayer l reads the pool [e, C_0, ..., C_{b-1}] (and WAV's
         details) and its own block's sources, runs, and appends its update to the block; a full
         block's sources join the pool. The final readout reads them all."""
-        unknown = set(self.masked) - set(self.reads)  # e.g. RD tied's attn.v: its read is attn's
-        if unknown:
-            raise ValueError(f"masked: {', '.join(map(str, unknown))} is not a read of this model "
-                             f"(its reads: {', '.join(map(str, self.reads))})")
         m, n_sub = self.config.routing_block, 2 * self.config.n_layer
         pool, block, kernel = [Source("emb", e)], [], None  # completed sources; block l // m so far
         for l in range(n_sub):
@@ -569,6 +563,14 @@ class DepthRouting:
             block.append(u.float())  # choice: sources accumulate in float32, like nanoGPT's stream
             if len(block) == m:  # complete (a short last block stays partial)
                 pool, block = self.complete(l // m, block, pool), []
+        # a mask on a read or source this model lacks (RD tied's attn.v, a typo: c0) hides nothing
+        seen = {s.name for s in pool + self.block_source_names("P")}
+        unknown = [*map(str, set(self.masked) - set(self.reads)),
+                   *sorted({name for names in self.masked.values() for name in names} - seen)]
+        if unknown:
+            raise ValueError(f"masked: {', '.join(unknown)}: not a read or source of this model "
+                             f"(reads: {', '.join(map(str, self.reads))}; sources: "
+                             f"{', '.join(sorted(seen))})")
         # SPEC: the final readout; choice: no details unless wav_readout_details (conservative)
         pool = [s for s in pool if s.basis is None or self.config.wav_readout_details]
         first = n_sub - len(block)
@@ -641,10 +643,8 @@ class GPT(DepthRouting, nn.Module):
                              f"sequence_len={self.config.sequence_len}")
         rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
         e = self.drop(self.wte(idx))
-        if self.config.residual == "attnres":
-            x = self._attnres(e, rope, cache, routes)
-        else:
-            x = self._residual(e, rope, cache, routes)
+        residual = self._attnres if self.config.residual == "attnres" else self._residual
+        x = residual(e, rope, cache, routes)
         if cache is not None:
             cache.pos += T
         return norm(x)

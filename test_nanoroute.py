@@ -1373,10 +1373,16 @@ def test_masked_sources_get_no_weight_the_rest_renormalise_and_fast_equals_refer
     model.masked = {nanoroute.Read(0, "attn"): {"emb"}}
     with pytest.raises(ValueError, match="masking every source of layer0.attn"):
         model(tokens())
-    # a read the model does not make (here no RD: no value route) is refused, not ignored
+    # a read the model does not make (here no RD: no value route) is refused, not ignored; so is
+    # a name no read sees (a typo), while one that this read does not see hides nothing there
     model.masked = {nanoroute.Read(1, "attn.v"): {"emb"}}
-    with pytest.raises(ValueError, match="layer1.attn.v is not a read of this model"):
+    with pytest.raises(ValueError, match="layer1.attn.v: not a read or source of this model"):
         model(tokens())
+    model.masked = {nanoroute.Read(1, "attn"): {"c0", "C0.phase"}}
+    with pytest.raises(ValueError, match=r"masked: c0: not a read or source .* sources: C0, "):
+        model(tokens())
+    model.masked = {nanoroute.Read(0, "mlp"): {"C0"}}  # C0: a source of later reads only
+    assert torch.equal(model(tokens())[0], plain)
     # a mask is a −inf logit bias, a kernel input: forward and every gradient follow it
     for mode in ("rd_wav", "heads_wav_rd"):
         assert_fast_equals_reference(mode, device, "float32", MaskedModel)
