@@ -563,14 +563,14 @@ class DepthRouting:
             block.append(u.float())  # choice: sources accumulate in float32, like nanoGPT's stream
             if len(block) == m:  # complete (a short last block stays partial)
                 pool, block = self.complete(l // m, block, pool), []
-        # a mask on a read or source this model lacks (RD tied's attn.v, a typo: c0) hides nothing
-        seen = {s.name for s in pool + self.block_source_names("P")}
-        unknown = [*map(str, set(self.masked) - set(self.reads)),
-                   *sorted({name for names in self.masked.values() for name in names} - seen)]
-        if unknown:
-            raise ValueError(f"masked: {', '.join(unknown)}: not a read or source of this model "
-                             f"(reads: {', '.join(map(str, self.reads))}; sources: "
-                             f"{', '.join(sorted(seen))})")
+        if self.masked:  # a mask on a read or source the model lacks (a typo: c0) hides nothing
+            seen = {s.name for s in pool + self.block_source_names("P")}
+            unknown = [*map(str, set(self.masked) - set(self.reads)),
+                       *sorted({name for names in self.masked.values() for name in names} - seen)]
+            if unknown:
+                raise ValueError(f"masked: {', '.join(unknown)}: not a read or source of this "
+                                 f"model (reads: {', '.join(map(str, self.reads))}; sources: "
+                                 f"{', '.join(sorted(seen))})")
         # SPEC: the final readout; choice: no details unless wav_readout_details (conservative)
         pool = [s for s in pool if s.basis is None or self.config.wav_readout_details]
         first = n_sub - len(block)
