@@ -439,12 +439,12 @@ def note_changes(run, saved):
     # data: its folder may move; log_interval: how often it prints; under --max_tokens the steps
     # are the budget's (its batch is what changed)
     skip = {"data", "log_interval", *["max_iters"] * bool(run.settings.max_tokens)}
+    step = run.progress.step
     for f in dataclasses.fields(TrainSettings):
         # a setting newer than the run: at its default there (the behaviour from before it)
         was, now = saved.get(f.name, f.default), getattr(run.settings, f.name)
         if f.metadata["runtime"] or f.name in skip or now == was:
             continue
-        step = run.progress.step
         run.progress.changes.append(dict(step=step, setting=f.name, was=was, now=now))
         run.log(f"note: --{f.name} {now} from step {step} on (was {was}): summary.json records "
                 "the change; runs that pair with this one must change alike")
