@@ -744,6 +744,8 @@ def report(args, extra):
                           lambda text: text.startswith("# Report: "))
     heatmaps = {name: route_matrix(next((r["dir"] for r in runs if r["name"] == name), Path(name)),
                                    args.data) for name in args.heatmap}
+    names = ["val_loss.png"] * args.plots + [heatmap_file(name) for name in heatmaps]
+    figure_paths(out.parent, names)  # refused now, before report.md is written
     # finished runs alone: an unfinished run's loss is of an earlier step, not comparable
     groups = summarize([r for r in runs if r["summary"]], baseline)
     text = markdown(args.folders, runs, groups, baseline, notes)
@@ -754,9 +756,9 @@ def report(args, extra):
     write_atomic(out, text.encode())
     print(text + f"\nwrote {out}")
     if Figure is not None:
-        figures = {"val_loss.png": (val_loss_figure, groups, baseline)} if groups else {}
+        figures = {"val_loss.png": (val_loss_figure, groups, baseline)} if args.plots else {}
         for name, matrix in heatmaps.items():
-            figures[f"routes_{file_safe(name).strip('_.')}.png"] = (routes_figure, name, *matrix)
+            figures[heatmap_file(name)] = (routes_figure, name, *matrix)
         save_figures(out.parent, figures, Figure)
     return 0
 
@@ -770,12 +772,24 @@ def figure_class():  # matplotlib's Figure, or None where it is not installed
         return None
     return Figure
 
+# each PNG's Software text: a figure there that lacks it is a user's, never written over
+PNG_MARK = {"Software": "nanoroute experiments.py"}
+
+def heatmap_file(run):
+    return f"routes_{file_safe(run).strip('_.')}.png"
+
+def figure_paths(folder, names):
+    """{FILE: folder/FILE} for figures that may be written: new, or PNGs this script wrote."""
+    mark = "Software\0" + PNG_MARK["Software"]
+    return {name: common.own_file(folder / name, lambda text: mark in text) for name in names}
+
 def save_figures(folder, figures, Figure):
     """Each {FILE: (draw, *args)}: draw(Figure, *args) as the PNG folder/FILE."""
-    for name, (draw, *args) in figures.items():
+    for name, path in figure_paths(folder, figures).items():
+        draw, *args = figures[name]
         fig = draw(Figure, *args)
-        write_atomic(folder / name, lambda f: fig.savefig(f, format="png", dpi=110))
-        print(f"wrote {folder / name}")
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110, metadata=PNG_MARK))
+        print(f"wrote {path}")
 
 def val_loss_figure(Figure, groups, baseline):
     from matplotlib import colormaps
@@ -897,6 +911,7 @@ def ablate(args, extra):
         raise UsageError(f"--older_than {args.older_than}: give 0 or more (0: every completed "
                          "block)")
     folder, device = Path(args.run_dir), train.pick_device(args.device)
+    tag, out = ablate_files(args)
     model, saved, val, offsets = load_model(args.run_dir, f"{args.ckpt}.pt", args.data, device)
     s, T = saved["settings"], model.config.sequence_len
     with torch.no_grad():  # each read's sources by name, from one forward (RD tied: one read)
@@ -927,18 +942,26 @@ def ablate(args, extra):
               + ",".join(rows[-1]["masked"].get(label, [f"{len(mask)} reads"])))
     if kept:
         print(f"  not masked (it would hide every source of the read): {', '.join(kept)}")
-    # the checkpoint in the name: an ablation of last.pt never writes over best.pt's
-    tag = "_".join([args.ckpt] + [f"mask-{args.mask}"] * bool(args.mask)
-                   + [f"read-{args.read}"] * bool(args.read)
-                   + [f"older{args.older_than}"] * (args.older_than is not None))
-    write_json(folder / f"ablate_{tag}.json", dict(vars(args), step=saved["progress"]["step"],
+    write_json(out, dict(vars(args), step=saved["progress"]["step"],
                fast_routing=model.config.fast_routing, base_val_loss=base, rows=rows, kept=kept))
-    print(f"wrote {folder / f'ablate_{tag}.json'}")
+    print(f"wrote {out}")
     Figure = figure_class()
     if Figure is None:
         return print(NO_MATPLOTLIB) or 0
     save_figures(folder, {f"ablate_{tag}.png": (ablate_figure, rows, folder.name, tag)}, Figure)
     return 0
+
+def ablate_files(args):
+    """The ablation's tag and JSON path, its files checked first: a user's file of that name is
+    refused before the ablation runs, not written over after it."""
+    # the checkpoint in the name: an ablation of last.pt never writes over best.pt's
+    tag = "_".join([args.ckpt] + [f"mask-{args.mask}"] * bool(args.mask)
+                   + [f"read-{args.read}"] * bool(args.read)
+                   + [f"older{args.older_than}"] * (args.older_than is not None))
+    folder = Path(args.run_dir)
+    figure_paths(folder, [f"ablate_{tag}.png"])
+    json_path = common.own_file(folder / f"ablate_{tag}.json", lambda t: '"base_val_loss"' in t)
+    return tag, json_path
 
 def ablate_figure(Figure, rows, run, tag):
     fig = Figure(figsize=(7, 1.4 + 0.4 * len(rows)), layout="constrained")

@@ -731,3 +731,27 @@ def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_pat
     assert rows["wav, wav_rho=2.0, wav_detail_bias=-2"]["delta"]["n"] == 2  # with prenorm
     code, out, _ = run(experiments.main, ["report", tmp_path], capsys)
     assert code == 0 and f"| {label} | 0.002 | 4 | 2 |" in out
+
+
+def test_report_and_ablate_refuse_a_users_file_where_they_write(block_run, tmp_path, capsys):
+    """A user's file under a name report --plots or ablate writes (a figure, the ablation's JSON):
+    one error line before anything is computed or written, the file unchanged; the scripts' own
+    files there are written over when run again."""
+    folder = tmp_path / "block_L2_s0"
+    shutil.copytree(block_run, folder, ignore=shutil.ignore_patterns("ablate_*", "*.png", "*.md"))
+    ablate = ["ablate", folder, "--mask", "emb", "--draws", 1]
+    for name, argv in [("val_loss.png", ["report", folder, "--plots"]),
+                       ("ablate_best_mask-emb.png", ablate), ("ablate_best_mask-emb.json", ablate)]:
+        mine = folder / name
+        mine.write_text("my notes")
+        err = error_line(experiments.main, argv, capsys)
+        assert f"{mine} exists and is not a file this script wrote" in err, err
+        assert mine.read_text() == "my notes" and {p.name for p in folder.glob("*.*")} == {
+            "best.pt", "last.pt", "metrics.jsonl", "summary.json", name}, name
+        mine.unlink()
+    for _ in range(2):  # their own files, written again
+        assert run(experiments.main, ablate, capsys)[0] == 0
+        assert run(experiments.main, ["report", folder, "--plots"], capsys)[0] == 0
+    figures = {"val_loss.png", "ablate_best_mask-emb.png"} if HAS_MPL else set()
+    written = {"report.md", "ablate_best_mask-emb.json"} | figures
+    assert written <= {p.name for p in folder.iterdir()}
