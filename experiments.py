@@ -301,6 +301,10 @@ def pending(runs, launcher):
     todo = []
     for run in runs:
         d = run["dir"]
+        foreign = foreign_files(d)
+        if foreign:  # never taken as this sweep's run, nor written into
+            raise UsageError(f"{d} holds files this sweep did not make ({', '.join(foreign)}; "
+                             "no run.json): move them, or give the sweep another --out")
         changed = flags_changed(run)
         if (d / "summary.json").exists():
             if changed:
@@ -322,6 +326,14 @@ def pending(runs, launcher):
                   "step on (use another --out to run these from the start)")
         todo.append((run, [*launcher, *run["args"], "--out_dir", str(d), *resume]))
     return todo
+
+def foreign_files(d):
+    """What a run's folder holds if the sweep did not start it there (no run.json): a train.py run
+    by hand, a user's files; none where it did, or where the folder is new or empty."""
+    if (d / "run.json").exists() or not d.is_dir():
+        return []
+    # a kill inside start()'s write of run.json leaves .run.json.<8 characters>.tmp: the sweep's
+    return sorted(p.name for p in d.iterdir() if not p.match(".run.json.????????.tmp"))
 
 def flags_changed(run):
     """The flags in which a run's command differs from the one it was started with (its

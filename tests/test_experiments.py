@@ -457,8 +457,8 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
         demo, tmp_path, capsys):
     """One real sweep through train.py, two runs at once: prenorm finished earlier with another
     --max_iters (skipped, with a warning naming it), block interrupted after step 1 (resumed,
-    with a warning naming the flag its first sweep gave otherwise), rd's folder holds a stray
-    best.pt (train.py refuses it: the sweep goes on and exits 1)."""
+    with a warning naming the flag its first sweep gave otherwise), rd's folder, which the sweep
+    started, holds a stray best.pt (train.py refuses it: the sweep goes on and exits 1)."""
     out = tmp_path / "runs"
     argv = ["sweep", "custom", "--data", demo, "--variants", "prenorm,block,rd", "--depths", "2",
             "--seeds", "0", "--jobs", "2", "--out", out, "--", *SWEPT, "--max_iters", "3"]
@@ -474,6 +474,7 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
                for prev, a in zip(["", *block["args"]], block["args"])]
     (block["dir"] / "run.json").write_text(json.dumps(dict(variant="block", args=started)))
     rd["dir"].mkdir(parents=True)
+    (rd["dir"] / "run.json").write_text(json.dumps(dict(variant="rd", args=rd["args"])))
     (rd["dir"] / "best.pt").write_bytes(b"not a run of this sweep")
     capsys.readouterr()
 
@@ -500,6 +501,29 @@ def test_a_sweep_skips_finished_runs_resumes_interrupted_ones_and_survives_a_fai
     assert code == 0 and "Unfinished (no summary.json yet): rd_L2_s0" in printed
     assert "| **block** (baseline) | 0.002 | 2 | 1 |" in printed
     assert "| prenorm | 0.002 | – | 1 |" in printed
+
+
+def test_a_sweep_refuses_a_run_folder_it_did_not_start(demo, tmp_path, capsys):
+    """A folder of a run's name without run.json (a train.py run by hand, a user's files) is one
+    error line before any run starts, and is left as it was; a kill's leftover of run.json's write
+    (the sweep's own) is not."""
+    argv = ["sweep", "custom", "--data", demo, "--variants", "prenorm,block", "--depths", "2",
+            "--seeds", "0", "--out", tmp_path, "--", *SWEPT, "--max_iters", "2"]
+    dry_run = [*argv[:argv.index("--")], "--dry_run", *argv[argv.index("--"):]]
+    prenorm, block = plan(*argv)
+    assert run(train.main, [*block["args"], "--out_dir", block["dir"]])[0] == 0  # by hand
+    files = sorted(p.name for p in block["dir"].iterdir())
+    for args in (argv, dry_run):
+        err = error_line(experiments.main, args, capsys)
+        assert f"{block['dir']} holds files this sweep did not make ({', '.join(files)}; no " \
+            "run.json): move them, or give the sweep another --out" in err
+        assert sorted(p.name for p in block["dir"].iterdir()) == files
+        assert not prenorm["dir"].exists()
+    shutil.rmtree(block["dir"])
+    block["dir"].mkdir()
+    (block["dir"] / ".run.json.a1b2c3d4.tmp").write_text("{")
+    code, printed, _ = run(experiments.main, dry_run, capsys)
+    assert code == 0 and printed.count("train.py") == 2, printed
 
 
 def test_a_finished_run_at_another_default_is_kept_with_a_warning(demo, tmp_path, capsys):
@@ -749,6 +773,8 @@ def test_report_and_ablate_refuse_a_users_file_where_they_write(block_run, tmp_p
         assert mine.read_text() == "my notes" and {p.name for p in folder.glob("*.*")} == {
             "best.pt", "last.pt", "metrics.jsonl", "summary.json", name}, name
         mine.unlink()
+    assert run(experiments.main, ["report", folder, "--heatmap", folder], capsys)[0] == 0
+    assert not (folder / "val_loss.png").exists()  # --plots alone writes it
     for _ in range(2):  # their own files, written again
         assert run(experiments.main, ablate, capsys)[0] == 0
         assert run(experiments.main, ["report", folder, "--plots"], capsys)[0] == 0
