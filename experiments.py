@@ -87,7 +87,8 @@ def plan(a, extra=()):
     # the flags after -- and each --set's values: {--NAME: [value, ...]}, each where it applies
     options = {**{k: [x] for k, x in flag_dict(extra).items()}, **settings}
     notes = left_out(options, variants)
-    depths, seeds, rates = depths or grid["depths"], seeds or grid["seeds"], rates or [None]
+    depths = depths or preset_depths(options) or grid["depths"]
+    seeds, rates = seeds or grid["seeds"], rates or [None]
     size = [grid["datasets"], depths, seeds, variants, rates, *settings.values()]
     # counted before the grid is built: a typo must not allocate a million runs
     if (count := math.prod(map(len, size))) > MAX_RUNS:
@@ -122,6 +123,16 @@ def plan(a, extra=()):
     for note in notes:  # once every check passed
         print(note)
     return runs
+
+def preset_depths(options):
+    """[the depth] of the presets given after -- or in --set: a sweep gives each run --n_layer,
+    which would run a preset at the sweep's default depth, not its own, without a word."""
+    names = options.get("--preset", [])
+    depths = {train.PRESETS[name]["n_layer"] for name in names}
+    if len(depths) > 1:
+        raise UsageError(f"presets of {len(depths)} depths ({', '.join(names)}): a sweep gives "
+                         "each run its depth; give --depths (each preset runs at each depth)")
+    return sorted(depths) or None
 
 def run_name(v, depth, seed, lr, swept):  # block_L4_s0, then its lr and --set values
     name = f"{v}_L{depth}_s{seed}" + (f"_lr{lr:g}" if lr else "")

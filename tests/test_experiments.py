@@ -402,6 +402,21 @@ def test_bad_input_is_one_error_line(demo, block_run, tmp_path, capsys):
         assert message in error_line(experiments.main, argv, capsys, quiet=True), argv
 
 
+def test_a_preset_given_to_a_sweep_runs_at_its_own_depth_unless_depths_says(demo, capsys):
+    """A sweep gives every run --n_layer: a preset after -- (or in --set) runs at its depth, not at
+    the sweep's default; --depths given wins; presets of two depths need --depths."""
+    sweep = ["sweep", "custom", "--data", demo, "--variants", "block", "--seeds", 0]
+    for argv, depth in [([*sweep, "--", "--preset", "rd_s", "--max_iters", 1], 16),
+                        ([*sweep, "--depths", 2, "--", "--preset", "rd_s", "--max_iters", 1], 2),
+                        ([*sweep, "--set", "preset=wav12", "--", "--max_iters", 1], 12)]:
+        runs = plan(*argv)
+        assert {(r["depth"], experiments.flag_dict(r["args"])["--n_layer"]) for r in runs} == {
+            (depth, str(depth))}, argv
+    err = error_line(experiments.main, [*sweep, "--dry_run", "--set", "preset=wav12,wav24"], capsys)
+    assert "presets of 2 depths (wav12, wav24): a sweep gives each run its depth; give --depths" \
+        in err
+
+
 def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_path, capsys,
                                                                            monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
