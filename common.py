@@ -128,15 +128,15 @@ def write_atomic(path, data):
             os.unlink(tmp)
         raise
 
-def own_file(path, ours):
+def own_file(path, ours, fix="give another path"):
     """An output path that may be written: new, or a file this script wrote before (ours(its text)
     is true). Anything else there, a user's file, is refused, not written over."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{path} is a folder: give a file name")
     if path.exists() and not ours(path.read_text(encoding="utf-8", errors="replace")):
-        raise UsageError(f"{path} exists and is not a file this script wrote: give another path "
-                         "(it is not written over)")
+        raise UsageError(f"{path} exists and is not a file this script wrote: {fix} (it is not "
+                         "written over)")
     return path
 
 def write_json(path, obj):

@@ -797,6 +797,7 @@ def figure_class():  # matplotlib's Figure, or None where it is not installed
 
 # each PNG's Software text: a figure there that lacks it is a user's, never written over
 PNG_MARK = {"Software": "nanoroute experiments.py"}
+OWN_NAME = "move or rename it: this command writes a file of its own under that name"
 
 def heatmap_file(run):
     return f"routes_{file_safe(run).strip('_.')}.png"
@@ -804,7 +805,9 @@ def heatmap_file(run):
 def figure_paths(folder, names):
     """{FILE: folder/FILE} for figures that may be written: new, or PNGs this script wrote."""
     mark = "Software\0" + PNG_MARK["Software"]
-    return {name: common.own_file(folder / name, lambda text: mark in text) for name in names}
+    # a figure of an earlier version has no mark: refused too, as a file of yours would be
+    return {name: common.own_file(folder / name, lambda text: mark in text, OWN_NAME)
+            for name in names}
 
 def save_figures(folder, figures, Figure):
     """Each {FILE: (draw, *args)}: draw(Figure, *args) as the PNG folder/FILE."""
@@ -983,8 +986,8 @@ def ablate_files(args):
                    + [f"older{args.older_than}"] * (args.older_than is not None))
     folder = Path(args.run_dir)
     figure_paths(folder, [f"ablate_{tag}.png"])
-    json_path = common.own_file(folder / f"ablate_{tag}.json", lambda t: '"base_val_loss"' in t)
-    return tag, json_path
+    return tag, common.own_file(folder / f"ablate_{tag}.json",
+                                lambda text: '"base_val_loss"' in text, OWN_NAME)
 
 def ablate_figure(Figure, rows, run, tag):
     fig = Figure(figsize=(7, 1.4 + 0.4 * len(rows)), layout="constrained")

@@ -784,7 +784,8 @@ def test_report_and_ablate_refuse_a_users_file_where_they_write(block_run, tmp_p
         mine = folder / name
         mine.write_text("my notes")
         err = error_line(experiments.main, argv, capsys)
-        assert f"{mine} exists and is not a file this script wrote" in err, err
+        assert f"{mine} exists and is not a file this script wrote: move or rename it: this " \
+            "command writes a file of its own under that name (it is not written over)" in err
         assert mine.read_text() == "my notes" and {p.name for p in folder.glob("*.*")} == {
             "best.pt", "last.pt", "metrics.jsonl", "summary.json", name}, name
         mine.unlink()
