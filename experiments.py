@@ -458,11 +458,12 @@ def sweep(args, extra):
 # --- Report: run folders, groups of like runs, paired statistics, Markdown. ---
 
 # What never splits a group: how a run was run (train.py's runtime settings, how often it printed
-# its loss), what the grid varies (seed, lr, depth), what the dataset fixes, and what makes the
-# rows (the variant's fields, block).
+# its loss, --dtype: its precision is warned of, as auto and float32 are one on a CPU), what the
+# grid varies (seed, lr, depth), what the dataset fixes, and what makes the rows (the variant's
+# fields, block).
 RUNTIME = {f.name for f in dataclasses.fields(train.TrainSettings) if f.metadata["runtime"]}
-NOT_SETUP = RUNTIME | {"log_interval", "seed", "lr", "n_layer", "vocab_size", "attnres_block",
-                       *variant("block")}
+NOT_SETUP = RUNTIME | {"log_interval", "dtype", "seed", "lr", "n_layer", "vocab_size",
+                       "attnres_block", *variant("block")}
 
 def find_runs(folders):
     """(runs, notes): each folder is a run itself or holds runs; unreadable ones become notes."""

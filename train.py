@@ -104,8 +104,9 @@ class TrainSettings:
     log_interval: int = option(20, "print and log the train loss every this many steps", low=1)
     seed: int = option(1337, "data order and initial weights", low=0, high=2 ** 63, fixed=True)
     device: str = option("auto", "auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps", runtime=True)
+    # not runtime: a --resume goes on at the run's precision (a change of it is noted)
     dtype: str = option("auto", "auto: bf16 autocast on a GPU with native bf16, else float32",
-                        choices=("auto", "float32", "bfloat16"), runtime=True)
+                        choices=("auto", "float32", "bfloat16"))
     compile: bool = option(False, "torch.compile the model", runtime=True)
     resume: bool = option(False, "continue the run in --out_dir from its last.pt", runtime=True)
     stop_after: int | None = option(None, "stop after this step (then --resume)", low=1,
@@ -415,7 +416,7 @@ def setup(argv, stop):
         run.progress = checkpoint.restore(ckpt, out_dir, raw_model, optimizer, a.seed, device, rank,
                                           world)
         run.log(f"resuming {out_dir / 'last.pt'} at step {run.progress.step}")
-        note_changes(run, ckpt["settings"])
+        note_changes(run, ckpt)
     else:
         torch.manual_seed(a.seed + rank)  # each process its own dropout stream
     describe(run)
@@ -432,22 +433,28 @@ def finished(out_dir, ckpt, max_iters, rank):
               f"{max_iters}): nothing to add; a larger --max_iters continues it", flush=True)
     return True
 
-def note_changes(run, saved):
+def note_changes(run, ckpt):
     """A training setting that --resume gives anew changes the run from this step on: recorded in
     its progress (summary.json's changes: the report groups the run by them) and said, since a
     run started with it, its paired baseline included, is not this run."""
+    saved = ckpt["settings"]
     # data: its folder may move; log_interval: how often it prints; under --max_tokens the steps
-    # are the budget's (its batch is what changed)
-    skip = {"data", "log_interval", *["max_iters"] * bool(run.settings.max_tokens)}
+    # are the budget's (its batch is what changed); dtype: by the precision it gives (below)
+    skip = {"data", "log_interval", "dtype", *["max_iters"] * bool(run.settings.max_tokens)}
+    # a setting newer than the run: at its default there (the behaviour from before it)
+    settings = [(f.name, saved.get(f.name, f.default), getattr(run.settings, f.name))
+                for f in dataclasses.fields(TrainSettings)
+                if not f.metadata["runtime"] and f.name not in skip]
+    # --dtype auto is bf16 on one device and float32 on another: a resume elsewhere changes the
+    # run too (a checkpoint that predates "precision": its --dtype unless auto, else unknown)
+    was = ckpt.get("precision", saved.get("dtype", "auto").replace("auto", ""))
+    settings += [("dtype", was, str(run.dtype)[6:])] * bool(was)
     step = run.progress.step
-    for f in dataclasses.fields(TrainSettings):
-        # a setting newer than the run: at its default there (the behaviour from before it)
-        was, now = saved.get(f.name, f.default), getattr(run.settings, f.name)
-        if f.metadata["runtime"] or f.name in skip or now == was:
-            continue
-        run.progress.changes.append(dict(step=step, setting=f.name, was=was, now=now))
-        run.log(f"note: --{f.name} {now} from step {step} on (was {was}): summary.json records "
-                "the change; runs that pair with this one must change alike")
+    for name, was, now in settings:
+        if now != was:
+            run.progress.changes.append(dict(step=step, setting=name, was=was, now=now))
+            run.log(f"note: --{name} {now} from step {step} on (was {was}): summary.json records "
+                    "the change; runs that pair with this one must change alike")
 
 def describe(run):
     """What the run trains: the data, the model, the schedule and where it runs. Every setting off
@@ -591,7 +598,8 @@ def save(run, improved):
     state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
                  params=checkpoint.param_names(run.raw_model, run.optimizer),
                  config=dataclasses.asdict(run.config), settings=dataclasses.asdict(run.settings),
-                 data_dir=run.data_dir, dataset=checkpoint.dataset_identity(run.meta))
+                 data_dir=run.data_dir, dataset=checkpoint.dataset_identity(run.meta),
+                 precision=str(run.dtype)[6:])  # --dtype auto's, as it ran (note_changes)
     progress = dataclasses.replace(run.progress, seconds=run.elapsed())  # the run's time so far
     checkpoint.save(run.out_dir, state, progress, improved, run.device, run.rank, run.world)
 

@@ -464,6 +464,38 @@ def test_under_torchrun_a_signal_to_one_process_stops_them_all(demo, tmp_path):
     assert f"stopped by SIGTERM after step {step}" in printed and step < 5000, printed + err[-2000:]
 
 
+def test_a_resume_goes_on_at_the_runs_precision_and_notes_a_change_of_it(demo, tmp_path, capsys):
+    """--dtype is the run's: a bare --resume of a bf16 run trains on in bf16, bitwise as one run;
+    another --dtype, or auto resolving otherwise elsewhere, is noted, recorded and paired alike."""
+    bf16 = ("--max_iters", 3, "--dtype", "bfloat16")
+    straight = trained(demo, tmp_path / "straight", *bf16)
+    out = trained(demo, tmp_path / "run", *bf16, "--stop_after", 1)
+    code, printed, _ = run(train.main, ["--out_dir", out, "--resume"], capsys)
+    assert code == 0 and "note: --" not in printed and "bfloat16" in printed
+    assert summary(out)["precision"] == "bfloat16" and summary(out)["changes"] == []
+    assert summary(out)["final"] == summary(straight)["final"]
+    out = trained(demo, tmp_path / "changed", *bf16, "--stop_after", 1)
+    code, printed, _ = run(train.main, ["--out_dir", out, "--resume", "--dtype", "auto"], capsys)
+    assert code == 0 and "note: --dtype float32 from step 1 on (was bfloat16)" in printed
+    assert summary(out)["changes"] == [dict(step=1, setting="dtype", was="bfloat16", now="float32")]
+    command, why = next(x for x in printed.splitlines() if "--residual prenorm" in x).split("  # ")
+    assert "--dtype bfloat16" in command and why.endswith("--resume --dtype float32")
+
+
+def test_a_runs_time_counts_every_invocation(demo, tmp_path):
+    """elapsed_s and wall_time_s are the run's, over each of its invocations: a resumed run's
+    counts on from the seconds its checkpoint holds (here set to 1000, as if it had run so long)."""
+    out = trained(demo, tmp_path / "run", "--max_iters", 3, "--eval_interval", 1, "--stop_after", 1)
+    saved = torch.load(out / "last.pt", weights_only=True)
+    saved["progress"]["seconds"] = 1000.0
+    torch.save(saved, out / "last.pt")
+    assert run(train.main, ["--out_dir", out, "--resume", "--stop_after", 2])[0] == 0
+    assert run(train.main, ["--out_dir", out, "--resume"])[0] == 0  # its second resume
+    timed = [line for line in metrics(out) if "elapsed_s" in line]  # the train lines
+    assert {line["step"] for line in timed if line["elapsed_s"] >= 1000} == {2, 3}
+    assert summary(out)["wall_time_s"] >= 1000
+
+
 def test_bf16_autocast_and_compile(demo, tmp_path, monkeypatch):
     compiled, real, out = [], torch.compile, tmp_path / "c"
     monkeypatch.setattr(torch, "compile",
