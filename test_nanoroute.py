@@ -1360,16 +1360,15 @@ def test_masked_sources_get_no_weight_the_rest_renormalise_and_fast_equals_refer
     plain = model(tokens())[0]
     model.masked = {}
     assert torch.equal(model(tokens())[0], plain)  # no mask: the plain model, bit for bit
-    read = nanoroute.Read(2, "attn")  # sees emb, C0 and its details
-    model.masked = {read: {"C0"}}
-    _, _, routes = model(tokens(), return_routes=True)
-    masked = next(r for r in routes if r["read"] == read)
-    assert masked["weights"][masked["sources"].index("C0")].abs().sum() == 0
-    model.masked = {}
-    unmasked = next(r for r in model(tokens(), return_routes=True)[2] if r["read"] == read)
-    keep = [i for i, n in enumerate(unmasked["sources"]) if n != "C0"]
-    renormalised = unmasked["weights"][keep] / unmasked["weights"][keep].sum(0)
-    torch.testing.assert_close(masked["weights"][keep], renormalised)
+    read = nanoroute.Read(2, "attn")  # sees emb, C0 (and its details)
+    for mode, kw in ATTNRES_MODES.items():  # static logits, heads, RD...: each renormalises
+        routed = randomise_routing(make_model(**kw))
+        unmasked = next(r for r in routed(tokens(), return_routes=True)[2] if r["read"] == read)
+        routed.masked = {read: {"emb"}}
+        masked = next(r for r in routed(tokens(), return_routes=True)[2] if r["read"] == read)
+        assert masked["sources"][0] == "emb" and masked["weights"][0].abs().sum() == 0, mode
+        renormalised = unmasked["weights"][1:] / unmasked["weights"][1:].sum(0)
+        torch.testing.assert_close(masked["weights"][1:], renormalised, msg=mode)
     model.masked = {nanoroute.Read(0, "attn"): {"emb"}}
     with pytest.raises(ValueError, match="masking every source of layer0.attn"):
         model(tokens())

@@ -539,6 +539,9 @@ def test_a_sweep_refuses_a_run_folder_it_did_not_start(demo, tmp_path, capsys):
     (block["dir"] / ".run.json.a1b2c3d4.tmp").write_text("{")
     code, printed, _ = run(experiments.main, dry_run, capsys)
     assert code == 0 and printed.count("train.py") == 2, printed
+    (block["dir"] / ".mine").write_text("a hidden file of yours")
+    assert f"{block['dir']} holds files this sweep did not make (.mine; no run.json)" in \
+        error_line(experiments.main, dry_run, capsys)
 
 
 def test_a_finished_run_at_another_default_is_kept_with_a_warning(demo, tmp_path, capsys):
@@ -776,18 +779,24 @@ def test_report_and_ablate_refuse_a_users_file_where_they_write(block_run, tmp_p
     """A user's file under a name report --plots or ablate writes (a figure, the ablation's JSON):
     one error line before anything is computed or written, the file unchanged; the scripts' own
     files there are written over when run again."""
-    folder = tmp_path / "block_L2_s0"
+    folder, elsewhere = tmp_path / "block_L2_s0", tmp_path / "notes"
     shutil.copytree(block_run, folder, ignore=shutil.ignore_patterns("ablate_*", "*.png", "*.md"))
+    elsewhere.mkdir()
+    run_files = set(folder.iterdir())
     ablate = ["ablate", folder, "--mask", "emb", "--draws", 1]
-    for name, argv in [("val_loss.png", ["report", folder, "--plots"]),
-                       ("ablate_best_mask-emb.png", ablate), ("ablate_best_mask-emb.json", ablate)]:
-        mine = folder / name
-        mine.write_text("my notes")
+    png = b"\x89PNG\r\n\x1a\n\x00\x00\x00\x1ftEXtSoftware\x00Matplotlib version3.9.0"  # not ours
+    for mine, text, argv in [
+            (folder / "val_loss.png", b"my notes", ["report", folder, "--plots"]),
+            (elsewhere / "val_loss.png", png,  # the figures go beside report.md
+             ["report", folder, "--plots", "--out", elsewhere / "report.md"]),
+            (folder / "ablate_best_mask-emb.png", png, ablate),
+            (folder / "ablate_best_mask-emb.json", b'{"rows": []}', ablate)]:
+        mine.write_bytes(text)
         err = error_line(experiments.main, argv, capsys)
         assert f"{mine} exists and is not a file this script wrote: move or rename it: this " \
             "command writes a file of its own under that name (it is not written over)" in err
-        assert mine.read_text() == "my notes" and {p.name for p in folder.glob("*.*")} == {
-            "best.pt", "last.pt", "metrics.jsonl", "summary.json", name}, name
+        assert mine.read_bytes() == text  # and nothing else written
+        assert {*folder.iterdir(), *elsewhere.iterdir()} == {*run_files, mine}, mine
         mine.unlink()
     assert run(experiments.main, ["report", folder, "--heatmap", folder], capsys)[0] == 0
     assert not (folder / "val_loss.png").exists()  # --plots alone writes it
