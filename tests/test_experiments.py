@@ -721,6 +721,9 @@ def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block
     heatmap = tmp_path / f"routes_{str(block_run).strip('/').replace('/', '_')}.png"
     assert code == 0 and (tmp_path / "val_loss.png").stat().st_size > 0 and heatmap.exists()
     assert f"wrote {heatmap}" in printed
+    code, printed, _ = run(experiments.main, ["report", tmp_path, block_run, "--plots",
+                                              "--heatmap", block_run], capsys)
+    assert code == 0 and f"wrote {heatmap}" in printed  # its own figures: written again
     reads, sources, matrix = experiments.route_matrix(block_run)
     assert reads[0] == "layer0.attn" and sources == ["emb", "C0", "C1", "P"]
     assert matrix[0] == [pytest.approx(1.0), None, None, None]  # the first read sees emb alone
