@@ -469,8 +469,13 @@ def find_runs(folders):
     """(runs, notes): each folder is a run itself or holds runs; unreadable ones become notes."""
     runs, notes = [], []
     for folder in map(Path, folders):
+        if not folder.is_dir():  # a typo: never a report of the other folders without a word
+            raise UsageError(f"{folder}: no such folder")
         # run.json alone: a sweep's run not finished yet; summary.json alone: a train.py run by hand
-        for d in sorted({p.parent for f in ("run.json", "summary.json") for p in folder.rglob(f)}):
+        found = sorted({p.parent for f in ("run.json", "summary.json") for p in folder.rglob(f)})
+        if not found:
+            notes.append(f"{folder}: no runs in it (no run.json or summary.json)")
+        for d in found:
             given = d == folder or len(folders) > 1  # a run folder, or several folders: as given
             try:
                 runs.append(read_run(d, (d if given else d.relative_to(folder)).as_posix()))
@@ -730,6 +735,9 @@ def markdown(folders, runs, groups, baseline, notes):
             routes = []
             for k in numbers:
                 cell = _ms(row["routes"].get(k, (None, None)), 3)
+                have = sum(common.is_number(run["routes"].get(k)) for run in row["runs"])
+                if 0 < have < len(row["runs"]):  # a statistic newer than some of its runs
+                    cell += f" ({have} of {len(row['runs'])} seeds)"
                 if k == "js_mean" and row["js_pair"]:
                     cell += f" ({row['js_pair']})"  # what the two routes feed
                 routes.append(cell)

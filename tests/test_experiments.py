@@ -111,6 +111,17 @@ def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path,
     assert len(tables) == 3 and all(len({line.count("|") for line in t}) == 1 for t in tables)
     with pytest.raises(ValueError, match="1 cells for 2 columns"):  # a column added to the header
         experiments.table(["variant", "late loss"], [["rd"]])
+    # a statistic some runs lack (added since they ran) says over how many seeds it is; a folder
+    # without runs is named, one that is not there is an error
+    older = json.loads((tmp_path / "rd_L4_s2" / "summary.json").read_text())
+    del older["routes"]["user_mean"]
+    (tmp_path / "rd_L4_s2" / "summary.json").write_text(json.dumps(older))
+    (tmp_path / "empty").mkdir()
+    code, out, _ = run(experiments.main, ["report", tmp_path, tmp_path / "empty"], capsys)
+    assert code == 0 and "| 10.000 ± – (1 of 2 seeds) | 10 ± 0 |" in out
+    assert f"Left out: {tmp_path / 'empty'}: no runs in it (no run.json or summary.json)" in out
+    err = error_line(experiments.main, ["report", tmp_path, tmp_path / "typo"], capsys)
+    assert f"error: {tmp_path / 'typo'}: no such folder" in err
     # a seed the baseline lacks drops out of the pairs, and of n (wins/n counts pairs)
     lone = [dict(seed=2, val=2.1), dict(seed=5, val=2.4)]
     assert experiments.paired(lone, [dict(seed=2, val=2.0)], lambda r: r["val"]) == \
@@ -335,6 +346,7 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
 
 def test_bad_input_is_one_error_line(demo, block_run, tmp_path, capsys):
     custom = ["sweep", "custom", "--out", tmp_path / "runs", "--dry_run", "--data", demo]
+    (tmp_path / "empty").mkdir()
     cases = [
         ([*custom, "--variants", "prenorm,blok"], "--variants prenorm,blok: expected distinct"),
         ([*custom, "--variants", "wav,wav"], "--variants wav,wav: expected distinct"),
@@ -379,7 +391,8 @@ def test_bad_input_is_one_error_line(demo, block_run, tmp_path, capsys):
         (["sweep", "wav_paper", "--dry_run", "--", "--preset", "wav12"], "use sweep custom"),
         (["sweep", "wav_paper", "--dry_run", "--depths", "8"], "has presets for depths 12, 24"),
         (["report", tmp_path, "--", "--baseline", "rd"], "report takes no flags after --"),
-        (["report", tmp_path / "nothing"], "no runs in"),
+        (["report", tmp_path / "nothing"], "nothing: no such folder"),
+        (["report", tmp_path / "empty"], "no runs in"),
         (["ablate", block_run, "--draws", 0], "--draws 0: give 1 or more"),
         (["ablate", block_run, "--draws", -1], "--draws -1: give 1 or more"),
         (["ablate", block_run, "--older_than", -1], "--older_than -1: give 0 or more"),
