@@ -600,7 +600,7 @@ def test_a_sweep_stopped_by_sigterm_waits_for_its_runs_to_save_and_resumes(demo,
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGTERM)
-        printed, err = proc.communicate(timeout=120)
+        printed, err = proc.communicate(timeout=600)  # a busy machine: minutes, a hang: never
     finally:  # its runs too, had one outlived it (they train for 10**6 steps)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -395,7 +395,7 @@ def stopped_after_step_3(cmd, stop):
         while "step 3 " not in proc.stdout.readline():
             assert proc.poll() is None, proc.stderr.read()
         stop(proc)
-        printed, err = proc.communicate(timeout=120)
+        printed, err = proc.communicate(timeout=600)  # a busy machine: minutes, a hang: never
     finally:
         proc.kill()
     return proc.returncode, printed, err
