@@ -327,6 +327,10 @@ class Run:
         if self.master:
             print(text, flush=True)
 
+    @property
+    def precision(self):  # "float32" or "bfloat16": what summary.json and last.pt record
+        return str(self.dtype)[6:]
+
     def elapsed(self):  # seconds, over every invocation of the run
         return self.progress.seconds + time.time() - self.t_start
 
@@ -448,7 +452,7 @@ def note_changes(run, ckpt):
     # --dtype auto is bf16 on one device and float32 on another: a resume elsewhere changes the
     # run too (a checkpoint that predates "precision": its --dtype unless auto, else unknown)
     was = ckpt.get("precision", saved.get("dtype", "auto").replace("auto", ""))
-    settings += [("dtype", was, str(run.dtype)[6:])] * bool(was)
+    settings += [("dtype", was, run.precision)] * bool(was)
     step = run.progress.step
     for name, was, now in settings:
         if now != was:
@@ -484,7 +488,7 @@ def describe(run):
             f"training: {a.max_iters} steps x {run.tokens_per_step:,} tokens (batch {a.batch_size}"
             f" x accum {a.grad_accum} x {config.sequence_len}); lr {a.lr:g} warmup "
             f"{a.warmup_iters} cosine to {a.end_lr:g}{training}; {run.world} process(es) on "
-            f"{run.device} ({torch.get_num_threads()} threads each), {str(run.dtype)[6:]}")
+            f"{run.device} ({torch.get_num_threads()} threads each), {run.precision}")
     if a.warmup_iters >= a.max_iters:  # a short trial run with the default warmup
         run.log(f"note: --warmup_iters {a.warmup_iters} >= --max_iters {a.max_iters}: the "
                 "learning rate only warms up, it never decays")
@@ -599,7 +603,7 @@ def save(run, improved):
                  params=checkpoint.param_names(run.raw_model, run.optimizer),
                  config=dataclasses.asdict(run.config), settings=dataclasses.asdict(run.settings),
                  data_dir=run.data_dir, dataset=checkpoint.dataset_identity(run.meta),
-                 precision=str(run.dtype)[6:])  # --dtype auto's, as it ran (note_changes)
+                 precision=run.precision)  # --dtype auto's, as it ran (note_changes)
     progress = dataclasses.replace(run.progress, seconds=run.elapsed())  # the run's time so far
     checkpoint.save(run.out_dir, state, progress, improved, run.device, run.rank, run.world)
 
@@ -646,7 +650,7 @@ def finish(run):
              f"test_{unit}": None if test_loss is None else in_unit(test_loss)}
     summary = dict(config=dataclasses.asdict(run.config), train=dataclasses.asdict(a),
                    dataset=meta["dataset"], level=meta["level"], data_sha256=meta.get("sha256"),
-                   precision=str(run.dtype)[6:], step=p.step, tokens_seen=p.tokens,
+                   precision=run.precision, step=p.step, tokens_seen=p.tokens,
                    best_val_loss=p.best_val_loss, milestones=p.milestones, changes=p.changes,
                    final=final, wall_time_s=round(run.elapsed(), 3), routes=last["routes"])
     if run.master:
