@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import prepare_data
-from common import UsageError, write_atomic
+from common import UsageError, leftover, write_atomic
 from nanoroute import GPT, GPTConfig
 
 try:
@@ -117,8 +117,8 @@ def remove_temporary_files(out_dir):
     """What a kill inside write_atomic leaves (.last.pt.<8 random characters>.tmp, as big as a
     checkpoint), of the run files' names alone: their writer was killed, nothing else makes them."""
     for name in RUN_FILES:
-        # mkstemp's 8 random characters: write_atomic's leftovers and, in practice, nothing else
-        for tmp in out_dir.glob(f".{name}.????????.tmp"):
+        # write_atomic's leftovers and, in practice, nothing else
+        for tmp in out_dir.glob(leftover(name)):
             if tmp.is_file():  # never a folder of that name
                 tmp.unlink(missing_ok=True)
 

@@ -109,6 +109,11 @@ def file_name(text):  # folder_name's twin for a file flag: '' or blanks would n
         raise argparse.ArgumentTypeError(f"{text!r}: give a file name")
     return text
 
+def leftover(name):
+    """The glob pattern of what a kill inside write_atomic leaves of a file `name`: its temporary
+    file, mkstemp's 8 random characters between write_atomic's prefix and suffix."""
+    return f".{name}.????????.tmp"
+
 def write_atomic(path, data):
     """Write `data` (bytes, or a function writing to a binary file) to path whole or not at all."""
     path = Path(path)

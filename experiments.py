@@ -343,8 +343,8 @@ def foreign_files(d):
     by hand, a user's files; none where it did, or where the folder is new or empty."""
     if (d / "run.json").exists() or not d.is_dir():
         return []
-    # a kill inside start()'s write of run.json leaves .run.json.<8 characters>.tmp: the sweep's
-    return sorted(p.name for p in d.iterdir() if not p.match(".run.json.????????.tmp"))
+    # what a kill inside start()'s write of run.json leaves is the sweep's
+    return sorted(p.name for p in d.iterdir() if not p.match(common.leftover("run.json")))
 
 def flags_changed(run):
     """The flags in which a run's command differs from the one it was started with (its
