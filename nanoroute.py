@@ -862,10 +862,6 @@ class BlockReads:
         return self.state
 
 _same_version = torch.autograd._unsafe_preserve_version_counter
-# the sources' gradients, a few at a time: up to CHUNK floats (16 MiB), as a CPU allocator pages
-# each tensor over 32 MiB in anew
-CHUNK = 2 ** 22
-
 _CONSTANTS = {}  # (values, device) -> tensor
 
 def _constant(values, device):
@@ -951,37 +947,34 @@ class CompletedReads(torch.autograd.Function):
         with float32(queries):  # float32 also when backward() is called under autocast
             p = (dots * inv_rms[..., None, None] + biases.float().t()[:, None, None, :, None]
                  - lse).exp()
-            # per token and head [dmix_r; w_r] (2R, d/H), _source_grads' right side, written once
-            w = queries.float().view(R, H, -1).expand(B, T, R, H, -1).unbind(2)  # w_r's slices
-            rhs = torch.stack([*(g.float() for g in grads[:R]), *w], 3).flatten(0, 2)
+            dmix = [g.float() for g in grads[:R]]  # (B, T, H, d/H) each
             dlse = torch.stack(grads[R:2 * R], dim=2).float()  # (B, T, R, H)
             # g (S, B, T, R, H): ⟨dmix_r, v_s⟩ per head, plus dp, the gradient of a loss on p
-            g = torch.bmm(rhs[:, :R], _slices(V, H).transpose(1, 2)).view(B, T, H, R, S)
+            rhs = torch.stack(dmix, 3).flatten(0, 2)  # (B·T·H, R, d/H)
+            g = torch.bmm(rhs, _slices(V, H).transpose(1, 2)).view(B, T, H, R, S)
             g = g.permute(4, 0, 1, 3, 2) + grads[2 * R].float()
             dlogits = p * (g - (p * g).sum(0) + dlse)
             c = dlogits * inv_rms[..., None, None]
             # through the key norm: inv_rms = (mean(v²) + ε)^(−1/2), ∂inv_rms/∂v = −inv_rms³·v/d
             norm = (dlogits * dots).sum((3, 4)) * inv_rms.pow(3) / -d  # (S, B, T)
-            step, dV = max(1, CHUNK // V[0].numel()), []
-            for s in range(0, S, step):
-                chunk = slice(s, s + step)
-                dV += _source_grads(p[chunk], c[chunk], norm[chunk], V[chunk], rhs)
+            W = _by_head(queries.float(), H).t()  # (R·H, d): row (r, k) is w_r on slice k
+            dV = [_source_grad(p[s], c[s], norm[s], V[s], dmix, W) for s in range(S)]
             # dw_r's slice k: the (r, k, k) block of (R, H, H, d/H)
             dW = (c.reshape(-1, R * H).t() @ V.reshape(-1, d)).view(R, H, H, -1)
             dqueries = dW.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(R, d)
             dbiases = dlogits.sum((1, 2, 4)).t()  # (R, S)
         return dqueries.to(queries.dtype), dbiases, None, None, None, *dV
 
-def _source_grads(p, c, norm, V, rhs):
-    """dv_s of C sources V (C, B, T, d), each (B, T, d): through the mix (p (C, B, T, R, H)) and
-    the dot products (c (C, B, T, R, H)) in one matmul per token and head, [p c] @ [dmix; w]
-    (rhs (B·T·H, 2R, d/H)), then through the key norm (C, B, T)."""
-    C, B, T, R, H = p.shape
-    lhs = torch.cat([p, c], 3).permute(1, 2, 4, 0, 3).flatten(0, 2)  # (B·T·H, C, 2R)
-    dV = torch.bmm(lhs, rhs).view(B, T, H, C, -1)
-    V = V.view(C, B, T, H, -1).permute(1, 2, 3, 0, 4)  # as dV, a view
-    dV.addcmul_(norm.permute(1, 2, 0)[:, :, None, :, None], V)
-    return [dV[:, :, :, s].reshape(B, T, -1) for s in range(C)]
+def _source_grad(p, c, norm, v, dmix, W):
+    """dv (B, T, d) of one source v: through the dot products, c (B, T, R, H) @ W (R·H, d) in one
+    matrix product, through the key norm (B, T), then through the mix, Σ_r p_r·dmix_r (p (B, T,
+    R, H)), elementwise: on a CPU faster than a matrix product per token."""
+    B, T, R, H = p.shape
+    dv = torch.addcmul((c.reshape(-1, R * H) @ W).view_as(v), norm[..., None], v)
+    heads = dv.view(B, T, H, -1)
+    for r in range(R):
+        heads.addcmul_(p[:, :, r, :, None], dmix[r])
+    return dv
 
 class PartialMerge(torch.autograd.Function):
     """Phase 2 with a hand-written backward: a softmax over [lse, the partial sources' logits].

@@ -790,11 +790,9 @@ def test_fast_path_equals_reference_path_forward_and_gradients(mode, precision, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ATTNRES_MODES)
-def test_fast_path_with_one_source_a_chunk_and_its_buffer_of_exact_size(mode, device, monkeypatch):
-    # the gradients of many sources come in chunks (here one source each); a forward writes each
-    # completed source once into one buffer, sized for them all: it never grows (memory)
-    monkeypatch.setattr(nanoroute, "CHUNK", 1)
-    assert_fast_equals_reference(mode, device, "float32")
+def test_fast_path_writes_each_source_once_into_a_buffer_of_exact_size(mode, device):
+    # a forward writes each completed source once into one buffer, sized for them all: it never
+    # grows (memory)
     model = make_model(**ATTNRES_MODES[mode])
     kernels, block_reads = [], model.block_reads
     model.block_reads = lambda *args: kernels.append(block_reads(*args)) or kernels[-1]

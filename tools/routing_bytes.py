@@ -44,8 +44,10 @@ def routing_bytes(config, batch=BATCH):
         read = 1 + first // m if first == n_sub and not config.wav_readout_details else completed
         must += 3 * read * unit  # the readout reads the states alone, by default
         # the new sources into the buffer (read, write, their rms), then forward: dots, mix; the
-        # backward: ⟨dmix, v⟩, the gradient matmul, the key norm's addcmul (3), dw
-        now += (3 * (per_block if first else 1) + 2 * completed + 6 * completed) * unit
+        # backward per source: ⟨dmix, v⟩, its dots' gradient (a matmul), the key norm's addcmul
+        # (3), each of the block's R reads' mix gradient added in (3 each), dw
+        R = sum(len(model.reads_before(l)) for l in subs)
+        now += (3 * (per_block if first else 1) + 2 * completed + (6 + 3 * R) * completed) * unit
         for i, l in enumerate(subs[1:], 1):
             terms = i if config.wav_learned_bases else min(i, 4) if config.wav else 1
             reads = len(model.reads_before(l))
