@@ -479,10 +479,11 @@ class DepthRouting:
                                  f"{len(self.static_logits[key])} logits: count them in pool_size")
             bias = bias + self.static_logits[key]
         if self.masked.get(read):  # SPEC: Controls, interventions: logit −inf, then renormalised
-            hidden = torch.tensor([s.name in self.masked[read] for s in sources])
-            if hidden.all():
+            # Python bools, not a tensor: a test of a tensor would break torch.compile's graph
+            hidden = [s.name in self.masked[read] for s in sources]
+            if all(hidden):
                 raise ValueError(f"masking every source of {read} leaves it nothing to read")
-            bias = bias.masked_fill(hidden.to(bias.device), -math.inf)
+            bias = bias.masked_fill(torch.tensor(hidden, device=bias.device), -math.inf)
         return query, bias
 
     def block_reads(self, pool, first, sublayers, cache, previous):

@@ -1278,6 +1278,12 @@ def test_torch_compile_traces_every_routing_path_without_graph_breaks():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
     with torch.no_grad():  # eval and generation take the no-graph path: it must compile too
         torch.testing.assert_close(compiled(tokens())[0], ref_logits, atol=1e-5, rtol=1e-5)
+        # masks set after the first call: compiled again, in one graph, and they take effect
+        for m in (model, ref):
+            m.masked = {nanoroute.Read(1, "mlp"): {"emb"}}
+        masked = ref(tokens())[0]
+        assert not torch.allclose(masked, ref_logits, atol=1e-4)
+        torch.testing.assert_close(compiled(tokens())[0], masked, atol=1e-5, rtol=1e-5)
 
 
 # --- Controls (SPEC: Controls): static routing, DenseFormer, multi-head depth reads, masks ---
