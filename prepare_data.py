@@ -36,6 +36,7 @@ GPT2_VOCAB, GPT2_EOT = 50257, 50256
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER = 20240520, 1, 256 * 4  # llm.c: 256 int32, then uint16
 CHUNK = 1 << 23  # characters / tokens / bytes handled at a time: bounded memory on huge files
 MAX_WAIT = 600  # seconds: the longest wait between two tries of a download
+TIMEOUT = (10, 60)  # seconds to connect, and without a byte: a stalled server is retried
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 OFFICIAL = {  # name: (bytes, sha256) of an official file, None if unknown; whoever serves it
     "text8.zip": (31344016, None),
@@ -85,7 +86,7 @@ def _fetch(url, part):
     headers = {"Accept-Encoding": "identity"}  # bytes as stored: sizes and Range offsets agree
     headers.update({"Range": f"bytes={have}-"} if have else {})
     try:
-        with requests.get(url, headers=headers, stream=True, timeout=(10, 60)) as r:
+        with requests.get(url, headers=headers, stream=True, timeout=TIMEOUT) as r:
             if r.status_code in (408, 429) or r.status_code >= 500:
                 raise ConnectionError(f"HTTP {r.status_code}")
             if r.status_code not in (200, 206, 416):

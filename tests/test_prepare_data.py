@@ -9,6 +9,8 @@ import io
 import json
 import os
 import re
+import select
+import socket
 import subprocess
 import sys
 import threading
@@ -29,8 +31,10 @@ SCRIPT = str(Path(pd.__file__).resolve())
 
 class Mirror(http.server.BaseHTTPRequestHandler):
     """Serves `files` by name, honouring Range; `status` forces an HTTP error, `cut_once` sends
-    half a file and hangs up, `ignore_range` answers every request with the whole file."""
+    half a file and hangs up, `stall_once` sends half and then nothing until the client hangs up
+    (`hung_up`: whether it did, within 30 s), `ignore_range` answers with the whole file."""
     files, log, status, cut_once, ignore_range = {}, [], {}, set(), False
+    stall_once, hung_up = set(), []
 
     def log_message(self, *args):
         pass
@@ -51,16 +55,27 @@ class Mirror(http.server.BaseHTTPRequestHandler):
         body = data[start:] if start < len(data) else b""
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if name in self.cut_once:
-            self.cut_once.discard(name)
+        if name in self.cut_once | self.stall_once:
             body = body[:len(body) // 2]
             self.close_connection = True
         self.wfile.write(body)
+        self.cut_once.discard(name)
+        if name in self.stall_once:
+            self.stall_once.discard(name)
+            self.wfile.flush()
+            self.hung_up.append(self.client_hangs_up(seconds=30))
+
+    def client_hangs_up(self, seconds):
+        for _ in range(seconds * 10):
+            if select.select([self.connection], [], [], 0.1)[0]:
+                return self.connection.recv(1, socket.MSG_PEEK) == b""
+        return False
 
 
 @pytest.fixture
 def mirror(monkeypatch):
-    handler = type("Handler", (Mirror,), dict(files={}, log=[], status={}, cut_once=set()))
+    handler = type("Handler", (Mirror,), dict(files={}, log=[], status={}, cut_once=set(),
+                                              stall_once=set(), hung_up=[]))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
     handler.url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -148,7 +163,8 @@ def test_demo_is_deterministic_whole_stories_and_every_split_in_the_vocabulary(t
         encode("10 € ☃")
 
 
-def test_text8_from_a_mirror_its_download_resumed_by_range_or_from_zero(mirror, tmp_path, capsys):
+def test_text8_from_a_mirror_its_download_resumed_by_range_or_from_zero(mirror, tmp_path, capsys,
+                                                                       monkeypatch):
     text, zipped = text8_zip(2099)  # no multiple of 100: val is [90 %, 95 %), test the rest
     mirror.serve({"text8.zip": zipped})
     mirror.cut_once.add("text8.zip")  # half the file, then the server hangs up: resumed by Range
@@ -161,6 +177,12 @@ def test_text8_from_a_mirror_its_download_resumed_by_range_or_from_zero(mirror, 
     for split, part in zip(pd.SPLITS, (ids[:1889], ids[1889:1994], ids[1994:])):
         assert pd.open_split(out, split).tolist() == part.tolist()
     assert sorted(files_in(out)) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+    # a server that stalls halfway: the client hangs up (its read timeout), then resumes by Range
+    monkeypatch.setattr(pd, "TIMEOUT", (10, 0.5))
+    mirror.stall_once.add("text8.zip")
+    out = pd.prepare("text8", tmp_path / "stalled")
+    assert mirror.hung_up == [True] and mirror.log[-1][1] == f"bytes={len(zipped) // 2}-"
+    assert pd.open_split(out, "test").tolist() == ids[1994:].tolist()
     # cut again, without retries: it fails and keeps the part; a server ignoring Range sends it all
     mirror.cut_once.add("text8.zip")
     line = error_line(pd.main, ["text8", "--out", tmp_path / "kept", "--retries", 0], capsys)
