@@ -412,7 +412,7 @@ def print_training(b):
                         "parameters + gradients + AdamW state + tensors saved for backward"))
     if b.cuda and not b.peak:
         print(f"note: no MFU: no peak FLOP/s known for {b.out['machine']['device_name']} "
-              f"(train.PEAK_FLOPS)")
+              f"(train.PEAK_FLOPS): give it as NANOROUTE_PEAK_FLOPS")
     print(md_table(header, rows))
     if b.against:
         res = b.out["variants"]

@@ -318,6 +318,7 @@ class Run:
         self.tokens_per_step = a.batch_size * a.grad_accum * T
         self.master, self.t_start = self.rank == 0, time.time()
         self.ctx = autocast(self.dtype, self.device)
+        self.peak = peak_flops(self.device, self.dtype)  # for MFU, None if unknown: checked once
         # drawn once: every evaluation of the run (and of a paired run) scores the same crops
         self.eval_batches = [eval_offsets(len(d), T, a.batch_size, a.eval_tokens, split)
                              for split, d in enumerate(self.splits)]
@@ -559,7 +560,8 @@ def route_entropy(routes):
 
 def log_step(run, loss, lr, dt):
     """A train line; dt: seconds per step since the last one, but this invocation's first step."""
-    n, peak, p = run.tokens_per_step, peak_flops(run.device, run.dtype), run.progress
+    n, peak, p = run.tokens_per_step, run.peak, run.progress
+    # one device's MFU: its process's share of the tokens against one device's peak
     mfu = run.raw_model.estimate_mfu(n / run.world, dt, peak) if peak and dt else None
     speed = f" | {n / dt / 1e3:.1f}k tok/s | {1000 * dt:.1f} ms/step" if dt else ""
     record(run, dict(type="train", step=p.step, tokens=p.tokens, loss=loss, lr=lr,
@@ -788,6 +790,18 @@ def start_wandb(run):
 PEAK_FLOPS = {r"\bA100\b": (312e12, 156e12), r"\bH[12]00\b(?!.*(PCIe|NVL))": (989e12, 494e12)}
 
 def peak_flops(device, dtype):
+    """One device's dense peak FLOP/s for MFU: NANOROUTE_PEAK_FLOPS if set (any device), else
+    PEAK_FLOPS's for this GPU; None: no MFU."""
+    given = os.environ.get("NANOROUTE_PEAK_FLOPS")
+    if given:
+        try:
+            peak = float(given)
+        except ValueError:
+            peak = math.nan
+        if not 0 < peak < math.inf:
+            raise UsageError(f"NANOROUTE_PEAK_FLOPS={given}: give one device's dense peak "
+                             "FLOP/s, a number such as 312e12")
+        return peak
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peaks = next((v for pattern, v in PEAK_FLOPS.items() if re.search(pattern, name)), None)
     return peaks and peaks[dtype != torch.bfloat16]  # float32 runs in TF32

@@ -424,14 +424,15 @@ def torchrun(*argv):  # train.py on two processes, on a free port
             f"--master_port={port}", ROOT / "train.py", "--", *argv]
 
 
-def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path):
+def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path, monkeypatch):
     flags = [*TINY, *ROUTED, "--dropout", 0.1, "--max_iters", 4, "--eval_interval", 2,
              "--route_entropy_coef", 0.1]  # DDP returns the routes' graph too
+    monkeypatch.setenv("NANOROUTE_PEAK_FLOPS", "1e12")  # an MFU on the CPU too
 
     def two_processes(out, *extra):
         cmd = torchrun(*flags, "--data", demo, "--out_dir", out, *extra)
-        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=ENV,
-                              timeout=240)
+        done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
+                              env=dict(ENV, NANOROUTE_PEAK_FLOPS="1e12"), timeout=240)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         return done.stdout
     printed = two_processes(tmp_path / "whole")
@@ -442,9 +443,15 @@ def test_torchrun_resume_is_bitwise_exact_and_matches_one_process(demo, tmp_path
     assert same_weights(tmp_path / "whole", tmp_path / "part")
     assert without_times(metrics(tmp_path / "whole")) == without_times(metrics(tmp_path / "part"))
     # one process: the same initial weights and evaluation crops (each process scores its rows)
-    trained(demo, tmp_path / "one", *ROUTED, "--dropout", 0.1, "--max_iters", 4, "--stop_after", 1)
+    trained(demo, tmp_path / "one", *ROUTED, "--dropout", 0.1, "--max_iters", 4, "--stop_after", 3)
     assert metrics(tmp_path / "one")[0]["val_loss"] == pytest.approx(
         metrics(tmp_path / "whole")[0]["val_loss"], rel=1e-6)
+    # MFU is one device's: per token a second, two processes give each half of the FLOPs
+
+    def mfu_per_token_s(out):
+        return [x["mfu"] / x["tok_per_s"] for x in metrics(out) if x.get("mfu")]
+    (one, *_), (two, *_) = (mfu_per_token_s(tmp_path / x) for x in ("one", "whole"))
+    assert two == pytest.approx(one / 2, rel=1e-3)
     # resumed on two processes: each draws its own dropout stream again
     printed = two_processes(tmp_path / "one", "--resume")
     assert "written by 1 process(es), not 2: dropout is reseeded" in printed
@@ -537,6 +544,12 @@ def test_peak_flops_of_known_gpus_only_and_bf16_from_capability_8(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert train.peak_flops(torch.device("cuda"), torch.bfloat16) == bf16, name
     assert train.peak_flops(torch.device("cpu"), torch.float32) is None
+    monkeypatch.setenv("NANOROUTE_PEAK_FLOPS", "2.5e12")  # any device's, given
+    assert train.peak_flops(torch.device("cpu"), torch.float32) == 2.5e12
+    for bad in ("fast", "0", "-1e12", "nan", "inf"):
+        monkeypatch.setenv("NANOROUTE_PEAK_FLOPS", bad)
+        with pytest.raises(train.UsageError, match=f"NANOROUTE_PEAK_FLOPS={bad}: give one device's"):
+            train.peak_flops(torch.device("cpu"), torch.float32)
 
 
 # each after --data DEMO --out_dir TMP/x --device cpu: a flag given twice, the last counts
