@@ -51,9 +51,10 @@ DEFAULT_VARIANTS = "prenorm,block,full,wav,rd"
 
 def build_parser():
     p = common.ArgumentParser(description=__doc__.strip().split("\n")[0])
-    p.add_argument("--shape", default="s12", choices=SHAPES, help="model and batch (default s12)")
+    p.add_argument("--shape", choices=SHAPES, help="model and batch (default s12)")
     p.add_argument("--preset", choices=train.PRESETS, help="a train.py preset's shape instead: "
-                   "its model, B = its --micro_batch (or its batch), its data's vocabulary")
+                   "its model (each variant's fields from --variants), B = its --micro_batch (or "
+                   "its batch), its data's vocabulary")
     for name in (*MODEL_FIELDS, "batch_size"):
         p.add_argument(f"--{name}", type=int, help="overrides the shape's value")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma list, in timing order "
@@ -159,8 +160,8 @@ def routing_blocks(shape, variants):
     """{variant: its automatic routing block} of the AttnRes variants (full's is 1, its own);
     where they differ (WAV needs 4 where Block AttnRes takes 2), a note: a ratio between them is
     also one of block size."""
-    blocks = {v: nanoroute.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS},
-                                     **VARIANTS[v]).routing_block for v in variants
+    blocks = {v: nanoroute.GPTConfig(**model_fields(shape), **VARIANTS[v]).routing_block
+              for v in variants
               if VARIANTS[v]["residual"] == "attnres" and "attnres_block" not in VARIANTS[v]}
     if len(set(blocks.values())) > 1:
         print("note: routing blocks " + ", ".join(f"{v} {m}" for v, m in blocks.items())
@@ -177,21 +178,31 @@ def check_flags(args, variants):
     if args.compile and args.compile_backend not in backends:
         raise UsageError(f"--compile_backend {args.compile_backend}: not a torch.compile "
                          f"backend; choose one of {', '.join(backends)}")
-    base = SHAPES[args.shape]
-    if args.preset:  # its model; B, the sequences one GPU runs per forward; its data's vocabulary
+    if args.shape and args.preset:
+        raise UsageError(f"--shape {args.shape} and --preset {args.preset}: give one")
+    args.shape = None if args.preset else args.shape or "s12"  # what the JSON says was timed
+    if args.shape:
+        base = SHAPES[args.shape]
+    else:  # its model; B, the sequences one GPU runs per forward; its data's vocabulary
         preset = train.PRESETS[args.preset]
         # fineweb_edu is GPT-2 tokens; the WAV presets' character data fit in 256
         vocab = prepare_data.GPT2_VOCAB if preset["data"] == "fineweb_edu" else 256
-        base = dict({k: preset[k] for k in MODEL_FIELDS[:-1]}, vocab_size=vocab,
+        # every model field of the preset (bias, dropout, ...) but a variant's, from --variants
+        model = {k: v for k, v in preset.items()
+                 if k in nanoroute.CONFIG_FIELDS and k not in nanoroute.variant("block")}
+        base = dict(model, vocab_size=vocab,
                     batch_size=preset.get("micro_batch") or preset["batch_size"])
-    shape = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}
+    shape = {k: v if getattr(args, k, None) is None else getattr(args, k) for k, v in base.items()}
     # each variant once, in order: it may be in --variants and --gen_variants
     for name in dict.fromkeys(variants):
         try:
-            nanoroute.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS}, **VARIANTS[name])
+            nanoroute.GPTConfig(**model_fields(shape), **VARIANTS[name])
         except ValueError as e:
             raise UsageError(f"{name} at this shape: {e}") from None
     return shape
+
+def model_fields(shape):  # the GPTConfig fields of a shape: all but the bench's batch_size
+    return {k: v for k, v in shape.items() if k != "batch_size"}
 
 def names(text, flag):
     found = [v.strip() for v in text.split(",") if v.strip()]
@@ -279,7 +290,7 @@ def build(b, name):
     module = b.against if name.endswith("@against") else nanoroute
     torch.manual_seed(0)
     try:
-        model = module.GPT(module.GPTConfig(**{k: b.shape[k] for k in MODEL_FIELDS},
+        model = module.GPT(module.GPTConfig(**model_fields(b.shape),
                                             **VARIANTS[name.removesuffix("@against")]))
     except Exception as e:
         if module is nanoroute:  # checked in Bench: a bug here, let it show

@@ -21,7 +21,8 @@ TINY = ["--shape", "tiny", "--device", "cpu", "--warmup", "1", "--gen_tokens", "
 
 def bench_json(tmp_path, *argv):
     path = tmp_path / "bench.json"
-    bench.main([*TINY, *map(str, argv), "--json", str(path)])
+    flags = TINY[2:] if "--preset" in argv else TINY  # a preset is a shape: not both
+    bench.main([*flags, *map(str, argv), "--json", str(path)])
     return json.loads(path.read_text())
 
 
@@ -135,13 +136,21 @@ def test_preset_shape_mfu_and_profile(tmp_path, monkeypatch, capsys):
                                                      for k in bench.MODEL_FIELDS}))
         flops = model.flops_per_token() * batch * 8 / (r["ms_median"] / 1e3)
         assert r["mfu"] == pytest.approx(flops / 1e12)
+        assert data["args"]["shape"] is None and data["args"]["preset"] == preset
     assert "### Profile: block, 3 training steps" in capsys.readouterr().out
+    # a preset's other model fields are its model's too: none is dropped without a word
+    monkeypatch.setitem(train.PRESETS, "biased", dict(train.PRESETS["wav48"], bias=True))
+    data = bench_json(tmp_path, "--preset", "biased", *small, "--variants", "block", "--iters", 1)
+    config = nanoroute.GPTConfig(**bench.model_fields(data["shape"]), residual="attnres")
+    assert data["shape"]["bias"] is True and config.bias
+    assert data["variants"]["block"]["params"] == nanoroute.GPT(config).get_num_params()
 
 
 @pytest.mark.parametrize("argv, says", [
     (["--variants", "prenorm,nope"], r"--variants 'prenorm,nope': unknown variant\(s\) nope;"),
     (["--profile", "nope"], "argument --profile: invalid choice: 'nope'"),
     (["--iters", "0"], "--iters 0: must be at least 1"),
+    (["--shape", "s12", "--preset", "rd_m"], "--shape s12 and --preset rd_m: give one"),
     (["--n_head", "3"], "prenorm at this shape: n_head=3: must divide n_embd=32"),
     (["--compile", "--compile_backend", "nope"], "--compile_backend nope: not a torch.compile"),
     (["--device", "tpu"], "--device tpu: choose auto, cpu"),
