@@ -528,6 +528,7 @@ def read_run(d, name):
                    # float32 or bfloat16 (older runs: --dtype where not auto, else unknown)
                    precision=summary.get("precision", settings["dtype"].replace("auto", "")),
                    ran=f"--device {settings['device']} --compile {settings['compile']}",
+                   tokens=summary.get("tokens_seen"),  # how long it trained (older runs: None)
                    set=knobs | swept, set_base=base, row=row, home=home, off=row != home)
     return run
 
@@ -693,6 +694,12 @@ def group_notes(g, baseline):
     if len(ran) > 1:
         lines += [f"**train s compares runs that ran differently** ({'; '.join(ran)}): a time "
                   "there is also one of device and compiling.", ""]
+    # a finished run trained to the end its settings set, so one group's runs saw the same tokens;
+    # a change that ends a run sooner (early stopping) would be compared as if it had not been
+    seen = sorted({r["tokens"] for row in g["rows"] for r in row["runs"]} - {None})
+    if len(seen) > 1:
+        lines += [f"**WARNING: these runs ended after different numbers of tokens** "
+                  f"({', '.join(f'{t:,}' for t in seen)}): their differences measure that too.", ""]
     # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
     if len({row["block"] for row in g["rows"]} - {None}) > 1:
         lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]

@@ -194,6 +194,15 @@ def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_pat
     text = (tmp_path / "report.md").read_text()
     assert text.count("**train s compares runs that ran differently** (--device auto --compile "
                       "False; --device auto --compile True)") == 1
+    assert "different numbers of tokens" not in text  # hand_run's: unknown, like older runs
+    # one seed ended sooner (a run stopped early, say): its loss is not at the others' length
+    for seed, tokens in ((0, 1000), (1, 500)):
+        path = tmp_path / "chars" / f"block_s{seed}" / "summary.json"
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), tokens_seen=tokens)))
+    run(experiments.main, ["report", tmp_path], capsys)
+    text = (tmp_path / "report.md").read_text()
+    assert text.count("WARNING: these runs ended after different numbers of tokens** (500, "
+                      "1,000)") == 1
 
 
 def test_text_files_are_headed_by_their_folders(tmp_path):
