@@ -705,6 +705,12 @@ def group_notes(g, baseline):
         lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]
     if not g["base"]:
         lines += [f"(no finished {baseline} run here: no paired differences)", ""]
+    # a row off its --set baselines pairs only with its variant at them, at its lr, set up alike
+    lone = [row["label"] for row in g["rows"] if row["off"] and not row["vs"]]
+    if lone:
+        lines += [f"**No Δ for {'; '.join(lone)}**: no run of its --set baseline here at its lr "
+                  "(a setting that differs, a --resume change say, puts a run in another group)",
+                  ""]
     return lines
 
 def milestone_table(rows, marks):  # per variant: val loss at each milestone, its Δ and wins

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -345,6 +346,9 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
     changed = [dict(step=5, setting="batch_size", was=16, now=8)]
     path.write_text(json.dumps(dict(json.loads(path.read_text()), changes=changed)))
     assert len(report(tmp_path / "budget")) == 2
+    run(experiments.main, ["report", tmp_path / "budget"], capsys)  # its Δ: none, and why
+    text = (tmp_path / "budget" / "report.md").read_text()
+    assert text.count("**No Δ for block, batch_size=8 (Δ vs batch_size=16)**: no run of") == 1
     # its curve against its partner's in the figure: evaluated at other token counts, the
     # partner's linear between its evals (not left out: an empty band), within its span
     partner = {0: 4.0, 200: 2.0, 400: 1.0}
@@ -663,9 +667,10 @@ def test_ablate_matches_direct_evaluations_its_control_and_one_read(demo, block_
     base = evaluate(model, val, offsets, {})
     assert result["base_val_loss"] == pytest.approx(base, abs=1e-6)
     assert base == pytest.approx(saved["progress"]["best_val_loss"], abs=1e-5)  # train.py's score
-    # in the run's precision: a bf16 run's unmasked loss is its own evals' too, and so are its masks
+    # in the run's precision and forwards: a bf16 run's unmasked loss, scored in its micro-batches,
+    # is its own evals' too, and so are its masks
     bf16 = trained(demo, tmp_path / "bf16", "--max_iters", 1, "--residual", "attnres",
-                   "--dtype", "bfloat16")
+                   "--dtype", "bfloat16", "--micro_batch", 2)
     assert run(experiments.main, ["ablate", bf16, "--mask", "emb", "--draws", 1], capsys)[0] == 0
     in_bf16 = json.loads((bf16 / "ablate_best_mask-emb.json").read_text())
     loss = in_bf16["base_val_loss"]
@@ -735,7 +740,7 @@ def test_ablate_matches_direct_evaluations_its_control_and_one_read(demo, block_
 def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block_run, tmp_path,
                                                                            monkeypatch, capsys):
     for variant, seed, val in [("block", 0, 2.0), ("block", 1, 2.1), ("rd", 0, 1.9),
-                               ("rd", 1, 2.2)]:
+                               ("rd", 1, 2.0)]:
         hand_run(tmp_path, f"{variant}_L4_s{seed}", variant, seed, val,
                  evals=((0, 4.0), (500, 3.0 + val / 10), (1000, val)))
     code, printed, _ = run(experiments.main, ["report", tmp_path, block_run, "--plots",
@@ -751,6 +756,10 @@ def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block
     assert matrix[0] == [pytest.approx(1.0), None, None, None]  # the first read sees emb alone
     assert all(sum(w for w in row if w is not None) == pytest.approx(1.0) for row in matrix)
     (tmp_path / "val_loss.png").unlink()
+    # below, each run minus its baseline partner: rd, lower than block at both seeds, below 0
+    fig = experiments.val_loss_figure(experiments.figure_class(), report(tmp_path), "block")
+    deltas = [line.get_ydata() for line in fig.axes[1].get_lines()]  # (the group's Δ panel)
+    assert any(np.allclose(y, [-0.01, -0.1]) for y in deltas), deltas
     # block at another routing block too: a row of its own, its legend says which block it is
     hand_run(tmp_path, "block_m1_s0", "block", 0, 2.05, attnres_block=1)
     groups = report(tmp_path)
