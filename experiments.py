@@ -679,24 +679,28 @@ def group_notes(g, baseline):
     shared = [f"{k} {v}" for k, v in g["setup"]
               if k not in ("data", "level") and v != repr(DEFAULTS.get(k))]
     lines = [f"Every run here: {', '.join(shared)}.", ""] * bool(shared)
+
+    def known(key, unknown):  # the values of key among the group's runs, but the unknown one
+        return sorted({r[key] for row in g["rows"] for r in row["runs"]} - {unknown})
+
     # grouped by the data folder's name: say so where the splits' SHA-256 show other data in it
-    if len({r["data_sha256"] for row in g["rows"] for r in row["runs"]} - {"null"}) > 1:
+    if len(known("data_sha256", "null")) > 1:
         lines += ["**WARNING: these runs trained on different data** in folders of one name (their "
                   "splits' SHA-256 differ): prepare each text in its own folder.", ""]
     # precision is how a run ran (--dtype auto is bf16 on one device, float32 on another), yet
     # it moves the loss: pairs across it measure it too
-    precisions = sorted({r["precision"] for row in g["rows"] for r in row["runs"]} - {""})
+    precisions = known("precision", "")
     if len(precisions) > 1:
         lines += [f"**WARNING: these runs ran at different precisions** ({', '.join(precisions)}): "
                   "their differences measure the precision too: give every run one --dtype.", ""]
     # how a run ran never splits a group, but its wall time (train s) measures that too
-    ran = sorted({r["ran"] for row in g["rows"] for r in row["runs"]})
+    ran = known("ran", None)
     if len(ran) > 1:
         lines += [f"**train s compares runs that ran differently** ({'; '.join(ran)}): a time "
                   "there is also one of device and compiling.", ""]
     # a finished run trained to the end its settings set, so one group's runs saw the same tokens;
     # a change that ends a run sooner (early stopping) would be compared as if it had not been
-    seen = sorted({r["tokens"] for row in g["rows"] for r in row["runs"]} - {None})
+    seen = known("tokens", None)
     if len(seen) > 1:
         lines += [f"**WARNING: these runs ended after different numbers of tokens** "
                   f"({', '.join(f'{t:,}' for t in seen)}): their differences measure that too.", ""]
