@@ -228,6 +228,10 @@ def set_values(given, taken):
         taken |= dict.fromkeys(settings, "give one --set per flag")
         if f"--{name}" in taken:
             raise UsageError(f"--set {item}: {taken[f'--{name}']}")
+        # how a run runs or what it writes: its values would be one run twice, in one report row
+        if name in (RUNTIME | OUTPUT) - {"preset"}:
+            raise UsageError(f"--set {item}: --{name} says how a run runs or what it writes, not "
+                             "what it trains: give it after -- (every run takes it)")
         values = listed(texts, f"--set {name}", lambda text: [
             train_args([f"--{name}={text}"], f"--set {item}")[name]], f"values of --{name}")
         values.sort(key=lambda value: value != DEFAULTS[name])  # stable: else the first given
@@ -457,13 +461,14 @@ def sweep(args, extra):
 
 # --- Report: run folders, groups of like runs, paired statistics, Markdown. ---
 
-# What never splits a group: how a run was run (train.py's runtime settings, how often it printed
-# its loss, --dtype: its precision is warned of, as auto and float32 are one on a CPU), what the
-# grid varies (seed, lr, depth), what the dataset fixes, and what makes the rows (the variant's
-# fields, block).
+# What never splits a group: how a run was run (train.py's runtime settings, and its output=True
+# ones: what it wrote, how often it printed its loss; --dtype: its precision is warned of, as auto
+# and float32 are one on a CPU), what the grid varies (seed, lr, depth), what the dataset fixes,
+# and what makes the rows (the variant's fields, block).
 RUNTIME = {f.name for f in dataclasses.fields(train.TrainSettings) if f.metadata["runtime"]}
-NOT_SETUP = RUNTIME | {"log_interval", "dtype", "seed", "lr", "n_layer", "vocab_size",
-                       "attnres_block", *variant("block")}
+OUTPUT = {f.name for f in dataclasses.fields(train.TrainSettings) if f.metadata["output"]}
+NOT_SETUP = RUNTIME | OUTPUT | {"dtype", "seed", "lr", "n_layer", "vocab_size", "attnres_block",
+                                *variant("block")}
 
 def find_runs(folders):
     """(runs, notes): each folder is a run itself or holds runs; unreadable ones become notes."""

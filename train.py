@@ -62,17 +62,19 @@ PRESETS = {
 }
 
 def option(default, help, low=None, high=math.inf, parse=None, choices=None, runtime=False,
-           needs=None, fixed=False):
+           needs=None, fixed=False, output=False):
     """A TrainSettings field: its --help, range [low, high) or choices, a parse for a text not of
     its type; runtime: how this invocation runs (not from last.pt); needs: as GPTConfig's; fixed:
-    what the run began with (its seed made its weights), which a --resume may not change."""
+    what the run began with (its seed made its weights), which a --resume may not change; output:
+    what the run writes, not what it trains (kept by --resume, yet no change of the run there,
+    and no report groups by it)."""
     if needs not in (None, "attnres", *CONFIG_FIELDS):  # e.g. another training setting's name
         raise ValueError(f"needs={needs!r}: not a GPTConfig field. needs= marks a setting of the "
                          "depth routing (the paired baseline drops it); check a setting that needs "
                          "another training setting in check_settings")
     return dataclasses.field(default=default, metadata=dict(
         help=help, low=low, high=high, parse=parse, choices=choices, runtime=runtime, needs=needs,
-        fixed=fixed))
+        fixed=fixed, output=output))
 
 @dataclasses.dataclass
 class TrainSettings:
@@ -101,7 +103,8 @@ class TrainSettings:
                               "batches", low=1, high=1e9, parse=count)
     milestones: str | None = option(None, "also evaluate where the token count crosses these, "
                                     "e.g. 0.25B,0.5B,1B,2B")
-    log_interval: int = option(20, "print and log the train loss every this many steps", low=1)
+    log_interval: int = option(20, "print and log the train loss every this many steps", low=1,
+                               output=True)
     seed: int = option(1337, "data order and initial weights", low=0, high=2 ** 63, fixed=True)
     device: str = option("auto", "auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps", runtime=True)
     # not runtime: a --resume goes on at the run's precision (a change of it is noted)
@@ -443,9 +446,11 @@ def note_changes(run, ckpt):
     its progress (summary.json's changes: the report groups the run by them) and said, since a
     run started with it, its paired baseline included, is not this run."""
     saved = ckpt["settings"]
-    # data: its folder may move; log_interval: how often it prints; under --max_tokens the steps
-    # are the budget's (its batch is what changed); dtype: by the precision it gives (below)
-    skip = {"data", "log_interval", "dtype", *["max_iters"] * bool(run.settings.max_tokens)}
+    # data: its folder may move; output=True: what it writes (how often it prints); under
+    # --max_tokens the steps are the budget's (its batch is what changed); dtype: by the precision
+    # it gives (below)
+    skip = {"data", "dtype", *["max_iters"] * bool(run.settings.max_tokens)}
+    skip |= {f.name for f in dataclasses.fields(TrainSettings) if f.metadata["output"]}
     # a setting newer than the run: at its default there (the behaviour from before it)
     settings = [(f.name, saved.get(f.name, f.default), getattr(run.settings, f.name))
                 for f in dataclasses.fields(TrainSettings)

@@ -394,6 +394,9 @@ def test_bad_input_is_one_error_line(demo, block_run, tmp_path, capsys):
         ([*custom, "--variants", "wav", "--set", "wav_rh=2"], "(did you mean --wav_rho?)"),
         ([*custom, "--variants", "wav", "--set", "wav_rho=x"], "invalid float value: 'x'"),
         ([*custom, "--variants", "wav", "--set", "seed=1,2"], "--set seed=1,2: the sweep sets"),
+        *[([*custom, "--variants", "block", "--set", f"{f.name}=1,2"], "what it writes, not what")
+          for f in dataclasses.fields(train.TrainSettings) if f.metadata["output"]],
+        ([*custom, "--variants", "block", "--set", "compile=0,1"], "--compile says how a run runs"),
         ([*custom, "--variants", "block", "--set", "wav_rho=2"], "no effect in block: add to"),
         # a combination that train.py refuses: one line before the first run, naming the run
         ([*custom, "--variants", "block", "--set", "micro_batch=0,3", "--", "--batch_size", "8"],
