@@ -11,11 +11,14 @@ import re
 
 import torch
 
+from nanoroute import WAV_BASES
+
 # What a source's name says, for legends: a letter and a number (C<i>: block i), or a word; then
-# what a suffix after its dot says (WAV's details). A name not here is "named by the model"
+# what a suffix after its dot says (WAV's details, one per basis of WAV_BASES). A name not here is
+# "named by the model"
 SOURCE_KINDS = {"emb": "embedding", "C": "completed block i", "P": "partial block",
-                "L": "layer i's output", ".phase": "WAV detail (phase basis)",
-                ".split": "WAV detail (split basis)"}
+                "L": "layer i's output",
+                **{f".{b}": f"WAV detail ({b} basis)" for bases in WAV_BASES.values() for b in bases}}
 
 def source_block(name):
     """The block of a source, by its name: -1 for emb, b for C<b> (L<b>) and its details, inf for P

@@ -217,6 +217,12 @@ def norm(x):
     # choice: parameterless RMSNorm; a gain would only rescale what the next Linear learns anyway
     return F.rms_norm(x, (x.size(-1),), eps=EPS)
 
+def basis_signs(l, m):
+    """SPEC: WAV v1 bases. Sublayer l's sign in each basis, blocks of m sublayers: phase +1
+    attention, −1 MLP; split +1 in the first half of a full block (i < m/2, also when partial).
+    Add a basis here and in WAV_BASES."""
+    return {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
+
 def rotary_tables(sequence_len, head_dim, base=10000.0):  # choice: rotary positions, e = wte(idx)
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
     freqs = torch.outer(torch.arange(sequence_len).float(), inv_freq)  # (T, hs/2)
@@ -361,15 +367,16 @@ class DepthRouting:
     def init_routing(self, config):
         d, n_sub = config.n_embd, 2 * config.n_layer
         self.bases = list(self.detail_signs(0))  # WAV's detail bases (none without WAV)
-        # each basis a contrast of its own over a block: one equal to another, or to its negative,
-        # would add the same detail twice (a new basis that is phase at this block size)
+        # each basis a contrast of its own over a block: one equal to another, chosen or not, or to
+        # its negative, would add the same detail twice or be that basis under its own name (a new
+        # basis that is split at this block size)
         m = config.routing_block
-        columns = [[self.detail_signs(l)[basis] for l in range(m)] for basis in self.bases]
-        for i, column in enumerate(columns):
-            for j in range(i):
-                if columns[j] in (column, [-s for s in column]):
-                    raise ValueError(f"WAV bases {self.bases[j]} and {self.bases[i]} weigh a block "
-                                     f"of {m} sublayers alike: choose another basis or block size")
+        signs = [{**basis_signs(l, m), **self.detail_signs(l)} for l in range(m)]
+        columns = {basis: [s[basis] for s in signs] for basis in signs[0]}
+        for basis, other in [(b, o) for b in self.bases for o in columns if o != b]:
+            if columns[basis] in (columns[other], [-s for s in columns[other]]):
+                raise ValueError(f"WAV bases {basis} and {other} weigh a block of {m} sublayers "
+                                 "alike: choose another basis or block size")
         self.reads = [read for l in range(n_sub + 1) for read in self.reads_before(l)]
         # routing parameters per read, but for the first sublayer's (it reads e alone: choice) and
         # rd=frozen_v's value route: a zero pseudo-query (SPEC), or with route_static a logit per
@@ -429,11 +436,8 @@ class DepthRouting:
         return 1 + per_block * ((n_sub - 1) // m) + last * (n_sub % m == 0)
 
     # ----- the pool --------------------------------------------------------------
-    def detail_signs(self, l):
-        """SPEC: WAV v1 bases. Sublayer l's sign in each basis: phase +1 attention, −1 MLP; split
-        +1 in the first half of a full block (i < m/2, also when partial). Add a basis here."""
-        m = self.config.routing_block
-        signs = {"phase": 1 if l % 2 == 0 else -1, "split": 1 if l % m < m / 2 else -1}
+    def detail_signs(self, l):  # sublayer l's sign in each of the model's bases
+        signs = basis_signs(l, self.config.routing_block)
         return {basis: signs[basis] for basis in self.config.detail_bases}
 
     def block_coefficients(self, first, n):

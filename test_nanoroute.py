@@ -1011,6 +1011,19 @@ def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(devic
     assert model.bases == ["phase", "split", "quarter"]  # at 6 sublayers, a contrast of its own
 
 
+def test_a_wav_bases_value_that_is_another_basis_at_this_block_is_refused(monkeypatch):
+    # a basis added as the docs say (a sign in basis_signs, a WAV_BASES entry), chosen alone: at
+    # blocks of 4 its signs (+ + − −) are split's, so it would train split under its own name
+    signs = nanoroute.basis_signs
+    monkeypatch.setattr(nanoroute, "basis_signs", lambda l, m: {
+        **signs(l, m), "quarter": 1 if l % m % 4 < 2 else -1})
+    monkeypatch.setitem(nanoroute.WAV_BASES, "quarter", ("quarter",))
+    quarter = dict(residual="attnres", wav=True, wav_bases="quarter")
+    with pytest.raises(ValueError, match="bases quarter and split weigh a block of 4 sublayers"):
+        GPT(GPTConfig(**TINY, **quarter, attnres_block=4))
+    assert GPT(GPTConfig(**TINY, **quarter, attnres_block=6)).bases == ["quarter"]
+
+
 # A source made from earlier blocks: an override of complete
 @pytest.mark.gpu
 def test_extension_block_difference_source_fast_equals_reference(device):

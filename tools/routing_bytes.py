@@ -49,7 +49,9 @@ def routing_bytes(config, batch=BATCH):
         R = sum(len(model.reads_before(l)) for l in subs)
         now += (3 * (per_block if first else 1) + 2 * completed + (6 + 3 * R) * completed) * unit
         for i, l in enumerate(subs[1:], 1):
-            terms = i if config.wav_learned_bases else min(i, 4) if config.wav else 1
+            # the kernel sums the updates of equal signs into one term (learned: one each)
+            signs = {tuple(model.detail_signs(j).values()) for j in range(first, l)}
+            terms = i if config.wav_learned_bases else len(signs)
             reads = len(model.reads_before(l))
             must += reads * 3 * (terms + 2) * unit
             # forward: term dots, h from mix and each term; backward: ⟨dh, t⟩, ⟨dh, h⟩, dmix,
