@@ -528,6 +528,10 @@ def test_js_divergence_and_routing_stats_entropy_means_and_sources_of_any_name()
     assert js_divergence(p, q) == pytest.approx(want, rel=1e-6) and 0 < want < math.log(2)
     one_hot_a, one_hot_b = torch.eye(2)[:, :, None], torch.eye(2).flip(0)[:, :, None]
     assert js_divergence(one_hot_a, one_hot_b) == pytest.approx(math.log(2))  # disjoint: the bound
+    # per token, then the mean (SPEC): routes that swap their sources token by token differ by
+    # the bound at each, though their mean weights are alike
+    assert js_divergence(torch.eye(2)[:, None], torch.eye(2).flip(0)[:, None]) == pytest.approx(
+        math.log(2))
     _, _, routes = make_model(**ATTNRES_MODES["wav"])(tokens(), return_routes=True)
     stats = routing_stats(routes)
     assert list(stats["reads"]) == [r["name"] for r in routes]
@@ -626,6 +630,15 @@ def test_generate_draws_from_softmax_over_temperature_among_top_k(temperature, t
     assert not counts_fit(counts, sample_probs(logits, 1.0, k), n)
     for wrong_k in (k - 1, k + 1) if top_k else ():
         assert not counts_fit(counts, sample_probs(logits, temperature, wrong_k), n)
+
+
+def test_generate_keeps_every_token_tied_with_the_kth():
+    model = make_model()
+    with torch.no_grad():  # every row of the tied embedding alike: every logit ties
+        model.lm_head.weight.copy_(model.lm_head.weight[:1].expand_as(model.lm_head.weight))
+        torch.manual_seed(0)
+        drawn = model.generate(tokens(B=1, T=3).expand(2000, -1), 1, 1.0, 2)[:, -1]
+    assert drawn.unique().numel() == VOCAB  # all tie with the 2nd likeliest: all are drawn
 
 
 def test_flops_per_token_by_hand_and_wav_keeps_for_backward_about_what_block_attnres_does():
@@ -1342,6 +1355,10 @@ def test_gains_and_controls_at_init_static_logits_and_multi_head_reads():
         assert gain.shape == (2 * n_layer, 16) and torch.all(gain == gamma), n_layer
     static = make_model(residual="attnres", route_static=True)
     assert not static.query and all(p.abs().sum() == 0 for p in static.static_logits.values())
+    # SPEC: Controls, with WAV the detail biases stay: static logits take the queries' place alone
+    static_wav = make_model(**ATTNRES_MODES["static_wav_rd"])
+    learned = make_model(**{**ATTNRES_MODES["static_wav_rd"], "route_static": False})
+    assert static_wav.detail_bias and set(static_wav.detail_bias) == set(learned.detail_bias)
     dense = make_model(residual="denseformer")
     assert [w.tolist() for w in dense.dwa_weights] == [[0, 1], [0, 0, 1], [0, 0, 0, 1]]
     # static logits ignore the input; multi-head reads are per head
