@@ -229,6 +229,7 @@ def set_values(given, taken):
         if f"--{name}" in taken:
             raise UsageError(f"--set {item}: {taken[f'--{name}']}")
         # how a run runs or what it writes: its values would be one run twice, in one report row
+        # (--preset, though runtime, gives a set-up of its own: --set may sweep presets)
         if name in (RUNTIME | OUTPUT) - {"preset"}:
             raise UsageError(f"--set {item}: --{name} says how a run runs or what it writes, not "
                              "what it trains: give it after -- (every run takes it)")
