@@ -50,11 +50,17 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     a = parser.parse_args(argv)
-    sampling = ("num_samples", "max_new_tokens", "temperature", "top_k", "seed")
-    unused = [f"--{n}" for n in sampling if a.routes and getattr(a, n) != parser.get_default(n)]
-    if unused:  # refused, not ignored: --routes draws no tokens, so these would change nothing
+    # every flag but these is the text's (a new one too): --routes draws no tokens, so one off its
+    # default would change nothing: refused, not ignored
+    routes_flags = ("out_dir", "ckpt", "data", "start", "device", "routes")
+    unused = [f"--{n}" for n, value in vars(a).items()
+              if a.routes and n not in routes_flags and value != parser.get_default(n)]
+    if unused:
         raise UsageError(f"--routes writes no text: {', '.join(unused)} would be ignored; drop "
                          + ("them" if len(unused) > 1 else "it"))
+    if a.top_k == 1 and a.temperature != parser.get_default("temperature"):  # greedy: no draw
+        raise UsageError(f"--top_k 1 is greedy: --temperature {a.temperature:g} would change "
+                         "nothing; drop one")
     if not 0 < a.temperature < math.inf:  # NaN fails too
         raise UsageError(f"--temperature {a.temperature}: must be > 0 and finite")
     for name in ("num_samples", "max_new_tokens", "top_k"):

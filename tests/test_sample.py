@@ -182,6 +182,7 @@ def test_routes_refuses_every_flag_of_the_text_alone(flag, routed, capsys):
     (["--temperature", "nan"], "--temperature nan: must be > 0 and finite"),
     (["--temperature", "inf"], "--temperature inf: must be > 0 and finite"),
     (["--top_k", "0"], "--top_k 0: must be at least 1"),
+    (["--top_k", "1", "--temperature", "0.5"], "--top_k 1 is greedy: --temperature 0.5 would"),
     (["--num_samples", "0"], "--num_samples 0: must be at least 1"),
     (["--seed", "-1"], r"--seed -1: must be in \[0, 2\*\*63\)"),
     (["--start", "FILE:empty.txt"], "--start 'FILE:empty.txt' is empty"),
