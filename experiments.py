@@ -712,7 +712,9 @@ def group_notes(g, baseline):
                   f"({', '.join(f'{t:,}' for t in seen)}): their differences measure that too.", ""]
     # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
     if len({row["block"] for row in g["rows"]} - {None}) > 1:
-        lines += ["**Routing blocks differ**: a difference is also one of block size.\n"]
+        base = g["base"] and f" (Δ against {g['base']['label']} at block {g['base']['block']})"
+        lines += [f"**Routing blocks differ**: a difference is also one of block size{base or ''}."
+                  "\n"]
     if not g["base"]:
         lines += [f"(no finished {baseline} run here: no paired differences)", ""]
     # a row off its --set baselines pairs only with its variant at them, at its lr, set up alike

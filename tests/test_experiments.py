@@ -141,6 +141,18 @@ def test_the_baseline_is_its_row_naming_the_fewest_settings(tmp_path):
     assert rows["rd"]["delta"]["mean"] == pytest.approx(0.5)
 
 
+def test_rows_of_two_routing_blocks_are_said_to_differ_and_which_is_the_baseline(tmp_path, capsys):
+    for seed in (0, 1):  # runs by hand: the auto block of 4 layers (2), and 4
+        hand_run(tmp_path, f"block_s{seed}", "block", seed, 2.0)
+        hand_run(tmp_path, f"block4_s{seed}", "block", seed, 1.9, attnres_block=4)
+    group, = report(tmp_path)
+    assert [(row["block"], row["delta"] and row["delta"]["mean"]) for row in group["rows"]] == [
+        (2, None), (4, pytest.approx(-0.1))]
+    text = run(experiments.main, ["report", tmp_path], capsys)[1]
+    assert "**Routing blocks differ**: a difference is also one of block size (Δ against block " \
+        "at block 2)." in text
+
+
 def test_a_run_by_hand_is_named_by_its_config_as_a_variant_or_the_nearest_and_its_changes(
         tmp_path):
     # train.py by hand leaves no run.json: each variant's run is named by its VARIANTS row, and a
