@@ -1020,6 +1020,11 @@ def test_extension_new_basis_fast_equals_reference_and_is_the_explicit_sum(devic
             return {**super().detail_signs(l), "quarter": quarter}
     with pytest.raises(ValueError, match="bases phase and quarter weigh a block of 4 sublayers"):
         GPTWithQuarterBasis(GPTConfig(**TINY, residual="attnres", wav=True, attnres_block=4))
+    class GPTWithAntiPhase(GPT):  # phase's negative: the same detail, its sign flipped
+        def detail_signs(self, l):
+            return {**super().detail_signs(l), "anti": -super().detail_signs(l)["phase"]}
+    with pytest.raises(ValueError, match="bases phase and anti weigh a block of 4 sublayers"):
+        GPTWithAntiPhase(GPTConfig(**TINY, residual="attnres", wav=True, attnres_block=4))
     model = GPTWithQuarterBasis(GPTConfig(**TINY, residual="attnres", wav=True, attnres_block=6))
     assert model.bases == ["phase", "split", "quarter"]  # at 6 sublayers, a contrast of its own
 

@@ -299,3 +299,11 @@ def test_routing_time_times_the_kernels_parts_in_a_step_and_leaves_the_kernel_as
     for *_, part in routing_time.PARTS:
         assert rows[part][0] > 0 == rows[part][1], part
     assert all(owner.__dict__[attr] is fn for (owner, attr), fn in before.items())
+    # a part called twice in a step counts both calls (a clock that ticks 1 s a reading)
+    ticks = iter(range(100))
+    seconds = {}
+    part = routing_time.timed(seconds, "x", lambda: None)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(routing_time.time, "perf_counter", lambda: next(ticks))
+        part(), part()
+    assert seconds == {"x": 2.0}

@@ -172,9 +172,9 @@ ROUTES_FLAGS = {"help", "out_dir", "ckpt", "data", "start", "device", "routes"}
 @pytest.mark.parametrize("flag", [a.dest for a in sample.build_parser()._actions
                                   if a.dest not in ROUTES_FLAGS])
 def test_routes_refuses_every_flag_of_the_text_alone(flag, routed, capsys):
-    other = sample.build_parser().get_default(flag) + 1  # off its default, and valid
-    err = error_line(sample.main, ["--out_dir", routed, "--routes", f"--{flag}", other], capsys)
-    assert f"--{flag} would be" in err, err
+    for other in (sample.build_parser().get_default(flag) + 1, 0):  # off its default (0 too)
+        err = error_line(sample.main, ["--out_dir", routed, "--routes", f"--{flag}", other], capsys)
+        assert f"--{flag} would be" in err, err
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -552,6 +552,13 @@ def test_peak_flops_of_known_gpus_only_and_bf16_from_capability_8(monkeypatch):
             train.peak_flops(torch.device("cpu"), torch.float32)
 
 
+def test_bool_flags_take_true_false_1_0_in_any_case():
+    for text, value in (("True", True), ("true", True), ("1", True), ("False", False),
+                        ("FALSE", False), ("0", False)):
+        assert train.build_parser().parse_args(["--wav", text]).wav is value, text
+    assert train.build_parser().parse_args(["--wav"]).wav is True  # alone: True
+
+
 # each after --data DEMO --out_dir TMP/x --device cpu: a flag given twice, the last counts
 @pytest.mark.parametrize("argv, words", [
     (["--learning_rate", "1"], "did you mean --lr?"),  # unknown flag
