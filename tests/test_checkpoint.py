@@ -100,9 +100,10 @@ def test_a_folder_a_live_run_writes_is_refused_until_it_ends(demo, tmp_path, cap
     live = subprocess.Popen([sys.executable, ROOT / "train.py", *map(str, flags)],
                             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
     try:
-        for _ in range(600):
+        for _ in range(6000):  # a busy machine: minutes to its first save
             if (out / "last.pt").exists():
                 break
+            assert live.poll() is None, "the live run ended before its first save"
             time.sleep(0.1)
         # a resume (of 1 step: were it let through, it would end at once) and a new run
         for argv in (["--out_dir", out, "--resume", "--max_iters", 1], tiny(demo, out)):
