@@ -46,10 +46,8 @@ def build_parser():
     p.add_argument("--routes", action="store_true", help="how it routes over the prompt, not text")
     return p
 
-@common.cli
-def main(argv=None):
-    parser = build_parser()
-    a = parser.parse_args(argv)
+def check_flags(parser, a):
+    """Each flag's value, and the flags that would change nothing together: one UsageError."""
     # every flag but these is the text's (a new one too): --routes draws no tokens, so one off its
     # default would change nothing: refused, not ignored
     routes_flags = ("out_dir", "ckpt", "data", "start", "device", "routes")
@@ -68,6 +66,12 @@ def main(argv=None):
             raise UsageError(f"--{name} {getattr(a, name)}: must be at least 1")
     if not 0 <= a.seed < 2 ** 63:
         raise UsageError(f"--seed {a.seed}: must be in [0, 2**63)")
+
+@common.cli
+def main(argv=None):
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    check_flags(parser, a)
     device = pick_device(a.device)
     path, train_it = Path(a.out_dir) / f"{a.ckpt}.pt", command("train.py", ["--out_dir", a.out_dir])
     ckpt = checkpoint.load(path, f"no checkpoint at {path}: train one with {train_it}")
