@@ -230,7 +230,7 @@ def set_values(given, taken):
             raise UsageError(f"--set {item}: {taken[f'--{name}']}")
         # how a run runs or what it writes: its values would be one run twice, in one report row
         # (--preset, though runtime, gives a set-up of its own: --set may sweep presets)
-        if name in (RUNTIME | OUTPUT) - {"preset"}:
+        if name in (RUNTIME | train.OUTPUT) - {"preset"}:
             raise UsageError(f"--set {item}: --{name} says how a run runs or what it writes, not "
                              "what it trains: give it after -- (every run takes it)")
         values = listed(texts, f"--set {name}", lambda text: [
@@ -467,9 +467,8 @@ def sweep(args, extra):
 # and float32 are one on a CPU), what the grid varies (seed, lr, depth), what the dataset fixes,
 # and what makes the rows (the variant's fields, block).
 RUNTIME = {f.name for f in dataclasses.fields(train.TrainSettings) if f.metadata["runtime"]}
-OUTPUT = {f.name for f in dataclasses.fields(train.TrainSettings) if f.metadata["output"]}
-NOT_SETUP = RUNTIME | OUTPUT | {"dtype", "seed", "lr", "n_layer", "vocab_size", "attnres_block",
-                                *variant("block")}
+NOT_SETUP = RUNTIME | train.OUTPUT | {"dtype", "seed", "lr", "n_layer", "vocab_size",
+                                      "attnres_block", *variant("block")}
 
 def find_runs(folders):
     """(runs, notes): each folder is a run itself or holds runs; unreadable ones become notes."""

@@ -122,6 +122,9 @@ class TrainSettings:
     def end_lr(self):  # where the cosine decay ends
         return self.lr / 10 if self.min_lr is None else self.min_lr
 
+# what a run writes, not what it trains (output=True): --resume and the report leave them out
+OUTPUT = {f.name for f in dataclasses.fields(TrainSettings) if f.metadata["output"]}
+
 def build_parser():
     """One flag per field of TrainSettings, then of GPTConfig: its type, help and default."""
     p = common.ArgumentParser(description=__doc__.strip().split("\n")[0],
@@ -449,8 +452,7 @@ def note_changes(run, ckpt):
     # data: its folder may move; output=True: what it writes (how often it prints); under
     # --max_tokens the steps are the budget's (its batch is what changed); dtype: by the precision
     # it gives (below)
-    skip = {"data", "dtype", *["max_iters"] * bool(run.settings.max_tokens)}
-    skip |= {f.name for f in dataclasses.fields(TrainSettings) if f.metadata["output"]}
+    skip = {"data", "dtype", *OUTPUT, *["max_iters"] * bool(run.settings.max_tokens)}
     # a setting newer than the run: at its default there (the behaviour from before it)
     settings = [(f.name, saved.get(f.name, f.default), getattr(run.settings, f.name))
                 for f in dataclasses.fields(TrainSettings)
