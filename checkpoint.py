@@ -157,6 +157,14 @@ def model_from(ckpt, path, model=None):
     except (TypeError, ValueError, RuntimeError) as e:
         raise UsageError(f"checkpoint {path} does not fit this version of nanoroute: "
                          f"{' '.join(str(e).split())[:300]}") from None
+    # a tensor the model ties under two names (the embedding, the head) took one of two the
+    # checkpoint holds apart: load_state_dict keeps the last without a word
+    first = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied = first.setdefault(p, name)
+        if not torch.equal(ckpt["model"][tied], ckpt["model"][name]):
+            raise UsageError(f"checkpoint {path} holds {tied} and {name} apart, and this model "
+                             "ties them (one tensor): build the model the checkpoint's way")
     return model
 
 def dataset_identity(meta):

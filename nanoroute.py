@@ -705,10 +705,12 @@ class GPT(DepthRouting, nn.Module):
         return self.flops_per_token() * tokens_per_iter / dt / peak_flops
 
     def flops_per_token(self):
-        """Training FLOPs per token as PaLM counts them (appendix B): 6N for the matmuls of the N
-        parameters, plus attention's 12·L·d·T; the routing's few FLOPs a source are left out."""
+        """Training FLOPs per token as PaLM counts them (appendix B): 6N for the N weights of the
+        Linear layers (a lookup does none), plus attention's 12·L·d·T; the routing's: left out."""
         cfg = self.config
-        return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.sequence_len
+        linear = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        N = sum(m.weight.numel() for m in linear)
+        return 6 * N + 12 * cfg.n_layer * cfg.n_embd * cfg.sequence_len
 
     # ----- generation ------------------------------------------------------------
     @torch.no_grad()

@@ -648,6 +648,9 @@ def test_flops_per_token_by_hand_and_wav_keeps_for_backward_about_what_block_att
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, sequence_len=16, vocab_size=64))
     assert model.get_num_params() == 26624 and model.flops_per_token() == 159744 + 12288
     assert model.estimate_mfu(1000, 0.5, 1e12) == pytest.approx(172032 * 1000 / 0.5 / 1e12)
+    # the count is the matrix products': an embedding of its own (untied) is a lookup, no FLOPs
+    model.wte.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
+    assert model.get_num_params() == 26624 + 64 * 32 and model.flops_per_token() == 159744 + 12288
     # Memory (issue 5): a sublayer leaves one new (B, T, d) tensor for the backward, the piece it
     # wrote, however many WAV bases there are. What WAV keeps beyond Block AttnRes is its completed
     # detail sources (2 per block that later blocks read) and small per-token statistics, not two

@@ -2,6 +2,7 @@
 run, with the uninterrupted run's result; what a run reads is checked first; a folder a running
 train.py writes is refused to any other."""
 
+import dataclasses
 import io
 import os
 import shutil
@@ -10,9 +11,11 @@ import sys
 import tempfile
 import time
 
+import pytest
 import torch
 
 import checkpoint
+import nanoroute
 import train
 from conftest import (ROOT, error_line, flip_a_stored_byte, metrics, run, same_weights, tiny,
                       trained, weights, without_times)
@@ -130,3 +133,18 @@ def test_the_lock_lasts_until_train_main_returns_and_goes_with_any_end(demo, tmp
     # a train.main that fails once it holds the lock (a model flag the run does not have) frees it
     error_line(train.main, ["--out_dir", out, "--resume", "--n_layer", 3], capsys)
     assert subprocess.run([*resume, "--max_iters", "3"], capture_output=True).returncode == 0
+
+
+def test_a_checkpoint_holding_apart_what_the_model_ties_is_refused():
+    # an embedding and head saved apart (a model that unties them), loaded into one that ties
+    # them: load_state_dict would keep the head's matrix as the embedding too, without a word
+    config = nanoroute.GPTConfig(n_layer=1, n_embd=16, n_head=2, sequence_len=8, vocab_size=32)
+    state = {k: v.clone() for k, v in nanoroute.GPT(config).state_dict().items()}
+    ckpt = dict(config=dataclasses.asdict(config), model=state)
+    model = checkpoint.model_from(ckpt, "tied.pt")
+    assert model.wte.weight is model.lm_head.weight and torch.equal(model.wte.weight,
+                                                                    state["wte.weight"])
+    state["wte.weight"] += 1
+    with pytest.raises(checkpoint.UsageError, match="checkpoint apart.pt holds wte.weight and "
+                       "lm_head.weight apart, and this model ties them"):
+        checkpoint.model_from(ckpt, "apart.pt")
