@@ -18,7 +18,8 @@ from nanoroute import WAV_BASES
 # "named by the model"
 SOURCE_KINDS = {"emb": "embedding", "C": "completed block i", "P": "partial block",
                 "L": "layer i's output",
-                **{f".{b}": f"WAV detail ({b} basis)" for bases in WAV_BASES.values() for b in bases}}
+                **{f".{b}": f"WAV detail ({b} basis)"
+                   for bases in WAV_BASES.values() for b in bases}}
 
 def source_block(name):
     """The block of a source, by its name: -1 for emb, b for C<b> (L<b>) and its details, inf for P
@@ -55,9 +56,10 @@ def routing_stats(routes):
     1 = uniform, so pools of different sizes compare; None for one source or no entropy)}};
     "sources": every source, in pool order; "entropy_norm_mean": over the reads of more than one
     source that every variant has (one a sublayer, RD: the one feeding the queries, and the
-    readout); "js": {"layer{j}": nats} (RD: the route feeding the queries vs the one feeding the
-    values; not where both read one source, 0 by construction: layer 0's read e alone), "js_mean",
-    "js_pair": what the two routes feed, e.g. "QK‖V" (RD_MODES says it), None without two routes."""
+    readout), named in "entropy_reads"; "js": {"layer{j}": nats} (RD: the route feeding the
+    queries vs the one feeding the values; not where both read one source, 0 by construction:
+    layer 0's read e alone), "js_mean", "js_pair": what the two routes feed, e.g. "QK‖V"
+    (RD_MODES says it), None without two routes."""
     reads = {}
     for r in routes:
         w, n = r["weights"], len(r["sources"])  # (S, B, T, H)
@@ -78,8 +80,9 @@ def routing_stats(routes):
           for j, (q, v) in pairs.items() if len(q["sources"]) > 1}
     pair = next((f"{q['feeds']}‖{v['feeds']}" for q, v in pairs.values()), None)
     # a read that feeds keys or values alone is RD's extra route: the other variants lack it
-    norms = [s["entropy_norm"] for s in reads.values() if s["entropy_norm"] is not None
-             and ("Q" in s["feeds"] or not s["feeds"])]
+    norms = {name: s["entropy_norm"] for name, s in reads.items()
+             if s["entropy_norm"] is not None and ("Q" in s["feeds"] or not s["feeds"])}
     return dict(reads=reads, sources=sources, js=js, js_pair=pair,
                 js_mean=sum(js.values()) / len(js) if js else None,
-                entropy_norm_mean=sum(norms) / len(norms) if norms else None)
+                entropy_norm_mean=sum(norms.values()) / len(norms) if norms else None,
+                entropy_reads=sorted(norms))  # the reads of that mean: a report compares like ones

@@ -709,11 +709,7 @@ def group_notes(g, baseline):
     if len(seen) > 1:
         lines += [f"**WARNING: these runs ended after different numbers of tokens** "
                   f"({', '.join(f'{t:,}' for t in seen)}): their differences measure that too.", ""]
-    # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
-    if len({row["block"] for row in g["rows"]} - {None}) > 1:
-        base = g["base"] and f" (Δ against {g['base']['label']} at block {g['base']['block']})"
-        lines += [f"**Routing blocks differ**: a difference is also one of block size{base or ''}."
-                  "\n"]
+    lines += routing_notes(g)
     if not g["base"]:
         lines += [f"(no finished {baseline} run here: no paired differences)", ""]
     # a row off its --set baselines pairs only with its variant at them, at its lr, set up alike
@@ -722,6 +718,28 @@ def group_notes(g, baseline):
         lines += [f"**No Δ for {'; '.join(lone)}**: no run of its --set baseline here at its lr "
                   "(a setting that differs, a --resume change say, puts a run in another group)",
                   ""]
+    return lines
+
+def routing_notes(g):
+    """The lines that say where a group's rows route differently: blocks, the reads of a mean."""
+    lines = []
+    # a sweep gives its AttnRes rows one block (sweep_block); runs by hand may differ: say so
+    if len({row["block"] for row in g["rows"]} - {None}) > 1:
+        base = g["base"] and f" (Δ against {g['base']['label']} at block {g['base']['block']})"
+        lines += [f"**Routing blocks differ**: a difference is also one of block size{base or ''}."
+                  "\n"]
+    # entropy_norm_mean is a mean over reads (routing_stats: entropy_reads): a row whose model has
+    # other reads (a variant without the MLP's, say) would compare a mean of other things
+    reads = {}
+    for row in g["rows"]:
+        names = row["runs"][0]["routes"].get("entropy_reads")
+        if names:  # none: no routes, or a run from before they were recorded
+            reads.setdefault(tuple(names), []).append(row["label"])
+    if len(reads) > 1:
+        kinds = "; ".join(f"{', '.join(labels)}: {len(names)} reads"
+                          for names, labels in reads.items())
+        lines += [f"**WARNING: entropy_norm_mean is a mean over other reads in some rows** "
+                  f"({kinds}): compare it only between rows of the same reads.", ""]
     return lines
 
 def milestone_table(rows, marks):  # per variant: val loss at each milestone, its Δ and wins

@@ -543,6 +543,10 @@ def test_js_divergence_and_routing_stats_entropy_means_and_sources_of_any_name()
         S = len(r["sources"])  # normalised by log(pool size): 1 for uniform weights at init
         assert s["entropy_norm"] == (None if S == 1 else pytest.approx(s["entropy"] / math.log(S)))
     assert stats["js"] == {} and stats["js_mean"] is None
+    # the mean over every read of more than one source, named: a report compares like means
+    norms = {name: s["entropy_norm"] for name, s in stats["reads"].items() if s["entropy_norm"]}
+    assert stats["entropy_reads"] == sorted(norms) and "layer0.attn" not in norms  # e alone
+    assert stats["entropy_norm_mean"] == pytest.approx(sum(norms.values()) / len(norms))
     assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]
     # pool order, by block number not text: C2 before C10 (48 layers: ≤ 8 blocks, extensions
     # more); a new variant may record routes over sources named its own way ("stream", "A0"): the
@@ -1445,6 +1449,7 @@ def test_extension_rd_mode_reading_a_new_role(monkeypatch, fast, device):
     assert stats["reads"]["layer1.attn.k"]["feeds"] == "K"
     main = [r["entropy_norm"] for n, r in stats["reads"].items() if not n.endswith((".k", ".v"))]
     assert stats["entropy_norm_mean"] == pytest.approx(sum(main[1:]) / len(main[1:]))  # not e's
+    assert not [name for name in stats["entropy_reads"] if name.endswith((".k", ".v"))]
     for role in ("mlp.v", "attn_v"):  # attn_v: its parameters' key would be attn.v's
         monkeypatch.setitem(nanoroute.RD_MODES, "bad", nanoroute.RD(v=role))
         with pytest.raises(ValueError, match="attention reads attn, attn.<name>"):

@@ -32,10 +32,10 @@ HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
 def hand_run(root, name, variant, seed, val, *, lr=2e-3, depth=4, dataset="demo", level="char",
-             milestones=(), evals=((0, 4.0), (500, 3.0)), run_json=True, **flags):
+             milestones=(), evals=((0, 4.0), (500, 3.0)), run_json=True, reads=None, **flags):
     """A finished run folder as train.py (and a sweep: run.json) leaves it, with the final val loss
     `val`; flags: GPTConfig or TrainSettings fields. Route entropy, RD's JS and a statistic a user
-    added to routing_stats (user_mean) from the seed."""
+    added to routing_stats (user_mean) from the seed; reads: those of the entropy's mean."""
     d = Path(root) / name
     d.mkdir(parents=True)
     config = dataclasses.asdict(nanoroute.GPTConfig(n_layer=depth, **nanoroute.variant(variant)))
@@ -43,7 +43,9 @@ def hand_run(root, name, variant, seed, val, *, lr=2e-3, depth=4, dataset="demo"
     routed = config["residual"] == "attnres"
     rd = variant == "rd"
     routes = dict(entropy_norm_mean=0.5 + seed % 10 / 10, js_mean=seed / 10 if rd else None,
-                  js_pair="QK‖V" if rd else None, user_mean=float(seed))  # as routing_stats
+                  js_pair="QK‖V" if rd else None, user_mean=float(seed),  # as routing_stats
+                  entropy_reads=reads or [f"layer{j}.{r}" for j in range(depth)
+                                          for r in ("attn", "mlp")][1:] + ["readout"])
     settings = dataclasses.asdict(train.TrainSettings(seed=seed, lr=lr, **flags))
     summary = dict(config=config, train=settings, dataset=dataset, level=level,
                    final=dict(val_loss=val), wall_time_s=10.0, routes=routes if routed else None,
@@ -139,6 +141,20 @@ def test_the_baseline_is_its_row_naming_the_fewest_settings(tmp_path):
     rows = {row["label"]: row for row in group["rows"]}
     assert group["base"] is rows["block"] and len(rows) == 3
     assert rows["rd"]["delta"]["mean"] == pytest.approx(0.5)
+
+
+def test_an_entropy_mean_over_other_reads_is_said_to_be_one(tmp_path, capsys):
+    # a variant whose MLPs read no route of their own (parallel layers, say) averages other reads
+    for seed in (0, 1):
+        hand_run(tmp_path, f"block_s{seed}", "block", seed, 2.0)
+        hand_run(tmp_path, f"wav_s{seed}", "wav", seed, 1.9)
+        hand_run(tmp_path, f"rd_s{seed}", "rd", seed, 1.8, reads=["layer1.attn", "readout"])
+    text = run(experiments.main, ["report", tmp_path], capsys)[1]
+    assert "**WARNING: entropy_norm_mean is a mean over other reads in some rows** (block, wav: " \
+        "8 reads; rd: 2 reads): compare it only between rows of the same reads." in text
+    shutil.rmtree(tmp_path / "rd_s0")
+    shutil.rmtree(tmp_path / "rd_s1")
+    assert "other reads" not in run(experiments.main, ["report", tmp_path], capsys)[1]
 
 
 def test_rows_of_two_routing_blocks_are_said_to_differ_and_which_is_the_baseline(tmp_path, capsys):
