@@ -676,7 +676,8 @@ def routing_summary(stats, top=3):
     """The sources each read leans on most (mean weight over 8 val crops and route heads)."""
     lines = [f"routing (mean weight per source, 8 val crops; {source_legend(stats['sources'])})"]
     for name, read in stats["reads"].items():
-        ranked = sorted(zip(read["mean_weight"], read["sources"]), reverse=True)[:top]
+        # equal weights (fixed ones, say) in pool order, not by name
+        ranked = sorted(zip(read["mean_weight"], read["sources"]), key=lambda ws: -ws[0])[:top]
         lines.append(f"  {name:<14}" + "  ".join(f"{s} {w:.2f}" for w, s in ranked)
                      + ("  ..." if len(read["sources"]) > top else ""))
     if stats["js_mean"] is not None:

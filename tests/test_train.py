@@ -658,6 +658,8 @@ def test_explicit_flags_beat_a_preset_and_the_printed_baseline_keeps_all_but_the
                  sources=["emb", "C0", "C1", "P"])  # as routing_stats gives them
     assert train.routing_summary(stats).splitlines()[1].split() == \
         ["readout", "C0", "0.50", "emb", "0.20", "P", "0.20", "..."]  # the heaviest first
+    stats["reads"]["readout"]["mean_weight"] = [0.1, 0.3, 0.3, 0.3]  # equal weights: pool order
+    assert train.routing_summary(stats).splitlines()[1].split()[1::2] == ["C0", "C1", "P", "..."]
 
 
 def test_best_is_the_lowest_and_failures_keep_good_checkpoints(demo, tmp_path, monkeypatch, capsys):
