@@ -192,7 +192,10 @@ def check_flags(args, variants):
                  if k in nanoroute.CONFIG_FIELDS and k not in nanoroute.variant("block")}
         base = dict(model, vocab_size=vocab,
                     batch_size=preset.get("micro_batch") or preset["batch_size"])
-    shape = {k: v if getattr(args, k, None) is None else getattr(args, k) for k, v in base.items()}
+    # a flag overrides the shape's value, or adds a field the shape lacks (a new MODEL_FIELDS name)
+    given = {k: getattr(args, k) for k in (*MODEL_FIELDS, "batch_size")
+             if getattr(args, k) is not None}
+    shape = {**base, **given}
     # each variant once, in order: it may be in --variants and --gen_variants
     for name in dict.fromkeys(variants):
         try:

@@ -185,6 +185,13 @@ def test_bad_input_is_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
     assert re.search(says, err), err
 
 
+def test_a_model_field_added_to_the_flags_reaches_every_model(tmp_path, monkeypatch):
+    # a field no shape has (here attnres_block, 1: Full AttnRes) is timed as given, not dropped
+    monkeypatch.setattr(bench, "MODEL_FIELDS", (*bench.MODEL_FIELDS, "attnres_block"))
+    data = bench_json(tmp_path, "--variants", "block", "--iters", 1, "--attnres_block", 1)
+    assert data["shape"]["attnres_block"] == 1 and data["routing_blocks"] == {"block": 1}
+
+
 def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     def check(folder):
         return subprocess.run(["bash", ROOT / "tools" / "gpu_check.sh", "cpu", folder], text=True,
