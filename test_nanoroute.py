@@ -740,9 +740,13 @@ PRECISIONS = ["float32", "bf16_autocast"]
 
 
 @pytest.fixture
-def device():
+def device(request):
     if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
         pytest.fail("NANOROUTE_TEST_DEVICE=cuda, but torch sees no CUDA device")
+    # -m gpu on a GPU without it would check the kernel on the CPU and pass: a check of nothing
+    if request.config.getoption("-m") == "gpu" and torch.cuda.is_available() and \
+            TEST_DEVICE != "cuda":
+        pytest.fail("-m gpu on a machine with CUDA: set NANOROUTE_TEST_DEVICE=cuda to test it")
     # true float32 matmuls (train.py uses TF32 on CUDA); _tf32_as_before restores the setting
     torch.backends.cuda.matmul.allow_tf32 = False
     return torch.device(TEST_DEVICE)
