@@ -261,6 +261,17 @@ def test_fineweb_edu_shards_split_and_gpt2_decoding(mirror, tmp_path, capsys):
     assert "token id 50257 is not a GPT-2 token" in line
 
 
+@pytest.mark.parametrize("n, dtype", [(256, "uint8"), (257, "uint16")])
+def test_a_vocabulary_of_256_ids_is_one_byte_a_token(n, dtype, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # ids 0..255 fit a byte: one more is two bytes a token
+    Path("chars.txt").write_text("".join(chr(0x4E00 + i) for i in range(n)) * 4, encoding="utf-8")
+    out = pd.prepare("textfile", input="chars.txt")
+    meta = pd.load_meta(out)
+    assert meta["vocab_size"] == n and meta["dtype"] == dtype
+    width = np.dtype(dtype).itemsize
+    assert (out / "train.bin").stat().st_size == meta["splits"]["train"] * width
+
+
 def test_textfile_splits_records_its_hash_and_is_made_anew_when_it_changes(tmp_path, monkeypatch,
                                                                               capsys):
     monkeypatch.chdir(tmp_path)
