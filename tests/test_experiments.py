@@ -436,6 +436,8 @@ def test_bad_input_is_one_error_line(demo, block_run, tmp_path, capsys):
         (["sweep", "wav_paper", "--dry_run", "--depths", "8"], "has presets for depths 12, 24"),
         (["report", tmp_path, "--", "--baseline", "rd"], "report takes no flags after --"),
         (["report", tmp_path / "nothing"], "nothing: no such folder"),
+        (["report", tmp_path, "--plot"], "--plot (did you mean --plots?)"),  # a subcommand's flags
+        ([*custom, "--variants", "block", "--seed", "0"], "--seed 0 (did you mean --seeds?)"),
         (["report", tmp_path / "empty"], "no runs in"),
         (["ablate", block_run, "--draws", 0], "--draws 0: give 1 or more"),
         (["ablate", block_run, "--draws", -1], "--draws -1: give 1 or more"),
