@@ -706,10 +706,10 @@ class GPT(DepthRouting, nn.Module):
 
     def flops_per_token(self):
         """Training FLOPs per token as PaLM counts them (appendix B): 6N for the N weights of the
-        Linear layers (a lookup does none), plus attention's 12·L·d·T; the routing's: left out."""
+        Linear layers, at each use (a lookup does none), plus attention's 12·L·d·T."""
         cfg = self.config
-        linear = [m for m in self.modules() if isinstance(m, nn.Linear)]
-        N = sum(m.weight.numel() for m in linear)
+        N = sum(m.weight.numel() for _, m in self.named_modules(remove_duplicate=False)
+                if isinstance(m, nn.Linear))
         return 6 * N + 12 * cfg.n_layer * cfg.n_embd * cfg.sequence_len
 
     # ----- generation ------------------------------------------------------------

@@ -656,6 +656,8 @@ def test_flops_per_token_by_hand_and_wav_keeps_for_backward_about_what_block_att
     # the count is the matrix products': an embedding of its own (untied) is a lookup, no FLOPs
     model.wte.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
     assert model.get_num_params() == 26624 + 64 * 32 and model.flops_per_token() == 159744 + 12288
+    model.layers[1] = model.layers[0]  # layers that share their weights: each use computes
+    assert model.get_num_params() == 14336 + 64 * 32 and model.flops_per_token() == 159744 + 12288
     # Memory (issue 5): a sublayer leaves one new (B, T, d) tensor for the backward, the piece it
     # wrote, however many WAV bases there are. What WAV keeps beyond Block AttnRes is its completed
     # detail sources (2 per block that later blocks read) and small per-token statistics, not two
