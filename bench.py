@@ -299,8 +299,8 @@ def build(b, name):
         if module is nanoroute:  # checked in Bench: a bug here, let it show
             raise
         raise UsageError(f"{name}: the --against version cannot build it: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]}: leave it out of --variants, or "
-                         "time it without --against") from None
+                         f"{' '.join(str(e).split())[:200]}: time it without --against, or "
+                         "leave out the variant or flag that sets the field") from None
     model.to(b.device)
     # train.py's AdamW: its step is timed and its state is part of the memory
     opt = model.configure_optimizers(0.1, 1e-3, device_type=b.device.type)

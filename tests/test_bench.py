@@ -160,7 +160,7 @@ def test_preset_shape_mfu_and_profile(tmp_path, monkeypatch, capsys):
     (["--against", "old"], "nanoroute.py has no GPT and GPTConfig: it is empty"),  # its folder
     (["--against", "broken.py"], "importing broken.py failed: SyntaxError"),
     (["--against", "no_rd.py", "--variants", "rd"], "rd@against: the --against version cannot "
-     "build it: TypeError: unexpected keyword argument 'rd': leave it out of --variants, or time"),
+     "build it: TypeError: unexpected keyword argument 'rd': time it without --against, or leave"),
     (["--json", ""], "^error: argument --json: '': give a file name; see --help\n$"),
     (["--json", "notes.txt"], "notes.txt exists and is not a file this script wrote"),  # yours
     (["--json", "mine.json"], "mine.json exists and is not a file this script wrote"),  # JSON

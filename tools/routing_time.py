@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nanoroute  # noqa: E402
-from bench import MODEL_FIELDS, SHAPES, VARIANTS  # noqa: E402
+from bench import SHAPES, VARIANTS, model_fields  # noqa: E402
 
 # (owner, its function, the part's name)
 PARTS = [(nanoroute.DepthRouting, "block_reads", "a block's reads set up"),
@@ -88,7 +88,7 @@ def main(argv=None):
     models = {}
     for name in names:
         torch.manual_seed(0)
-        config = nanoroute.GPTConfig(**{k: shape[k] for k in MODEL_FIELDS}, **VARIANTS[name])
+        config = nanoroute.GPTConfig(**model_fields(shape), **VARIANTS[name])
         model = nanoroute.GPT(config)
         models[name] = model, model.configure_optimizers(0.1, 1e-3, device_type="cpu")
     seconds, steps = {}, {name: [] for name in names}
