@@ -803,9 +803,10 @@ def markdown(folders, runs, groups, baseline, notes):
 
 def report(args, extra):
     runs, notes = find_runs(args.folders)
-    if not runs:
-        raise UsageError(f"no runs in {' '.join(args.folders)} (no run.json or summary.json): "
-                         "give a sweep's --out folder or a train.py --out_dir")
+    if not runs:  # why, from the notes: no run.json or summary.json, or files it cannot read
+        more = f" (and {len(notes) - 3} more)" * (len(notes) > 3)
+        raise UsageError(f"{'; '.join(notes[:3])}{more}: give a sweep's --out folder or a "
+                         "train.py --out_dir")
     variants = {r["variant"] for r in runs if r["summary"]}
     # block first: WAV and RD modify Block AttnRes, so a Δ against it is their own effect
     baseline = args.baseline or next((v for v in ("block", "prenorm") if v in variants),

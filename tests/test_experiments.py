@@ -388,6 +388,8 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
 def test_bad_input_is_one_error_line(demo, block_run, tmp_path, capsys):
     custom = ["sweep", "custom", "--out", tmp_path / "runs", "--dry_run", "--data", demo]
     (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()  # a run whose summary cannot be read: the error says so
+    (tmp_path / "broken" / "summary.json").write_text("{")
     cases = [
         ([*custom, "--variants", "prenorm,blok"], "--variants prenorm,blok: expected distinct"),
         ([*custom, "--variants", "wav,wav"], "--variants wav,wav: expected distinct"),
@@ -439,6 +441,7 @@ def test_bad_input_is_one_error_line(demo, block_run, tmp_path, capsys):
         (["report", tmp_path, "--plot"], "--plot (did you mean --plots?)"),  # a subcommand's flags
         ([*custom, "--variants", "block", "--seed", "0"], "--seed 0 (did you mean --seeds?)"),
         (["report", tmp_path / "empty"], "no runs in"),
+        (["report", tmp_path / "broken"], "broken: its files cannot be read (JSONDecodeError"),
         (["ablate", block_run, "--draws", 0], "--draws 0: give 1 or more"),
         (["ablate", block_run, "--draws", -1], "--draws -1: give 1 or more"),
         (["ablate", block_run, "--older_than", -1], "--older_than -1: give 0 or more"),
