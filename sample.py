@@ -56,9 +56,12 @@ def check_flags(parser, a):
     if unused:
         raise UsageError(f"--routes writes no text: {', '.join(unused)} would be ignored; drop "
                          + ("them" if len(unused) > 1 else "it"))
-    if a.top_k == 1 and a.temperature != parser.get_default("temperature"):  # greedy: no draw
-        raise UsageError(f"--top_k 1 is greedy: --temperature {a.temperature:g} would change "
-                         "nothing; drop one")
+    # --top_k 1 is greedy: it draws nothing, so a temperature or a seed would change nothing
+    idle = [f"--{n} {getattr(a, n):g}" for n in ("temperature", "seed")
+            if a.top_k == 1 and getattr(a, n) != parser.get_default(n)]
+    if idle:
+        raise UsageError(f"--top_k 1 is greedy: {' and '.join(idle)} would change nothing; drop "
+                         + ("them" if len(idle) > 1 else "it") + " or --top_k 1")
     if not 0 < a.temperature < math.inf:  # NaN fails too
         raise UsageError(f"--temperature {a.temperature}: must be > 0 and finite")
     for name in ("num_samples", "max_new_tokens", "top_k"):

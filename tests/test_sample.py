@@ -38,9 +38,8 @@ def test_text_prompts_settings_checkpoint_and_data(routed, demo, tmp_path, monke
     assert code == 0 and samples[2:] == [""] and "40 tokens in" in err and "tok/s" in err
     assert all(s.startswith("Once upon") and len(s) == 9 + 20 + 1 for s in samples[:2])
     assert text("--seed", 5) == text("--seed", 5) != text("--seed", 6)
-    greedy = text("--top_k", 1, "--seed", 1)
-    assert text("--top_k", 1, "--seed", 2) == greedy  # top_k reaches generate: 1 is greedy
-    assert text("--temperature", 1e-4, "--seed", 3) == greedy  # so does the temperature
+    greedy = text("--top_k", 1)  # top_k reaches generate: 1 is greedy, as a tiny temperature is
+    assert text("--temperature", 1e-4, "--seed", 3) == greedy != text()
     assert text("--temperature", 1.0, "--seed", 3) != greedy
     assert text("--temperature", 1e-45, "--seed", 4) == greedy  # the likeliest, not NaN
     assert text("--temperature", 1e30, "--top_k", 3).count(SEP) == 2  # even among the top 3
@@ -183,6 +182,7 @@ def test_routes_refuses_every_flag_of_the_text_alone(flag, routed, capsys):
     (["--temperature", "inf"], "--temperature inf: must be > 0 and finite"),
     (["--top_k", "0"], "--top_k 0: must be at least 1"),
     (["--top_k", "1", "--temperature", "0.5"], "--top_k 1 is greedy: --temperature 0.5 would"),
+    (["--top_k", "1", "--seed", "7"], "--top_k 1 is greedy: --seed 7 would change nothing"),
     (["--num_samples", "0"], "--num_samples 0: must be at least 1"),
     (["--seed", "-1"], r"--seed -1: must be in \[0, 2\*\*63\)"),
     (["--start", "FILE:empty.txt"], "--start 'FILE:empty.txt' is empty"),
