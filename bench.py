@@ -112,6 +112,7 @@ class Bench:
         self.iters = args.iters or (20 if self.cuda else 10)
         self.n_new = min(256, self.T) if args.gen_tokens is None else args.gen_tokens
         self.peak = train.peak_flops(self.device, self.dtype)  # None: MFU unknown
+        self.settings = train.TrainSettings()  # train.py's defaults: its step's loss with them
         # one fixed batch of random tokens: every variant steps on the same input, with no dataset;
         # its own generator leaves the global seed to build()
         data = torch.randint(self.shape["vocab_size"], (self.B, self.T + 1),
@@ -149,9 +150,10 @@ class Bench:
         return time.perf_counter() - t0, result
 
     def step(self, m):
-        """One training step, as train.py's (the logits are freed before the backward)."""
+        """One training step, as train.py's at its default settings: its loss (train.step_loss:
+        a term added there is timed here), backward, AdamW."""
         with self.amp:
-            loss = m.step_model(self.x, self.y)[1]
+            loss = train.step_loss(m.step_model, self.x, self.y, self.settings)[0]
         loss.backward()
         m.opt.step()
         m.opt.zero_grad(set_to_none=True)

@@ -527,7 +527,6 @@ def train(run):
 def train_step(run, lr):
     """One AdamW step on the mean loss of --grad_accum micro-steps (all processes); returns it."""
     a, T, data = run.settings, run.config.sequence_len, run.splits[0]
-    coef = a.route_entropy_coef  # backward runs on cross-entropy + coef x route entropy
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     # summed on the device: one .item() (a GPU sync) per step, not one per forward
@@ -540,9 +539,8 @@ def train_step(run, lr):
             last = micro == a.grad_accum - 1 and i == len(mine) - 1
             # DDP: all-reduce the gradients only on the last backward of the step
             with run.model.no_sync() if run.world > 1 and not last else nullcontext():
-                with run.ctx:  # the routes only with a coef: they keep their weights' graph
-                    _, cross_entropy, *routes = run.model(x, y, return_routes=coef != 0)
-                total = cross_entropy + coef * route_entropy(routes[0]) if coef else cross_entropy
+                with run.ctx:
+                    total, cross_entropy = step_loss(run.model, x, y, a)
                 # scaled: the summed gradients are those of the step's mean loss
                 (total / (len(mine) * a.grad_accum)).backward()
             loss += (cross_entropy / (len(mine) * a.grad_accum)).detach().float()  # logged
@@ -558,6 +556,16 @@ def train_step(run, lr):
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory until the next backward
     return loss
+
+def step_loss(model, x, y, a):
+    """(what the backward runs on, the cross-entropy logged) of one micro-batch: the model's
+    loss and what settings `a` add to it. bench.py times this same loss: add a term here."""
+    coef = a.route_entropy_coef
+    # the routes only with a coef: they keep their weights' graph
+    _, cross_entropy, *routes = model(x, y, return_routes=coef != 0)
+    if not coef:
+        return cross_entropy, cross_entropy
+    return cross_entropy + coef * route_entropy(routes[0]), cross_entropy
 
 def route_entropy(routes):
     """Each read's entropy (nats) over its sources, mean over B, T, H; mean over the reads of 2+."""

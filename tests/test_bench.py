@@ -294,6 +294,24 @@ def test_cuda_memory_is_one_models_step_above_what_is_resident():
     assert again["adamw"] >= 2 * again["params"]
 
 
+def test_a_loss_term_added_to_train_step_loss_is_in_every_timed_step(tmp_path, monkeypatch):
+    steps = []  # the residual of each model a step ran on
+    plain = train.step_loss
+
+    def with_a_term(model, x, y, a):  # a user's new term, added where docs/training.md says
+        total, cross_entropy = plain(model, x, y, a)
+        steps.append(model.config.residual)
+        return total + 0.1 * total.detach(), cross_entropy
+    monkeypatch.setattr(train, "step_loss", with_a_term)
+    bench_json(tmp_path, "--variants", "prenorm,block", "--iters", 2)
+    assert steps == ["prenorm", "attnres"] * (1 + 1 + 2)  # first steps, warm-up, 2 rounds
+    steps.clear()
+    sys.path.insert(0, str(ROOT / "tools"))
+    import routing_time
+    routing_time.main(["--shape", "tiny", "--variants", "block", "--steps", "1"])
+    assert steps and set(steps) == {"attnres"}
+
+
 def test_routing_time_times_the_kernels_parts_in_a_step_and_leaves_the_kernel_as_it_was(capsys):
     sys.path.insert(0, str(ROOT / "tools"))
     import routing_time
