@@ -509,6 +509,14 @@ def read_run(d, name):
         # prenorm and a wav of wav_rho 2 pair); so are the --set values; `home`: at the baselines
         knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
                  and not inert(k, config) and x != DEFAULTS[k]}
+        # a routing knob a --resume changed: named by its values and their steps, so the run is
+        # not in the row of runs that had its last value throughout
+        changed = {}
+        for c in summary.get("changes", []):
+            if NEEDS.get(c["setting"]):
+                now = f"{c['now']} at step {c['step']}"
+                changed[c["setting"]] = changed.get(c["setting"], str(c["was"])) + " → " + now
+        knobs |= changed
         row, home = [repr(sorted({**knobs, **swept, **at}.items())) for at in ({}, base)]
         # what makes a group: every other setting (data, width, schedule...), as sorted text:
         # hashable, and equal exactly when two runs were set up alike; under --max_tokens the
@@ -517,7 +525,7 @@ def read_run(d, name):
         setup = [(k, repr(x)) for k, x in both.items()
                  if k not in {*NOT_SETUP, *swept, *derived} and not NEEDS.get(k)]
         # settings a --resume gave anew (train.py records them): a run pairs with runs changed
-        # alike; but the routing's (needs=), which name its row by their last value
+        # alike; but the routing's (needs=), which name its row (above)
         changes = [f"{c['setting']} {c['was']} → {c['now']} at step {c['step']}"
                    for c in summary.get("changes", []) if not NEEDS.get(c["setting"])]
         setup = tuple(sorted(setup + [("changed at --resume", ", ".join(changes))] * bool(changes)))

@@ -152,10 +152,11 @@ def resolve_settings(explicit, ckpt=None):
     settings = {**config_defaults, **dataclasses.asdict(TrainSettings()), **MODEL_DEFAULTS,
                 "vocab_size": None}
     if ckpt is not None:
-        # a model field added since the run was made is at its default there, as the model it
-        # loads into: another value given with --resume differs from the run, not new to it
+        # a model field or setting added since the run was made is at its default there (as the
+        # model it loads into): another value given with --resume differs from the run, not new
+        # to it, and a fixed one is refused
         ckpt = dict(ckpt, config=config_defaults | ckpt["config"])
-        run = {**ckpt["settings"], **ckpt["config"]}
+        run = {**dataclasses.asdict(TrainSettings()), **ckpt["settings"], **ckpt["config"]}
         fixed = {f.name for f in dataclasses.fields(TrainSettings) if f.metadata["fixed"]}
         for name, value in given.items():
             if name not in run or value == run[name] or name == "data":  # data: open_data's

@@ -236,7 +236,10 @@ def test_a_setting_a_resume_changes_is_said_recorded_and_its_baseline_changes_al
                   "--stop_after", 1)
     saved = torch.load(out / "last.pt", weights_only=True)
     del saved["settings"]["route_entropy_coef"]  # a setting newer than the run: at its default
+    del saved["settings"]["seed"]  # a fixed one too: another value is refused, as for any run
     torch.save(saved, out / "last.pt")
+    err = error_line(train.main, ["--out_dir", out, "--resume", "--seed", 7], capsys)
+    assert "--seed 7 differs from the run's seed=1337" in err, err
     resume = ["--out_dir", out, "--resume", "--lr", "0.01", "--route_entropy_coef", 0.1]
     code, printed, _ = run(train.main, [*resume, "--stop_after", 2], capsys)
     assert code == 0 and "note: --lr 0.01 from step 1 on (was 0.002)" in printed
@@ -265,6 +268,13 @@ def test_a_setting_a_resume_changes_is_said_recorded_and_its_baseline_changes_al
     assert ("changed at --resume", "lr 0.002 → 0.01 at step 1, lr 0.01 → 0.005 at step 2") in \
         pair["setup"]
     assert [row["delta"]["n"] for row in pair["rows"] if row is not pair["base"]] == [1]
+    # a routing setting it changed names its row: not a run that had 0.1 throughout
+    changed = next(row for row in pair["rows"] if row["variant"] == "block")
+    assert "route_entropy_coef=0.0 → 0.1 at step 1" in changed["label"], changed["label"]
+    throughout = trained(demo, tmp_path / "throughout", "--residual", "attnres", "--max_iters", 4,
+                         "--route_entropy_coef", 0.1, "--lr", 0.01)
+    runs = experiments.find_runs([out, throughout])[0]
+    assert len({r["row"] for r in runs}) == 2
     # nothing given anew: nothing recorded, the baseline as before
     again = trained(demo, tmp_path / "again", "--residual", "attnres", "--max_iters", 4,
                     "--stop_after", 2)
