@@ -625,6 +625,11 @@ def make_row(name, block, by_lr):
     side = {min(means): ("lowest", "below"), max(means): ("highest", "above")}.get(lr)
     edge = f"lr {lr:g} is the {side[0]} of the grid for {label}: the best rate may be " \
         f"{side[1]} it; extend --lrs" if side and len(means) > 1 else None
+    # rates whose runs have other seeds (a sweep still running): their means are not alike
+    seeds = {lr: sorted(r["seed"] for r in rs) for lr, rs in by_lr.items()}
+    uneven = f"lr {lr:g} for {label} is chosen over rates run on other seeds (" + "; ".join(
+        f"lr {k:g}: {v}" for k, v in sorted(seeds.items())) + "): the choice may change as " \
+        "they finish" if len({tuple(v) for v in seeds.values()}) > 1 else None
     # two runs of one seed in one row: a paired Δ could take either, so refuse to guess
     for a, b in [(a, b) for a, b in zip(runs, runs[1:]) if a["seed"] == b["seed"]]:
         raise UsageError(f"runs {a['name']} and {b['name']} are both {name}, seed {a['seed']}, lr "
@@ -633,7 +638,7 @@ def make_row(name, block, by_lr):
     to_metric = prepare_data.LEVELS[runs[0]["level"]][1]
     routes = {k: mean_std(r["routes"].get(k) for r in runs) for k in route_numbers(runs)}
     return dict(variant=name, block=block, lr=lr, runs=runs, val=mean_std(r["final"] for r in runs),
-                label=label, off=runs[0]["off"], edge=edge,
+                label=label, off=runs[0]["off"], warnings=[w for w in (edge, uneven) if w],
                 metric=mean_std(to_metric(r["final"]) for r in runs),  # bits per char, perplexity
                 routes=routes,  # the routes' numbers: {name: (mean, std)}
                 js_pair=runs[0]["routes"].get("js_pair"),  # what the two routes feed: "QK‖V"
@@ -795,8 +800,12 @@ def markdown(folders, runs, groups, baseline, notes):
                          _ms(row["val"]), _ms(row["metric"], 4 if unit == "bpc" else 2),
                          *_delta(row["delta"]), *routes, _ms(row["wall"], 0)])
         lines += table(header, rows)
-        edges = [f"WARNING: {row['edge']}" for row in g["rows"] if row["edge"]]
-        lines += [""] * bool(edges) + edges
+        warned = [f"WARNING: {w}" for row in g["rows"] for w in row["warnings"]]
+        # one pair: a Δ without a spread cannot be told from the seeds' noise
+        lone = [row["label"] for row in g["rows"] if row["delta"] and row["delta"]["n"] == 1]
+        warned += [f"WARNING: one seed for the Δ of {', '.join(lone)}: it cannot be told from "
+                   "noise; run more --seeds"] * bool(lone)
+        lines += [""] * bool(warned) + warned
         if marks:
             lines += ["", "Milestones (val loss where the token count crossed each one):", ""]
             lines += milestone_table(g["rows"], marks)
