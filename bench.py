@@ -200,6 +200,9 @@ def check_flags(args, variants):
     shape = {**base, **given}
     # each variant once, in order: it may be in --variants and --gen_variants
     for name in dict.fromkeys(variants):
+        clash = [f"{k}={VARIANTS[name][k]!r}" for k in given if k in VARIANTS[name]]
+        if clash:  # the flag or the variant: neither is the one to drop silently
+            raise UsageError(f"{name} sets {', '.join(clash)} itself: leave out its flag or it")
         try:
             nanoroute.GPTConfig(**model_fields(shape), **VARIANTS[name])
         except ValueError as e:

@@ -185,11 +185,14 @@ def test_bad_input_is_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
     assert re.search(says, err), err
 
 
-def test_a_model_field_added_to_the_flags_reaches_every_model(tmp_path, monkeypatch):
+def test_a_model_field_added_to_the_flags_reaches_every_model(tmp_path, monkeypatch, capsys):
     # a field no shape has (here attnres_block, 1: Full AttnRes) is timed as given, not dropped
     monkeypatch.setattr(bench, "MODEL_FIELDS", (*bench.MODEL_FIELDS, "attnres_block"))
     data = bench_json(tmp_path, "--variants", "block", "--iters", 1, "--attnres_block", 1)
     assert data["shape"]["attnres_block"] == 1 and data["routing_blocks"] == {"block": 1}
+    # one a variant sets itself (full: attnres_block 1) is one error line, nothing built
+    err = error_line(bench.main, [*TINY, "--variants", "full", "--attnres_block", "2"], capsys)
+    assert "full sets attnres_block=1 itself: leave out its flag or it" in err, err
 
 
 def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
