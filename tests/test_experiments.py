@@ -337,14 +337,15 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
     warning = "WARNING: lr 0.001 is the lowest of the grid for rd: the best rate may be below " \
         "it; extend --lrs\n"  # block's 0.002 lies inside its grid: no warning
     assert warning in text and warning in out and text.count("WARNING") == 1
-    # rates run on other seeds (a sweep still running), a Δ of one seed: each said
+    # rates run on other seeds, as many (a sweep still running); a Δ of one pair, of two runs
     uneven = tmp_path / "uneven"
-    for seed, lr, val in ((0, 1e-3, 2.0), (1, 1e-3, 2.2), (0, 2e-3, 1.9)):
+    for seed, lr, val in ((0, 1e-3, 2.0), (1, 1e-3, 2.2), (0, 2e-3, 1.9), (2, 2e-3, 1.9)):
         hand_run(uneven, f"block_L4_s{seed}_lr{lr:g}", "block", seed, val, lr=lr)
-    hand_run(uneven, "rd_L4_s0", "rd", 0, 1.8, lr=2e-3)
+    for seed in (0, 5):  # seed 5 has no partner
+        hand_run(uneven, f"rd_L4_s{seed}", "rd", seed, 1.8, lr=2e-3)
     code, out, _ = run(experiments.main, ["report", uneven], capsys)
     assert code == 0 and "WARNING: lr 0.002 for block is chosen over rates run on other seeds " \
-        "(lr 0.001: [0, 1]; lr 0.002: [0]): the choice may change as they finish" in out
+        "(lr 0.001: [0, 1]; lr 0.002: [0, 2]): the choice may change as they finish" in out
     assert "WARNING: one seed for the Δ of rd: it cannot be told from noise" in out
     runs = plan("sweep", "tiny", "--lrs", "1e-3,2e-3", "--variants", "block", "--seeds", 0)
     assert [r["name"] for r in runs] == ["block_L4_s0_lr0.001", "block_L4_s0_lr0.002"]

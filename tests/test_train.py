@@ -243,11 +243,13 @@ def test_a_setting_a_resume_changes_is_said_recorded_and_its_baseline_changes_al
     resume = ["--out_dir", out, "--resume", "--lr", "0.01", "--route_entropy_coef", 0.1]
     code, printed, _ = run(train.main, [*resume, "--stop_after", 2], capsys)
     assert code == 0 and "note: --lr 0.01 from step 1 on (was 0.002)" in printed
-    code, printed, _ = run(train.main, ["--out_dir", out, "--resume", "--lr", "0.005"], capsys)
+    code, printed, _ = run(train.main, ["--out_dir", out, "--resume", "--lr", "0.005",
+                                        "--route_entropy_coef", 0.2], capsys)
     assert code == 0 and summary(out)["changes"] == [
         dict(step=1, setting="lr", was=0.002, now=0.01),
         dict(step=1, setting="route_entropy_coef", was=0.0, now=0.1),
-        dict(step=2, setting="lr", was=0.01, now=0.005)]
+        dict(step=2, setting="lr", was=0.01, now=0.005),
+        dict(step=2, setting="route_entropy_coef", was=0.1, now=0.2)]
     # the printed baseline starts at the run's first settings and says how it changed (but the
     # routing's own settings: the baseline has none)
     command, why = next(x for x in printed.splitlines() if "--residual prenorm" in x).split("  # ")
@@ -270,9 +272,9 @@ def test_a_setting_a_resume_changes_is_said_recorded_and_its_baseline_changes_al
     assert [row["delta"]["n"] for row in pair["rows"] if row is not pair["base"]] == [1]
     # a routing setting it changed names its row: not a run that had 0.1 throughout
     changed = next(row for row in pair["rows"] if row["variant"] == "block")
-    assert "route_entropy_coef=0.0 → 0.1 at step 1" in changed["label"], changed["label"]
+    assert "route_entropy_coef=0.0 → 0.1 at step 1 → 0.2 at step 2" in changed["label"]
     throughout = trained(demo, tmp_path / "throughout", "--residual", "attnres", "--max_iters", 4,
-                         "--route_entropy_coef", 0.1, "--lr", 0.01)
+                         "--route_entropy_coef", 0.2, "--lr", 0.005)
     runs = experiments.find_runs([out, throughout])[0]
     assert len({r["row"] for r in runs}) == 2
     # nothing given anew: nothing recorded, the baseline as before
@@ -365,6 +367,14 @@ def test_folders_models_datasets_and_checkpoints_a_run_refuses(demo, routed, tmp
         assert "--seed 5 differs from the run's seed=" in err
     err = error_line(train.main, ["--out_dir", routed, "--resume", "--preset", "wav12"], capsys)
     assert "--preset wav12 sets rd=off, the run's is decoupled: drop --preset to resume" in err
+    # its model given as the run's: its batch and schedule would still replace the run's
+    saved = torch.load(routed / "last.pt", weights_only=True)
+    same = [x for k in train.PRESETS["wav12"] if k in saved["config"]
+            for x in (f"--{k}", saved["config"][k])]
+    same += ["--max_iters", saved["settings"]["max_iters"]]  # (were it taken: no step to run)
+    err = error_line(train.main, ["--out_dir", routed, "--resume", "--preset", "wav12", *same],
+                     capsys)
+    assert "--preset wav12 sets batch_size=64, the run's is" in err, err
     other = tmp_path / "other"
     prepare_data.prepare("demo", other, demo_mb=0.2, seed=3)  # another text, another vocabulary?
     meta = json.loads((other / "meta.json").read_text())
