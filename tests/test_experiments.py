@@ -838,6 +838,9 @@ def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_pat
     # no default (wav_rho's is 4) among the values: the first given is the baseline
     wav_rho = plan("sweep", "custom", "--data", demo, "--variants", "wav", "--set", "wav_rho=3,2")
     assert {r["set_base"]["wav_rho"] for r in wav_rho if r["set"]} == {"3"}
+    # train.py's default, not GPTConfig's (n_embd 384): the value a plain train.py run has
+    widths = plan("sweep", "custom", "--data", demo, "--variants", "wav", "--set", "n_embd=64,128")
+    assert {r["set_base"]["n_embd"] for r in widths if r["set"]} == {"128"}
     for r in runs:  # run.json as the sweep writes it (a no-op command), then train.py's run
         experiments.start(r, [sys.executable, "-c", ""], r["name"], {}).wait()
         assert run(train.main, [*r["args"], "--out_dir", r["dir"]])[0] == 0
