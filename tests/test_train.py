@@ -70,6 +70,8 @@ def test_each_micro_step_trains_on_crops_of_its_own(demo, tmp_path, monkeypatch)
     want = [train.batch_offsets(a.seed, step, micro, n, T, B).tolist()
             for step in (0, 1) for micro in (0, 1)]
     assert [offsets for size, offsets in seen if size == n and offsets in want] == want
+    # and every token count counts both micro-steps' tokens
+    assert summary(tmp_path / "r")["tokens_seen"] == 2 * 2 * B * T
 
 
 def test_resume_is_bitwise_exact(demo, tmp_path, capsys, monkeypatch):
