@@ -353,13 +353,26 @@ def foreign_files(d):
 
 def flags_changed(run):
     """The flags in which a run's command differs from the one it was started with (its
-    run.json), "--max_iters 80 (was 40)"; none without a readable run.json."""
+    run.json), "--max_iters 80 (was 40)"; none without a readable run.json. A flag one command
+    lacks is train.py's default there: a field a new variant row gives every run changes none."""
     with contextlib.suppress(OSError, ValueError, KeyError):
         was = flag_dict(json.loads((run["dir"] / "run.json").read_text())["args"])
         now = flag_dict(run["args"])
+
+        def same(k):  # one value, or one command lacks it and the other gives the default
+            if k in now and k in was:
+                return now[k] == was[k]
+            return at_default(k, now.get(k, was.get(k)))
         return [f"{k} {now.get(k, 'unset')} (was {was.get(k, 'unset')})"
-                for k in dict.fromkeys([*now, *was]) if now.get(k) != was.get(k)]
+                for k in dict.fromkeys([*now, *was]) if not same(k)]
     return []
+
+def at_default(flag, text):  # whether train.py reads `--flag text` as its default
+    name = flag[2:]
+    try:
+        return name in DEFAULTS and train_args([f"{flag}={text}"], flag)[name] == DEFAULTS[name]
+    except UsageError:  # a flag train.py no longer has
+        return False
 
 def drifted(run, config):
     """The model fields in which a finished run's config differs from what its flags make now,
