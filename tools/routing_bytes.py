@@ -36,7 +36,8 @@ def routing_bytes(config, batch=BATCH):
     counted = 1 + per_block * ((n_sub - 1) // m) + last * (n_sub % m == 0)
     if model.kernel_slots() != counted:
         raise ValueError(f"the kernel stores {model.kernel_slots()} completed sources a forward, "
-                         f"routing_bytes counts {counted}: count the new ones in routing_bytes()")
+                         f"routing_bytes counts {counted}: count them in routing_bytes() (a new "
+                         "source, or blocks counted from another sublayer)")
     must = now = 0
     for first in range(0, n_sub + 1, m):
         subs = list(range(first, min(first + m, n_sub))) or [n_sub]  # the last: the readout
