@@ -410,9 +410,13 @@ def test_folders_models_datasets_and_checkpoints_a_run_refuses(demo, routed, tmp
 
 
 def stopped_after_step_3(cmd, stop):
-    """cmd run until it logs step 3, then stop(proc): (exit code, stdout, stderr)."""
+    """cmd run until it logs step 3, then stop(proc): (exit code, stdout, stderr). It starts
+    with SIGINT handled, as from a terminal: a suite run in the background (`cmd &` in a script)
+    ignores it, and train.py keeps a SIGINT ignored at start ignored."""
+    def from_a_terminal():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=ENV)
+                            text=True, env=ENV, preexec_fn=from_a_terminal)
     try:
         while "step 3 " not in proc.stdout.readline():
             assert proc.poll() is None, proc.stderr.read()
