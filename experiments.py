@@ -518,18 +518,8 @@ def read_run(d, name):
         # the data by its folder's name (from any folder) and level (a text as bytes or characters)
         both = {**settings, **config, "data": Path(settings["data"]).name,
                 "level": summary["level"]}
-        # a routing knob (needs=) is the variant's, named in its row where not the default (so
-        # prenorm and a wav of wav_rho 2 pair); so are the --set values; `home`: at the baselines
-        knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
-                 and not inert(k, config) and x != DEFAULTS[k]}
-        # a routing knob a --resume changed: named by its values and their steps, so the run is
-        # not in the row of runs that had its last value throughout
-        changed = {}
-        for c in summary.get("changes", []):
-            if NEEDS.get(c["setting"]):
-                now = f"{c['now']} at step {c['step']}"
-                changed[c["setting"]] = changed.get(c["setting"], str(c["was"])) + " → " + now
-        knobs |= changed
+        # the --set values name its row too; `home`: at the baselines
+        knobs = routing_knobs(both, config, summary.get("changes", []))
         row, home = [repr(sorted({**knobs, **swept, **at}.items())) for at in ({}, base)]
         # what makes a group: every other setting (data, width, schedule...), as sorted text:
         # hashable, and equal exactly when two runs were set up alike; under --max_tokens the
@@ -558,6 +548,19 @@ def read_run(d, name):
                    set=knobs | swept, set_base=base, row=row, home=home, off=row != home)
     return run
 
+
+def routing_knobs(both, config, changes):
+    """{name: value} of a run's routing knobs (needs=): the variant's, named in its row where not
+    the default (so prenorm and a wav of wav_rho 2 pair). One a --resume changed is named by its
+    values and their steps: the run is not in the row of runs that had its last value throughout."""
+    knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
+             and not inert(k, config) and x != DEFAULTS[k]}
+    changed = {}
+    for c in changes:
+        if NEEDS.get(c["setting"]):
+            now = f"{c['now']} at step {c['step']}"
+            changed[c["setting"]] = changed.get(c["setting"], str(c["was"])) + " → " + now
+    return knobs | changed
 
 def config_variant(config):
     """The name of the VARIANTS row a config is, the first that matches; else of the nearest row
@@ -746,6 +749,14 @@ def group_notes(g, baseline):
                   ""]
     return lines
 
+def table_warnings(rows):
+    """The WARNING lines under a group's table: each row's own (its lr), and the Δs of one pair."""
+    lines = [f"WARNING: {w}" for row in rows for w in row["warnings"]]
+    # one pair: a Δ without a spread cannot be told from the seeds' noise
+    lone = [row["label"] for row in rows if row["delta"] and row["delta"]["n"] == 1]
+    return lines + [f"WARNING: one seed for the Δ of {', '.join(lone)}: it cannot be told from "
+                    "noise; run more --seeds"] * bool(lone)
+
 def routing_notes(g):
     """The lines that say where a group's rows route differently: blocks, the reads of a mean."""
     lines = []
@@ -813,11 +824,7 @@ def markdown(folders, runs, groups, baseline, notes):
                          _ms(row["val"]), _ms(row["metric"], 4 if unit == "bpc" else 2),
                          *_delta(row["delta"]), *routes, _ms(row["wall"], 0)])
         lines += table(header, rows)
-        warned = [f"WARNING: {w}" for row in g["rows"] for w in row["warnings"]]
-        # one pair: a Δ without a spread cannot be told from the seeds' noise
-        lone = [row["label"] for row in g["rows"] if row["delta"] and row["delta"]["n"] == 1]
-        warned += [f"WARNING: one seed for the Δ of {', '.join(lone)}: it cannot be told from "
-                   "noise; run more --seeds"] * bool(lone)
+        warned = table_warnings(g["rows"])
         lines += [""] * bool(warned) + warned
         if marks:
             lines += ["", "Milestones (val loss where the token count crossed each one):", ""]
