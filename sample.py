@@ -57,7 +57,7 @@ def check_flags(parser, a):
         raise UsageError(f"--routes writes no text: {', '.join(unused)} would be ignored; drop "
                          + ("them" if len(unused) > 1 else "it"))
     # --top_k 1 is greedy: it draws nothing, so a temperature or a seed would change nothing
-    idle = [f"--{n} {getattr(a, n):g}" for n in ("temperature", "seed")
+    idle = [f"--{n} {getattr(a, n)}" for n in ("temperature", "seed")
             if a.top_k == 1 and getattr(a, n) != parser.get_default(n)]
     if idle:
         raise UsageError(f"--top_k 1 is greedy: {' and '.join(idle)} would change nothing; drop "
