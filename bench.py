@@ -48,6 +48,7 @@ VARIANTS = {**nanoroute.VARIANTS, "full": dict(nanoroute.VARIANTS["block"], attn
             "naive": dict(nanoroute.VARIANTS["block"], fast_routing=False),
             "wav_learned": dict(nanoroute.VARIANTS["wav"], wav_learned_bases=True)}
 DEFAULT_VARIANTS = "prenorm,block,full,wav,rd"
+TRAIN_DEFAULTS = train.TrainSettings()  # what train.step_loss adds at train.py's defaults
 
 def build_parser():
     p = common.ArgumentParser(description=__doc__.strip().split("\n")[0])
@@ -112,7 +113,6 @@ class Bench:
         self.iters = args.iters or (20 if self.cuda else 10)
         self.n_new = min(256, self.T) if args.gen_tokens is None else args.gen_tokens
         self.peak = train.peak_flops(self.device, self.dtype)  # None: MFU unknown
-        self.settings = train.TrainSettings()  # train.py's defaults: its step's loss with them
         # one fixed batch of random tokens: every variant steps on the same input, with no dataset;
         # its own generator leaves the global seed to build()
         data = torch.randint(self.shape["vocab_size"], (self.B, self.T + 1),
@@ -153,7 +153,7 @@ class Bench:
         """One training step, as train.py's at its default settings: its loss (train.step_loss:
         a term added there is timed here), backward, AdamW."""
         with self.amp:
-            loss = train.step_loss(m.step_model, self.x, self.y, self.settings)[0]
+            loss = train.step_loss(m.step_model, self.x, self.y, TRAIN_DEFAULTS)[0]
         loss.backward()
         m.opt.step()
         m.opt.zero_grad(set_to_none=True)

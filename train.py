@@ -149,14 +149,14 @@ def resolve_settings(explicit, ckpt=None):
     # a preset counts as given: resuming refuses one that differs from the run (below), as a flag
     given = {**PRESETS.get(explicit.get("preset"), {}), **explicit}
     config_defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    settings = {**config_defaults, **dataclasses.asdict(TrainSettings()), **MODEL_DEFAULTS,
-                "vocab_size": None}
+    train_defaults = dataclasses.asdict(TrainSettings())
+    settings = {**config_defaults, **train_defaults, **MODEL_DEFAULTS, "vocab_size": None}
     if ckpt is not None:
         # a model field or setting added since the run was made is at its default there (as the
         # model it loads into): another value given with --resume differs from the run, not new
         # to it, and a fixed one is refused
         ckpt = dict(ckpt, config=config_defaults | ckpt["config"])
-        run = {**dataclasses.asdict(TrainSettings()), **ckpt["settings"], **ckpt["config"]}
+        run = {**train_defaults, **ckpt["settings"], **ckpt["config"]}
         fixed = {f.name for f in dataclasses.fields(TrainSettings) if f.metadata["fixed"]}
         for name, value in given.items():
             if name not in run or value == run[name] or name == "data":  # data: open_data's

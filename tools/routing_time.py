@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nanoroute  # noqa: E402
 import train  # noqa: E402
-from bench import SHAPES, VARIANTS, model_fields  # noqa: E402
+from bench import SHAPES, TRAIN_DEFAULTS, VARIANTS, model_fields  # noqa: E402
 
 # (owner, its function, the part's name)
 PARTS = [(nanoroute.DepthRouting, "block_reads", "a block's reads set up"),
@@ -63,7 +63,7 @@ def timers(seconds):
 def step(model, opt, x, y, seconds):
     """One training step, as bench.py's: its forward (and loss), backward and AdamW timed."""
     t0 = time.perf_counter()
-    loss = train.step_loss(model, x, y, train.TrainSettings())[0]
+    loss = train.step_loss(model, x, y, TRAIN_DEFAULTS)[0]
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
