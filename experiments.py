@@ -591,8 +591,8 @@ def paired(runs, base_runs, value):
 
 def summarize(runs, baseline):
     """Groups of like finished runs; a row per (variant, routing block, knobs and --set values),
-    at its chosen lr. A row with --set values off their baselines pairs with the runs of its
-    variant at the baselines and at its lr, any other with the baseline variant's row."""
+    at its chosen lr. A row with --set values off their baselines pairs with the row of its
+    variant at the baselines, any other with the baseline variant's row."""
     groups, rank = {}, {v: i for i, v in enumerate(VARIANTS)}
     for r in runs:
         # a group: one dataset, depth and setup; inside it, only the rows (variant, knobs) differ
@@ -605,6 +605,7 @@ def summarize(runs, baseline):
         # in VARIANTS' order; a variant this version does not know comes last
         keys = sorted(by_row, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1] or 0, *k[2:]))
         rows = [make_row(k[0], k[1], by_row[k]) for k in keys]
+        by_key = dict(zip(keys, rows))
         # every milestone a run of the group crossed, in token order below
         reached = {k: m["tokens"] for row in rows for r in row["runs"]
                    for k, m in r["milestones"].items()}
@@ -612,10 +613,11 @@ def summarize(runs, baseline):
         plain = [row for row in rows if (row["variant"], row["off"]) == (baseline, False)]
         base = min(plain, key=lambda row: row["label"].count("="), default=None)
         for row in rows:
-            # a row off its --set baselines pairs with its own variant at the baselines, same lr
-            # (home); any other row with the baseline variant's row, at the baseline's best lr
-            home = by_row.get((row["variant"], row["block"], False, row["runs"][0]["home"]), {})
-            row["vs"] = home.get(row["lr"]) if row["off"] else base and base["runs"]
+            # a row off its --set baselines pairs with its own variant at the baselines (home), any
+            # other with the baseline variant's row; each at its own best lr (make_row): at the
+            # row's lr, a value that moves the best rate would beat a home run off its best
+            home = by_key.get((row["variant"], row["block"], False, row["runs"][0]["home"]))
+            row["vs"] = (home and home["runs"]) if row["off"] else base and base["runs"]
             # the baseline is not paired with itself: a Δ of 0 by construction is no result
             vs = row["vs"] if row is not base else None
             row["delta"] = vs and paired(row["runs"], vs, lambda r: r["final"])
@@ -741,10 +743,10 @@ def group_notes(g, baseline):
     lines += routing_notes(g)
     if not g["base"]:
         lines += [f"(no finished {baseline} run here: no paired differences)", ""]
-    # a row off its --set baselines pairs only with its variant at them, at its lr, set up alike
+    # a row off its --set baselines pairs only with its variant at them, set up alike
     lone = [row["label"] for row in g["rows"] if row["off"] and not row["vs"]]
     if lone:
-        lines += [f"**No Δ for {'; '.join(lone)}**: no run of its --set baseline here at its lr "
+        lines += [f"**No Δ for {'; '.join(lone)}**: no run of its --set baseline here "
                   "(a setting that differs, a --resume change say, puts a run in another group)",
                   ""]
     return lines

@@ -353,8 +353,9 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
     code, printed, _ = run(experiments.main, ["sweep", "custom", "--data", demo, "--variants",
                                               "block", "--dry_run", "--", "--lr", "1e-3"], capsys)
     assert code == 0 and printed.count("--lr 1e-3") == 3  # --lr without --lrs: every run's
-    # a --set value pairs with its baseline value at its own lr
-    for lr, at_base, at_five in [(1e-3, [2.0, 2.2], [1.9, 2.0]), (2e-3, [1.5, 1.7], [1.6, 1.9])]:
+    # a --set value pairs with its baseline value, each at its own best lr: at 1e-3, the value's
+    # best, the baseline's runs are 0.5 worse than at their own best (2e-3)
+    for lr, at_base, at_five in [(1e-3, [2.0, 2.2], [1.4, 1.5]), (2e-3, [1.5, 1.7], [1.6, 1.9])]:
         for seed in (0, 1):
             for value, finals in (("20", at_base), ("5", at_five)):
                 d = hand_run(tmp_path / "set", f"block_s{seed}_lr{lr:g}_w{value}", "block", seed,
@@ -364,8 +365,8 @@ def test_lrs_each_variant_at_the_rate_of_its_lowest_mean(demo, tmp_path, capsys)
                     set_base={"warmup_iters": "20"})))
     group, = report(tmp_path / "set")
     five, = [row for row in group["rows"] if row["off"]]
-    assert five["lr"] == 2e-3  # paired with warmup_iters=20 at 2e-3, not at the other rate
-    assert five["delta"] == pytest.approx(dict(mean=0.15, std=0.0707107, wins=0, ties=0, n=2))
+    assert five["lr"] == 1e-3  # paired with warmup_iters=20 at its best, 2e-3, not at 1e-3
+    assert five["delta"] == pytest.approx(dict(mean=-0.15, std=0.0707107, wins=2, ties=0, n=2))
     # --set batch_size=16,8 under one token budget: twice the steps at 8, still one group
     for seed in (0, 1):
         for batch, steps, final in ((16, 10, 2.0), (8, 20, 2.1)):
