@@ -819,6 +819,9 @@ def markdown(folders, runs, groups, baseline, notes):
                 have = sum(common.is_number(run["routes"].get(k)) for run in row["runs"])
                 if 0 < have < len(row["runs"]):  # a statistic newer than some of its runs
                     cell += f" ({have} of {len(row['runs'])} seeds)"
+                # newer than all of them: not "–", which says the routes have no such number
+                elif all(run["routes"] and k not in run["routes"] for run in row["runs"]):
+                    cell = "not recorded"
                 if k == "js_mean" and row["js_pair"]:
                     cell += f" ({row['js_pair']})"  # what the two routes feed
                 routes.append(cell)

@@ -125,6 +125,15 @@ def test_report_pairs_by_seed_value_with_gaps_and_counts_wins_and_ties(tmp_path,
     assert f"Left out: {tmp_path / 'empty'}: no runs in it (no run.json or summary.json)" in out
     err = error_line(experiments.main, ["report", tmp_path, tmp_path / "typo"], capsys)
     assert f"error: {tmp_path / 'typo'}: no such folder" in err
+    # newer than every run of a routed row: not recorded, not the – of a row without routes
+    for seed in (2, 10):
+        path = tmp_path / f"rd_L4_s{seed}" / "summary.json"
+        older = json.loads(path.read_text())
+        older["routes"].pop("user_mean", None)
+        path.write_text(json.dumps(older))
+    out = run(experiments.main, ["report", tmp_path], capsys)[1]
+    assert "| 0.600 ± 0.566 (QK‖V) | not recorded | 10 ± 0 |" in out
+    assert "| **block** (baseline) | 0.002 | 2 | 3 | 2.5000 ± 0.5000 |" in out  # its number kept
     # a seed the baseline lacks drops out of the pairs, and of n (wins/n counts pairs)
     lone = [dict(seed=2, val=2.1), dict(seed=5, val=2.4)]
     assert experiments.paired(lone, [dict(seed=2, val=2.0)], lambda r: r["val"]) == \
