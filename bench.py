@@ -48,7 +48,7 @@ VARIANTS = {**nanoroute.VARIANTS, "full": dict(nanoroute.VARIANTS["block"], attn
             "naive": dict(nanoroute.VARIANTS["block"], fast_routing=False),
             "wav_learned": dict(nanoroute.VARIANTS["wav"], wav_learned_bases=True)}
 DEFAULT_VARIANTS = "prenorm,block,full,wav,rd"
-TRAIN_DEFAULTS = train.TrainSettings()  # what train.step_loss adds at train.py's defaults
+TRAIN_DEFAULTS = train.TrainSettings()  # step_loss and make_optimizer at train.py's defaults
 
 def build_parser():
     p = common.ArgumentParser(description=__doc__.strip().split("\n")[0])
@@ -307,8 +307,8 @@ def build(b, name):
                          f"{' '.join(str(e).split())[:200]}: time it without --against, or "
                          "leave out the variant or flag that sets the field") from None
     model.to(b.device)
-    # train.py's AdamW: its step is timed and its state is part of the memory
-    opt = model.configure_optimizers(0.1, 1e-3, device_type=b.device.type)
+    # train.py's optimizer at its defaults: its step is timed and its state is part of the memory
+    opt = train.make_optimizer(model, TRAIN_DEFAULTS, b.device.type)
     if not b.args.compile:
         return Model(model, model, opt)
     # a backend of its own (--compile_backend's, wrapped): shares no graphs; 0 calls: eager fallback

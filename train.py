@@ -414,8 +414,7 @@ def setup(argv, stop):
     torch.manual_seed(a.seed)  # right before GPT(): paired runs share their initial weights
     raw_model = GPT(config).to(device)
     # compile and DDP wrap raw_model below: saved state_dict keys carry no _orig_mod./module.
-    optimizer = raw_model.configure_optimizers(a.weight_decay, a.lr, (a.beta1, a.beta2),
-                                               device.type)
+    optimizer = make_optimizer(raw_model, a, device.type)
     if ckpt is None:
         checkpoint.make_out_dir(out_dir)
     model = torch.compile(raw_model) if a.compile else raw_model
@@ -557,6 +556,11 @@ def train_step(run, lr):
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory until the next backward
     return loss
+
+def make_optimizer(model, a, device_type):
+    """The optimizer of settings `a`. bench.py and tools/routing_time.py time this same one at
+    train.py's defaults: build another optimizer, or pass it another setting, here."""
+    return model.configure_optimizers(a.weight_decay, a.lr, (a.beta1, a.beta2), device_type)
 
 def step_loss(model, x, y, a):
     """(what the backward runs on, the cross-entropy logged) of one micro-batch: the model's

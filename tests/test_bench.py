@@ -297,22 +297,31 @@ def test_cuda_memory_is_one_models_step_above_what_is_resident():
     assert again["adamw"] >= 2 * again["params"]
 
 
-def test_a_loss_term_added_to_train_step_loss_is_in_every_timed_step(tmp_path, monkeypatch):
-    steps = []  # the residual of each model a step ran on
-    plain = train.step_loss
+def test_train_pys_loss_and_optimizer_are_those_of_every_timed_step(tmp_path, monkeypatch):
+    steps, built = [], []  # the residual of each model a step ran on; the optimizers built
+    plain, plain_optimizer = train.step_loss, train.make_optimizer
 
     def with_a_term(model, x, y, a):  # a user's new term, added where docs/training.md says
         total, cross_entropy = plain(model, x, y, a)
         steps.append(model.config.residual)
         return total + 0.1 * total.detach(), cross_entropy
+
+    def optimizer(model, a, device_type):  # a user's optimizer, built where train.py builds it
+        built.append(plain_optimizer(model, a, device_type))
+        return built[-1]
     monkeypatch.setattr(train, "step_loss", with_a_term)
+    monkeypatch.setattr(train, "make_optimizer", optimizer)
     bench_json(tmp_path, "--variants", "prenorm,block", "--iters", 2)
     assert steps == ["prenorm", "attnres"] * (1 + 1 + 2)  # first steps, warm-up, 2 rounds
+    # at train.py's settings, and stepped: its state (AdamW's moments) exists
+    assert len(built) == 2 and all(o.defaults["lr"] == train.TrainSettings().lr for o in built)
+    assert all(o.state for o in built)
     steps.clear()
+    built.clear()
     sys.path.insert(0, str(ROOT / "tools"))
     import routing_time
     routing_time.main(["--shape", "tiny", "--variants", "block", "--steps", "1"])
-    assert steps and set(steps) == {"attnres"}
+    assert steps and set(steps) == {"attnres"} and len(built) == 1 and built[0].state
 
 
 def test_routing_time_times_the_kernels_parts_in_a_step_and_leaves_the_kernel_as_it_was(capsys):

@@ -91,7 +91,7 @@ def main(argv=None):
         torch.manual_seed(0)
         config = nanoroute.GPTConfig(**model_fields(shape), **VARIANTS[name])
         model = nanoroute.GPT(config)
-        models[name] = model, model.configure_optimizers(0.1, 1e-3, device_type="cpu")
+        models[name] = model, train.make_optimizer(model, TRAIN_DEFAULTS, "cpu")
     seconds, steps = {}, {name: [] for name in names}
     with timers(seconds):
         for i in range(args.steps + 2):
