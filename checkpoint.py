@@ -193,15 +193,28 @@ def open_data(ckpt, run_dir, data=None):
         return folder, meta
     return Path(os.path.relpath(folder)), meta
 
+def rng_state(device):
+    """This process's RNG states: the CPU's, and a GPU's own (CUDA's, Apple's MPS'), from which
+    dropout on it draws."""
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type in ("cuda", "mps"):
+        rng[device.type] = getattr(torch, device.type).get_rng_state(device)
+    return rng
+
+def set_rng_state(rng, device):
+    """Puts back what rng_state saved; a GPU run resumed on a CPU keeps the CPU state alone (a
+    CPU's dropout draws from it), a GPU its own where it was saved there."""
+    torch.set_rng_state(rng["cpu"])
+    if device.type in ("cuda", "mps") and device.type in rng:
+        getattr(torch, device.type).set_rng_state(rng[device.type], device)
+
 def save(out_dir, state, progress, improved, device, rank=0, world=1):
     """state (the model's and the optimizer's state dicts, config, settings, data_dir, dataset),
     progress (a Progress, its seconds the run's so far) and each process's RNG states, written by
     rank 0: metrics.jsonl, then best.pt (when improved), then last.pt. best.pt before last.pt: a
     crash between the two leaves best.pt a step ahead, never behind (restore takes the lower best).
     Under DDP every process calls it: the RNG states are gathered."""
-    rng = {"cpu": torch.get_rng_state()}  # dropout's: each process's, gathered on rank 0
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
+    rng = rng_state(device)  # dropout's: each process's, gathered on rank 0
     states = [rng]
     if world > 1:
         states = [None] * world
@@ -258,10 +271,7 @@ def restore(ckpt, out_dir, model, optimizer, seed, device, rank=0, world=1):
         p.best_val_loss = min(p.best_val_loss, best["progress"]["best_val_loss"])
     # the same process count: each rank takes its own states back; the run goes on bitwise
     if len(rng) == world:
-        torch.set_rng_state(rng[rank]["cpu"])
-        # a GPU run resumed on a CPU keeps the CPU state alone (a CPU's dropout draws from it)
-        if "cuda" in rng[rank] and device.type == "cuda":
-            torch.cuda.set_rng_state(rng[rank]["cuda"], device)
+        set_rng_state(rng[rank], device)
     else:
         if rank == 0:
             print(f"note: {path} was written by {len(rng)} process(es), not {world}: dropout is "

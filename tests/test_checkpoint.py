@@ -97,6 +97,27 @@ def test_resume_refuses_an_optimizer_state_of_parameters_in_another_order(demo, 
             f"['{names[0]}'], here ['{names[1]}'])" in err, err
 
 
+def test_a_gpus_own_random_state_is_saved_and_put_back(monkeypatch):
+    # dropout on a GPU draws from its own generator: without its state a resume there would draw
+    # other masks. A CPU has no GPU: the device's calls are stand-ins that keep a state here.
+    first, other = torch.arange(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+    for kind in ("cuda", "mps"):
+        held = {kind: first}
+        module = getattr(torch, kind)
+        monkeypatch.setattr(module, "get_rng_state", lambda device, k=kind: held[k].clone())
+        monkeypatch.setattr(module, "set_rng_state", lambda s, device, k=kind: held.update({k: s}))
+        gpu = torch.device(kind)
+        saved = checkpoint.rng_state(gpu)
+        assert torch.equal(saved[kind], first) and torch.equal(saved["cpu"], torch.get_rng_state())
+        torch.rand(1)  # both generators move on
+        held[kind] = other
+        checkpoint.set_rng_state(saved, gpu)
+        assert torch.equal(held[kind], first) and torch.equal(torch.get_rng_state(), saved["cpu"])
+        held[kind] = other
+        checkpoint.set_rng_state(saved, torch.device("cpu"))  # resumed on a CPU: the CPU's alone
+        assert torch.equal(held[kind], other)
+
+
 def test_a_folder_a_live_run_writes_is_refused_until_it_ends(demo, tmp_path, capsys):
     out = tmp_path / "live"  # still training: a --resume beside it would write into its files
     flags = tiny(demo, out, "--max_iters", 10 ** 6, "--eval_interval", 2, "--device", "cpu")
