@@ -638,9 +638,15 @@ def test_as_a_command_bad_input_is_one_line_and_a_bare_data_name_is_under_data(t
     assert not (tmp_path / "text8").exists() and not (tmp_path / "out" / "last.pt").exists()
 
 
-def test_explicit_flags_beat_a_preset_and_the_printed_baseline_keeps_all_but_the_routing():
+def test_explicit_flags_beat_a_preset_and_the_printed_baseline_keeps_all_but_the_routing(
+        monkeypatch):
     a, model = train.resolve_settings({"preset": "wav12", "residual": "prenorm", "lr": 0.01})
     assert model["residual"] == "prenorm" and not model["wav"] and a.lr == 0.01
+    # a preset of yours with a routing setting of training's: dropped too, not refused
+    monkeypatch.setitem(train.PRESETS, "mine", dict(train.PRESETS["wav12"], route_entropy_coef=0.1))
+    a, model = train.resolve_settings({"preset": "mine", "residual": "prenorm"})
+    assert a.route_entropy_coef == 0 and model["residual"] == "prenorm"
+    train.check_settings(a, 1, model)
     assert a.max_iters == train.PRESETS["wav12"]["max_iters"]  # the preset's other settings stay
     assert train.resolve_settings({"preset": "wav12", "max_tokens": 10**8})[0].max_tokens == 10**8
     a, model = train.resolve_settings({"preset": "rd_s"})
