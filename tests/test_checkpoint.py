@@ -116,6 +116,8 @@ def test_a_gpus_own_random_state_is_saved_and_put_back(monkeypatch):
         held[kind] = other
         checkpoint.set_rng_state(saved, torch.device("cpu"))  # resumed on a CPU: the CPU's alone
         assert torch.equal(held[kind], other)
+        checkpoint.set_rng_state(checkpoint.rng_state(torch.device("cpu")), gpu)  # and back
+        assert torch.equal(held[kind], other)
 
 
 def test_a_folder_a_live_run_writes_is_refused_until_it_ends(demo, tmp_path, capsys):
