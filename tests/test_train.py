@@ -321,10 +321,13 @@ def test_the_route_entropy_loss_trains_the_routes_and_its_value(demo, tmp_path):
 def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
     """A new TrainSettings field is a flag with its help, named in the printed training line,
     recorded in checkpoints, kept by --resume and repeated by the printed baseline, with no other
-    edit. needs= is the depth routing's: naming another training setting there fails at once."""
+    edit; one fixed=True is refused at --resume, one needs=X where X is off names the variants
+    that set X. needs= is the depth routing's: naming another training setting there fails."""
     @dataclasses.dataclass
     class Settings(train.TrainSettings):
         label_smoothing: float = train.option(0.0, "smoothing of the targets", low=0, high=1)
+        warm_start: int = train.option(0, "its weights came from it", fixed=True)
+        detail_coef: float = train.option(0.0, "a loss on WAV's details", needs="wav")
     monkeypatch.setattr(train, "TrainSettings", Settings)
     help_text = " ".join(train.build_parser().format_help().split())
     assert "smoothing of the targets (default: 0.0)" in help_text
@@ -332,6 +335,13 @@ def test_a_training_setting_is_one_field(demo, tmp_path, monkeypatch, capsys):
     code, printed, _ = run(train.main, tiny(demo, out, "--max_iters", "2", "--label_smoothing",
                                             "0.2", "--grad_clip", "0", "--stop_after", "1"), capsys)
     assert code == 0 and weights(out)["settings"]["label_smoothing"] == 0.2
+    err = error_line(train.main, ["--out_dir", out, "--resume", "--warm_start", "3"], capsys)
+    assert "--warm_start 3 differs from the run's warm_start=0" in err
+    a, model = train.resolve_settings({"residual": "attnres", "detail_coef": 0.1})
+    with pytest.raises(train.UsageError, match=r"--detail_coef 0.1: .*applies to: (.*)\)") as e:
+        train.check_settings(a, 1, model)
+    where = e.value.args[0].split("applies to: ")[1].rstrip(")").split(", ")
+    assert "wav" in where and "block" not in where and "prenorm" not in where
     training = next(line for line in printed.splitlines() if line.startswith("training: "))
     assert "cosine to 0.0002 (grad_clip 0.0, eval_tokens 256, log_interval 1, label_smoothing " \
         "0.2); " in training  # off its default, 0 too
