@@ -208,11 +208,13 @@ def test_one_data_folder_at_two_levels_makes_two_groups_each_in_its_unit(tmp_pat
     text = (tmp_path / "report.md").read_text()
     assert "| val bpc |" in text and "| val ppl |" in text and "(level 'gpt2')" in text
     assert "different data" not in text
-    # the folder prepared anew between two runs (other options): their data's digests differ
+    # the folder prepared anew between two runs (other options): their data's digests differ;
+    # a run from before the digests were kept (seed 1 at first) is unknown, not other data
     for seed, digest in ((0, "a1"), (1, "b2")):
         path = tmp_path / "chars" / f"block_s{seed}" / "summary.json"
         path.write_text(json.dumps(dict(json.loads(path.read_text()), data_sha256={"val": digest})))
-    run(experiments.main, ["report", tmp_path], capsys)
+        run(experiments.main, ["report", tmp_path], capsys)
+        assert ("different data" in (tmp_path / "report.md").read_text()) == (seed == 1)
     text = (tmp_path / "report.md").read_text()
     assert text.count("WARNING: these runs trained on different") == 1
     assert "different precisions" not in text  # hand_run's --dtype auto: unknown, like older runs
