@@ -176,6 +176,18 @@ def test_routes_refuses_every_flag_of_the_text_alone(flag, routed, capsys):
         assert f"--{flag} would be" in err, err
 
 
+def test_routes_refuses_a_flag_added_to_sample_py(routed, monkeypatch, capsys):
+    build_parser = sample.build_parser
+
+    def with_a_flag_of_yours():  # a sampling option a user adds (min-p, say)
+        parser = build_parser()
+        parser.add_argument("--min_p", type=float, default=0.0)
+        return parser
+    monkeypatch.setattr(sample, "build_parser", with_a_flag_of_yours)
+    err = error_line(sample.main, ["--out_dir", routed, "--routes", "--min_p", "0.1"], capsys)
+    assert "--routes writes no text: --min_p would be ignored" in err
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--temperature", "0"], "--temperature 0.0: must be > 0 and finite"),
     (["--temperature", "nan"], "--temperature nan: must be > 0 and finite"),
