@@ -239,9 +239,12 @@ def test_a_setting_a_resume_changes_is_said_recorded_and_its_baseline_changes_al
     saved = torch.load(out / "last.pt", weights_only=True)
     del saved["settings"]["route_entropy_coef"]  # a setting newer than the run: at its default
     del saved["settings"]["seed"]  # a fixed one too: another value is refused, as for any run
+    del saved["config"]["fast_routing"]  # and a model field, which a resume may not change
     torch.save(saved, out / "last.pt")
     err = error_line(train.main, ["--out_dir", out, "--resume", "--seed", 7], capsys)
     assert "--seed 7 differs from the run's seed=1337" in err, err
+    err = error_line(train.main, ["--out_dir", out, "--resume", "--fast_routing", "0"], capsys)
+    assert "--fast_routing False differs from the run's fast_routing=True" in err, err
     resume = ["--out_dir", out, "--resume", "--lr", "0.01", "--route_entropy_coef", 0.1]
     code, printed, _ = run(train.main, [*resume, "--stop_after", 2], capsys)
     assert code == 0 and "note: --lr 0.01 from step 1 on (was 0.002)" in printed
