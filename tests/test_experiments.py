@@ -798,8 +798,9 @@ def test_ablate_matches_direct_evaluations_its_control_and_one_read(demo, block_
 
 @pytest.mark.optional
 @pytest.mark.skipif(not HAS_MPL, reason="needs matplotlib (optional: pip install matplotlib)")
-def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block_run, tmp_path,
-                                                                           monkeypatch, capsys):
+def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block_run, demo,
+                                                                           tmp_path, monkeypatch,
+                                                                           capsys):
     for variant, seed, val in [("block", 0, 2.0), ("block", 1, 2.1), ("rd", 0, 1.9),
                                ("rd", 1, 2.0)]:
         hand_run(tmp_path, f"{variant}_L4_s{seed}", variant, seed, val,
@@ -812,6 +813,16 @@ def test_plots_and_heatmap_are_written_and_without_matplotlib_the_table_is(block
     code, printed, _ = run(experiments.main, ["report", tmp_path, block_run, "--plots",
                                               "--heatmap", block_run], capsys)
     assert code == 0 and f"wrote {heatmap}" in printed  # its own figures: written again
+    # a run whose data folder moved: found with --data
+    moved = tmp_path / "moved" / "block_L2_s0"
+    moved.mkdir(parents=True)
+    best = torch.load(block_run / "best.pt", weights_only=True)
+    torch.save(dict(best, data_dir=str(tmp_path / "gone")), moved / "best.pt")
+    code, _, err = run(experiments.main, ["report", tmp_path, "--heatmap", moved], capsys)
+    assert code == 2 and "--data" in err
+    code, printed, _ = run(experiments.main, ["report", tmp_path, "--heatmap", moved, "--data",
+                                              demo], capsys)
+    assert code == 0 and "wrote " in printed and "routes_" in printed
     reads, sources, matrix = experiments.route_matrix(block_run)
     assert reads[0] == "layer0.attn" and sources == ["emb", "C0", "C1", "P"]
     assert matrix[0] == [pytest.approx(1.0), None, None, None]  # the first read sees emb alone
