@@ -35,7 +35,8 @@ def hand_run(root, name, variant, seed, val, *, lr=2e-3, depth=4, dataset="demo"
              milestones=(), evals=((0, 4.0), (500, 3.0)), run_json=True, reads=None, **flags):
     """A finished run folder as train.py (and a sweep: run.json) leaves it, with the final val loss
     `val`; flags: GPTConfig or TrainSettings fields. Route entropy, RD's JS and a statistic a user
-    added to routing_stats (user_mean) from the seed; reads: those of the entropy's mean."""
+    added to routing_stats (user_mean) from the seed, and a flag (user_flag); reads: those of the
+    entropy's mean."""
     d = Path(root) / name
     d.mkdir(parents=True)
     config = dataclasses.asdict(nanoroute.GPTConfig(n_layer=depth, **nanoroute.variant(variant)))
@@ -44,6 +45,7 @@ def hand_run(root, name, variant, seed, val, *, lr=2e-3, depth=4, dataset="demo"
     rd = variant == "rd"
     routes = dict(entropy_norm_mean=0.5 + seed % 10 / 10, js_mean=seed / 10 if rd else None,
                   js_pair="QK‖V" if rd else None, user_mean=float(seed),  # as routing_stats
+                  user_flag=True,  # a true/false of yours: no number, no column
                   entropy_reads=reads or [f"layer{j}.{r}" for j in range(depth)
                                           for r in ("attn", "mlp")][1:] + ["readout"])
     settings = dataclasses.asdict(train.TrainSettings(seed=seed, lr=lr, **flags))
