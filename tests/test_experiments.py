@@ -534,6 +534,8 @@ def test_the_named_sweeps_plans_one_block_per_depth_and_every_variant_flag(tmp_p
         "tinystories/prenorm_L12_s0", "tinystories/rezero_L12_s0"]
     # job slots share the cores, the sweep's env wins, and a failure says its error
     cores = len(os.sched_getaffinity(0))
+    # the cores this process may use (taskset, a container), not the machine's
+    monkeypatch.setattr(os, "cpu_count", lambda: 64 * cores)
     assert experiments.job_slots(1) == [{}]
     assert experiments.job_slots(2, extra=["--device", "cpu"]) == [
         {"OMP_NUM_THREADS": str(max(1, cores // 2))}] * 2
