@@ -794,6 +794,10 @@ def test_ablate_matches_direct_evaluations_its_control_and_one_read(demo, block_
     saved = {c: json.loads((block_run / f"ablate_{c}_read-readout_older0.json").read_text())
              for c in ("best", "last")}
     assert (saved["best"]["draws"], saved["last"]["draws"]) == (2, 1)  # last's never over best's
+    # every option in the name: a mask in one read never writes over that mask in every read
+    args = experiments.build_parser().parse_args(["ablate", str(block_run), "--mask", "C0",
+                                                  "--read", "readout"])
+    assert experiments.ablate_files(args)[0] == "best_mask-C0_read-readout"
     shutil.copytree(block_run, tmp_path / "no_best")
     (tmp_path / "no_best" / "best.pt").unlink()
     err = error_line(experiments.main, ["ablate", tmp_path / "no_best", "--mask", "emb"], capsys)
