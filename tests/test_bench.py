@@ -345,3 +345,9 @@ def test_routing_time_times_the_kernels_parts_in_a_step_and_leaves_the_kernel_as
         m.setattr(routing_time.time, "perf_counter", lambda: next(ticks))
         part(), part()
     assert seconds == {"x": 2.0}
+    # the first two steps warm up, untimed: a step's parts as if they took 60 s, 60 s, then 1 s
+    took = iter([60.0, 60.0, 1.0])
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(routing_time, "step", lambda *args: args[-1].update(forward=next(took)))
+        routing_time.main(["--shape", "tiny", "--variants", "block", "--steps", "1"])
+    assert "| forward | 1000.0 |" in capsys.readouterr().out
