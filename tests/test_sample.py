@@ -2,8 +2,11 @@
 
 import json
 import math
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ import torch
 
 import prepare_data
 import sample
-from conftest import error_line, run, trained
+from conftest import ROOT, error_line, run, trained
 
 SEP = "-" * 40 + "\n"
 
@@ -174,6 +177,17 @@ def test_routes_refuses_every_flag_of_the_text_alone(flag, routed, capsys):
     for other in (sample.build_parser().get_default(flag) + 1, 0):  # off its default (0 too)
         err = error_line(sample.main, ["--out_dir", routed, "--routes", f"--{flag}", other], capsys)
         assert f"--{flag} would be" in err, err
+
+
+def test_a_prompt_file_is_read_as_utf8_in_any_locale(routed, tmp_path):
+    # in a locale that is not UTF-8 (C without Python's UTF-8 mode, here ASCII) é is read too, and
+    # found outside the vocabulary, not called "not UTF-8"
+    (tmp_path / "prompt.txt").write_text("Tom saw a café.", encoding="utf-8")
+    env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")
+    done = subprocess.run([sys.executable, ROOT / "sample.py", "--out_dir", routed, "--start",
+                           f"FILE:{tmp_path / 'prompt.txt'}"], capture_output=True, env=env)
+    err = done.stderr.decode(errors="replace")
+    assert done.returncode == 2 and "characters not in the demo vocabulary" in err, err
 
 
 def test_routes_refuses_a_flag_added_to_sample_py(routed, monkeypatch, capsys):
