@@ -193,11 +193,13 @@ def open_data(ckpt, run_dir, data=None):
         return folder, meta
     return Path(os.path.relpath(folder)), meta
 
+GPU_RNG = ("cuda", "mps")  # devices whose dropout draws from a generator of their own
+
 def rng_state(device):
     """This process's RNG states: the CPU's, and a GPU's own (CUDA's, Apple's MPS'), from which
     dropout on it draws."""
     rng = {"cpu": torch.get_rng_state()}
-    if device.type in ("cuda", "mps"):
+    if device.type in GPU_RNG:
         rng[device.type] = getattr(torch, device.type).get_rng_state(device)
     return rng
 
@@ -205,7 +207,7 @@ def set_rng_state(rng, device):
     """Puts back what rng_state saved; a GPU run resumed on a CPU keeps the CPU state alone (a
     CPU's dropout draws from it), a GPU its own where it was saved there."""
     torch.set_rng_state(rng["cpu"])
-    if device.type in ("cuda", "mps") and device.type in rng:
+    if device.type in GPU_RNG and device.type in rng:
         getattr(torch, device.type).set_rng_state(rng[device.type], device)
 
 def save(out_dir, state, progress, improved, device, rank=0, world=1):
