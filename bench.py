@@ -122,6 +122,7 @@ class Bench:
         argv = map(str, sys.argv[1:] if argv is None else argv)
         machine = dict(device_name=name, device=str(self.device), torch=torch.__version__,
                        threads=torch.get_num_threads(), dtype="bf16 autocast" if bf16 else "fp32",
+                       freed_memory_kept=common.keep_freed_memory(),  # as train.py's steps
                        compiled=args.compile_backend if args.compile else None,
                        command=shlex.join(["python", "bench.py", *argv]))
         self.out = dict(machine=machine, args=vars(args), shape=self.shape, iters=self.iters,

@@ -9,10 +9,12 @@ rules from one place and prepare_data.py holds only data.
 
 import argparse
 import contextlib
+import ctypes
 import difflib
 import functools
 import json
 import os
+import platform
 import re
 import shlex
 import sys
@@ -146,3 +148,18 @@ def own_file(path, ours, fix="give another path"):
 
 def write_json(path, obj):
     write_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False).encode() + b"\n")
+
+def keep_freed_memory():
+    """Linux with glibc: the memory a training step frees stays in the process for the next step.
+    By default glibc gives freed blocks of a few MB back to the system, and the next step maps
+    them again, a page fault every 4 KB: a routed step frees more such blocks than PreNorm's and
+    paid ~2 µs a fault (docs/speed.md). Left alone where the environment sets glibc's malloc
+    (MALLOC_*, GLIBC_TUNABLES). Returns whether it applied: False elsewhere (macOS, musl)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if any(name.startswith("MALLOC_") or name == "GLIBC_TUNABLES" for name in os.environ):
+        return False
+    libc = ctypes.CDLL(None)  # the C library this process runs on
+    # mallopt (1: done): M_MMAP_THRESHOLD (-3) 32 MB, glibc's largest: a smaller block comes from
+    # the heap, not mapped apart; M_TRIM_THRESHOLD (-1) its largest: the heap is not given back
+    return libc.mallopt(-3, 32 << 20) == 1 and libc.mallopt(-1, 2**31 - 1) == 1

@@ -344,6 +344,7 @@ class Run:
 
 @common.cli
 def main(argv=None):
+    common.keep_freed_memory()  # a step's freed memory reused by the next, not mapped afresh
     stop, handlers = checkpoint.catch_stop_signals()
     try:
         run = setup(argv, stop)

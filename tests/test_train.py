@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import shlex
 import shutil
 import signal
@@ -589,7 +590,8 @@ def test_peak_flops_of_known_gpus_only_and_bf16_from_capability_8(monkeypatch):
     assert train.peak_flops(torch.device("cpu"), torch.float32) == 2.5e12
     for bad in ("fast", "0", "-1e12", "nan", "inf"):
         monkeypatch.setenv("NANOROUTE_PEAK_FLOPS", bad)
-        with pytest.raises(train.UsageError, match=f"NANOROUTE_PEAK_FLOPS={bad}: give one device's"):
+        message = f"NANOROUTE_PEAK_FLOPS={bad}: give one device's"
+        with pytest.raises(train.UsageError, match=message):
             train.peak_flops(torch.device("cpu"), torch.float32)
 
 
@@ -758,3 +760,23 @@ def test_a_stop_saves_its_step_the_last_one_finishes_an_ignored_signal_stays_so(
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         signal.signal(signal.SIGINT, old)
+
+HELD = """
+import torch, common
+kept = common.keep_freed_memory()
+def pages(): return int(open("/proc/self/statm").read().split()[1])  # resident, 4 KB pages
+before = pages()
+torch.ones(5 << 20)  # 20 MB filled, then freed
+print(kept, pages() - before)
+"""
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_freed_memory_stays_for_the_next_step_unless_the_user_set_malloc():
+    env = {k: v for k, v in ENV.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    kept, held = subprocess.run([sys.executable, "-c", HELD], env=env, check=True,
+                                capture_output=True, text=True).stdout.split()
+    assert kept == "True" and int(held) > 5000  # the 5,120 pages of 20 MB
+    # the user's own setting wins, and glibc gives the block back to the system
+    kept, held = subprocess.run([sys.executable, "-c", HELD], env={**env, "MALLOC_ARENA_MAX": "2"},
+                                check=True, capture_output=True, text=True).stdout.split()
+    assert kept == "False" and int(held) < 1000

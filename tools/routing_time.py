@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import functools
 import os
+import resource
 import statistics
 import sys
 import time
@@ -20,6 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
 import nanoroute  # noqa: E402
 import train  # noqa: E402
 from bench import SHAPES, TRAIN_DEFAULTS, VARIANTS, model_fields  # noqa: E402
@@ -62,6 +64,7 @@ def timers(seconds):
 
 def step(model, opt, x, y, seconds):
     """One training step, as bench.py's: its forward (and loss), backward and AdamW timed."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # pages mapped afresh
     t0 = time.perf_counter()
     loss = train.step_loss(model, x, y, TRAIN_DEFAULTS)[0]
     t1 = time.perf_counter()
@@ -70,6 +73,7 @@ def step(model, opt, x, y, seconds):
     opt.step()
     opt.zero_grad(set_to_none=True)
     seconds.update(forward=t1 - t0, backward=t2 - t1, AdamW=time.perf_counter() - t2)
+    seconds["page faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -83,6 +87,7 @@ def main(argv=None):
     if unknown:
         p.error(f"--variants: {', '.join(unknown)}: not one of {', '.join(VARIANTS)}")
     torch.set_num_threads(args.threads)
+    common.keep_freed_memory()  # as train.py's steps
     shape = SHAPES[args.shape]
     x = torch.randint(0, shape["vocab_size"], (shape["batch_size"], shape["sequence_len"]))
     y = torch.roll(x, -1, 1)
@@ -107,6 +112,8 @@ def main(argv=None):
     for part in parts:
         cells = [statistics.median(s.get(part, 0.0) for s in steps[n]) * 1e3 for n in names]
         print(f"| {part} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    faults = [statistics.median(s.get("page faults", 0) for s in steps[n]) for n in names]
+    print("| page faults (a count) | " + " | ".join(f"{f:.0f}" for f in faults) + " |")
 
 if __name__ == "__main__":
     main()
