@@ -219,6 +219,9 @@ def check_train_flags(extra, presets, lrs):
     train_args(list(extra), "after --")
     return refused | dict.fromkeys(flag_dict(extra), "give it after -- or in --set, not both")
 
+def value_text(x):  # %g text: 1e-3 and 0.001 are one value, one run folder name, one report row
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
 def set_values(given, taken):
     """{--NAME: its values} of each --set NAME=V1,V2, parsed by train.py's parser (a float as %g
     text), the baseline first: the value equal to train.py's default, else the first given."""
@@ -236,8 +239,7 @@ def set_values(given, taken):
         values = listed(texts, f"--set {name}", lambda text: [
             train_args([f"--{name}={text}"], f"--set {item}")[name]], f"values of --{name}")
         values.sort(key=lambda value: value != DEFAULTS[name])  # stable: else the first given
-        # %g text: 1e-3 and 0.001 are one value, one run folder name
-        settings[f"--{name}"] = [f"{x:g}" if isinstance(x, float) else str(x) for x in values]
+        settings[f"--{name}"] = [value_text(x) for x in values]
         folders = [file_safe(x) for x in settings[f"--{name}"]]  # in its runs' folder names
         if len(set(folders)) < len(folders):
             raise UsageError(f"--set {item}: two values make one run folder name "
@@ -553,13 +555,15 @@ def routing_knobs(both, config, changes):
     """{name: value} of a run's routing knobs (needs=): the variant's, named in its row where not
     the default (so prenorm and a wav of wav_rho 2 pair). One a --resume changed is named by its
     values and their steps: the run is not in the row of runs that had its last value throughout."""
-    knobs = {k: x for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
+    # as --set names them: a run by hand of wav_rho 2.0 is in the row of a sweep's wav_rho=2
+    knobs = {k: value_text(x) for k, x in both.items() if k not in NOT_SETUP and NEEDS.get(k)
              and not inert(k, config) and x != DEFAULTS[k]}
     changed = {}
     for c in changes:
         if NEEDS.get(c["setting"]):
-            now = f"{c['now']} at step {c['step']}"
-            changed[c["setting"]] = changed.get(c["setting"], str(c["was"])) + " → " + now
+            now = f"{value_text(c['now'])} at step {c['step']}"
+            was = changed.get(c["setting"], value_text(c["was"]))
+            changed[c["setting"]] = was + " → " + now
     return knobs | changed
 
 def config_variant(config):

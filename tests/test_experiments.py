@@ -878,16 +878,25 @@ def test_set_runs_each_value_where_it_applies_and_pairs_it_by_seed(demo, tmp_pat
     for r in runs:  # run.json as the sweep writes it (a no-op command), then train.py's run
         experiments.start(r, [sys.executable, "-c", ""], r["name"], {}).wait()
         assert run(train.main, [*r["args"], "--out_dir", r["dir"]])[0] == 0
+    # a run by hand of the same values, as train.py records them (2.0, -1.0): named as --set
+    # names them, in a row of its own (no --set baseline: it pairs with the baseline variant)
+    by_hand = next(r for r in runs if r["name"] == "wav_L2_s0_wav_detail_bias-1")["args"]
+    by_hand = [*by_hand, "--seed", 2, "--wav_detail_bias", -1.0, "--out_dir", tmp_path / "hand"]
+    assert run(train.main, by_hand)[0] == 0
+    group, = experiments.summarize(experiments.find_runs([tmp_path])[0], "prenorm")
+    rows = {row["label"]: [r["name"] for r in row["runs"]] for row in group["rows"]}
+    assert rows["wav, wav_rho=2, wav_detail_bias=-1"] == ["hand"]
+    shutil.rmtree(tmp_path / "hand")
+    label = "wav, wav_rho=2, wav_detail_bias=-1 (Δ vs wav_detail_bias=-2)"
     group, = experiments.summarize(experiments.find_runs([tmp_path])[0], "prenorm")
     rows = {row["label"]: row for row in group["rows"]}
     final = {r["name"]: summary(r["dir"])["final"]["val_loss"] for r in runs}
     diffs = [final[f"wav_L2_s{s}_wav_detail_bias-1"] - final[f"wav_L2_s{s}_wav_detail_bias-2"]
              for s in (0, 1)]
-    label = "wav, wav_rho=2.0, wav_detail_bias=-1 (Δ vs wav_detail_bias=-2)"
     assert rows[label]["delta"] == pytest.approx(dict(
         mean=statistics.fmean(diffs), std=statistics.stdev(diffs), wins=sum(d < 0 for d in diffs),
         ties=sum(d == 0 for d in diffs), n=2))
-    assert rows["wav, wav_rho=2.0, wav_detail_bias=-2"]["delta"]["n"] == 2  # with prenorm
+    assert rows["wav, wav_rho=2, wav_detail_bias=-2"]["delta"]["n"] == 2  # with prenorm
     code, out, _ = run(experiments.main, ["report", tmp_path], capsys)
     assert code == 0 and f"| {label} | 0.002 | 4 | 2 |" in out
 

@@ -278,7 +278,7 @@ def test_a_setting_a_resume_changes_is_said_recorded_and_its_baseline_changes_al
     assert [row["delta"]["n"] for row in pair["rows"] if row is not pair["base"]] == [1]
     # a routing setting it changed names its row: not a run that had 0.1 throughout
     changed = next(row for row in pair["rows"] if row["variant"] == "block")
-    assert "route_entropy_coef=0.0 → 0.1 at step 1 → 0.2 at step 2" in changed["label"]
+    assert "route_entropy_coef=0 → 0.1 at step 1 → 0.2 at step 2" in changed["label"]
     throughout = trained(demo, tmp_path / "throughout", "--residual", "attnres", "--max_iters", 4,
                          "--route_entropy_coef", 0.2, "--lr", 0.005)
     runs = experiments.find_runs([out, throughout])[0]
