@@ -48,7 +48,7 @@ VARIANTS = {**nanoroute.VARIANTS, "full": dict(nanoroute.VARIANTS["block"], attn
             "naive": dict(nanoroute.VARIANTS["block"], fast_routing=False),
             "wav_learned": dict(nanoroute.VARIANTS["wav"], wav_learned_bases=True)}
 DEFAULT_VARIANTS = "prenorm,block,full,wav,rd"
-TRAIN_DEFAULTS = train.TrainSettings()  # step_loss and make_optimizer at train.py's defaults
+TRAIN_DEFAULTS = train.TrainSettings()  # step_loss, make_optimizer, update at train.py's defaults
 
 def build_parser():
     p = common.ArgumentParser(description=__doc__.strip().split("\n")[0])
@@ -152,12 +152,11 @@ class Bench:
 
     def step(self, m):
         """One training step, as train.py's at its default settings: its loss (train.step_loss:
-        a term added there is timed here), backward, AdamW."""
+        a term added there is timed here), backward, the update (train.update: the clip, AdamW)."""
         with self.amp:
             loss = train.step_loss(m.step_model, self.x, self.y, TRAIN_DEFAULTS)[0]
         loss.backward()
-        m.opt.step()
-        m.opt.zero_grad(set_to_none=True)
+        train.update(m.model, m.opt, TRAIN_DEFAULTS)
 
 def routing_blocks(shape, variants):
     """{variant: its automatic routing block} of the AttnRes variants (full's is 1, its own);

@@ -551,12 +551,17 @@ def train_step(run, lr):
     loss = loss.item()
     if not math.isfinite(loss):  # before the update: no checkpoint is written after this
         raise diverged(run, "loss", run.progress.step + 1)
+    update(run.raw_model, run.optimizer, a)
+    return loss
+
+def update(model, optimizer, a):
+    """The update after a step's backward, of settings `a`: the clip, the optimizer's step.
+    bench.py and tools/routing_time.py time this same one: change the update here."""
     if a.grad_clip > 0:
         # after DDP's all-reduce: every process clips the same gradients alike
-        torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), a.grad_clip)
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory until the next backward
-    return loss
+        torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory until the next backward
 
 def make_optimizer(model, a, device_type):
     """The optimizer of settings `a`. bench.py and tools/routing_time.py time this same one at

@@ -297,9 +297,15 @@ def test_cuda_memory_is_one_models_step_above_what_is_resident():
     assert again["adamw"] >= 2 * again["params"]
 
 
-def test_train_pys_loss_and_optimizer_are_those_of_every_timed_step(tmp_path, monkeypatch):
+def test_train_pys_loss_optimizer_and_update_are_those_of_every_timed_step(tmp_path, monkeypatch):
     steps, built = [], []  # the residual of each model a step ran on; the optimizers built
-    plain, plain_optimizer = train.step_loss, train.make_optimizer
+    plain, plain_optimizer, plain_update = train.step_loss, train.make_optimizer, train.update
+    clipped = []  # the gradient norm of each update (train.py clips at its default, 1)
+
+    def update(model, optimizer, a):
+        norms = [p.grad.norm() for p in model.parameters() if p.grad is not None]
+        plain_update(model, optimizer, a)
+        clipped.append((torch.stack(norms).norm().item(), a.grad_clip))
 
     def with_a_term(model, x, y, a):  # a user's new term, added where docs/training.md says
         total, cross_entropy = plain(model, x, y, a)
@@ -311,8 +317,11 @@ def test_train_pys_loss_and_optimizer_are_those_of_every_timed_step(tmp_path, mo
         return built[-1]
     monkeypatch.setattr(train, "step_loss", with_a_term)
     monkeypatch.setattr(train, "make_optimizer", optimizer)
+    monkeypatch.setattr(train, "update", update)
     bench_json(tmp_path, "--variants", "prenorm,block", "--iters", 2)
     assert steps == ["prenorm", "attnres"] * (1 + 1 + 2)  # first steps, warm-up, 2 rounds
+    assert len(clipped) == len(steps) and {clip for _, clip in clipped} == {1.0}
+    assert all(norm > 0 for norm, _ in clipped)  # after the backward, before zero_grad
     # at train.py's settings, and stepped: its state (AdamW's moments) exists
     assert len(built) == 2 and all(o.defaults["lr"] == train.TrainSettings().lr for o in built)
     assert all(o.state for o in built)
@@ -320,8 +329,10 @@ def test_train_pys_loss_and_optimizer_are_those_of_every_timed_step(tmp_path, mo
     built.clear()
     sys.path.insert(0, str(ROOT / "tools"))
     import routing_time
+    clipped.clear()
     routing_time.main(["--shape", "tiny", "--variants", "block", "--steps", "1"])
     assert steps and set(steps) == {"attnres"} and len(built) == 1 and built[0].state
+    assert len(clipped) == len(steps)
 
 
 def test_routing_time_times_the_kernels_parts_in_a_step_and_leaves_the_kernel_as_it_was(capsys):

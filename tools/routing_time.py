@@ -63,16 +63,16 @@ def timers(seconds):
             setattr(owner, attr, fn)
 
 def step(model, opt, x, y, seconds):
-    """One training step, as bench.py's: its forward (and loss), backward and AdamW timed."""
+    """One training step, as bench.py's: its forward (and loss), backward and update (the clip,
+    AdamW) timed."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # pages mapped afresh
     t0 = time.perf_counter()
     loss = train.step_loss(model, x, y, TRAIN_DEFAULTS)[0]
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    seconds.update(forward=t1 - t0, backward=t2 - t1, AdamW=time.perf_counter() - t2)
+    train.update(model, opt, TRAIN_DEFAULTS)
+    seconds.update(forward=t1 - t0, backward=t2 - t1, update=time.perf_counter() - t2)
     seconds["page faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 def main(argv=None):
@@ -105,7 +105,7 @@ def main(argv=None):
                 step(model, opt, x, y, seconds)
                 if i >= 2:
                     steps[name].append(dict(seconds))
-    parts = ["forward", "backward", "AdamW"] + [name for *_, name in PARTS]
+    parts = ["forward", "backward", "update"] + [name for *_, name in PARTS]
     print(f"ms a step, median of {args.steps} ({args.shape}, {args.threads} threads)")
     print("| part | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
