@@ -131,10 +131,14 @@ def test_a_folder_a_live_run_writes_is_refused_until_it_ends(demo, tmp_path, cap
                 break
             assert live.poll() is None, "the live run ended before its first save"
             time.sleep(0.1)
+        # a save in progress there (its temporary file) is the live run's: refused, left alone
+        saving = out / ".last.pt.abcd1234.tmp"
+        saving.write_bytes(b"half")
         # a resume (of 1 step: were it let through, it would end at once) and a new run
         for argv in (["--out_dir", out, "--resume", "--max_iters", 1], tiny(demo, out)):
             assert "in use by another train.py, still running" in error_line(train.main, argv,
                                                                               capsys)
+        assert saving.read_bytes() == b"half"
     finally:
         live.kill()  # SIGKILL: nothing saved, and its lock goes with it
         live.wait()

@@ -383,6 +383,12 @@ def test_a_stopped_write_leaves_no_temporary_file_and_a_stopped_run_resumes(mirr
     os.umask(umask)
     common.write_atomic(tmp_path / "a.json", b"{}")
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file
+    for other in (0o077, 0o002):  # a private umask, a shared group's: common reads it at import
+        code = f"import os; os.umask({other}); import common; common.write_atomic('b.json', b'')"
+        subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True,
+                       env=dict(os.environ, PYTHONPATH=str(Path(common.__file__).parent)))
+        assert (tmp_path / "b.json").stat().st_mode & 0o777 == 0o666 & ~other
+        (tmp_path / "b.json").unlink()
 
     def interrupted(f):
         f.write(b"half")
