@@ -757,13 +757,15 @@ def test_ablate_matches_direct_evaluations_its_control_and_one_read(demo, block_
     assert len(all_row["random"]) == 4 and all_row["random_mean_std"][0] == pytest.approx(
         statistics.fmean(all_row["random"]))
     assert (block_run / "ablate_best_mask-emb.png").exists() == HAS_MPL
-    shutil.copytree(demo, tmp_path / "data")  # a run whose data then moves: --data finds it
-    moved = trained(tmp_path / "data", tmp_path / "moved", "--max_iters", 1, "--residual",
-                    "attnres")
-    (tmp_path / "data").rename(tmp_path / "elsewhere")
+    moved = tmp_path / "moved"  # a run whose data folder moved: found with --data
+    moved.mkdir()
+    best = torch.load(block_run / "best.pt", weights_only=True)
+    torch.save(dict(best, data_dir=str(tmp_path / "gone")), moved / "best.pt")
     argv = ["ablate", moved, "--mask", "emb", "--draws", 1]
     assert "--data" in error_line(experiments.main, argv, capsys)
-    assert run(experiments.main, [*argv, "--data", tmp_path / "elsewhere"], capsys)[0] == 0
+    assert run(experiments.main, [*argv, "--data", demo], capsys)[0] == 0
+    moved_result = json.loads((moved / "ablate_best_mask-emb.json").read_text())
+    assert moved_result["base_val_loss"] == result["base_val_loss"]
     x = torch.zeros(1, 8, dtype=torch.long)
     pools = {r["read"]: r["sources"] for r in model(x, return_routes=True)[2]}
     row = next(row for row in result["rows"] if row["read"] == "layer1.mlp")  # masked alone
