@@ -456,6 +456,23 @@ def test_a_stop_signal_finishes_the_step_saves_and_resumes(demo, tmp_path, sig):
     assert run(train.main, ["--out_dir", out, "--resume", "--max_iters", step + 1])[0] == 0
 
 
+def test_each_torchrun_process_takes_the_gpu_of_its_local_rank(monkeypatch):
+    # on a second machine RANK is 8 or more, LOCAL_RANK 0..7: a GPU index is the local one
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    asked = []
+
+    def chosen(name, local_rank=0, world=1):  # stops start() before it joins a process group
+        asked.append((name, local_rank, world))
+        raise train.UsageError("stop here")
+
+    monkeypatch.setattr(train, "pick_device", chosen)
+    with pytest.raises(train.UsageError):
+        train.start(["--device", "cuda"])
+    assert asked == [("cuda", 1, 16)]
+
+
 def torchrun(*argv):  # train.py on two processes, on a free port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
