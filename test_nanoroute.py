@@ -83,11 +83,13 @@ ALL_MODES = distinct({**SHAPES,
                          for bases in nanoroute.WAV_BASES},
                       **{f"rd_{m}": dict(residual="attnres", rd=m, attnres_block=4)
                          for m in nanoroute.RD_MODES}})
-# a model setting outside the routing (not a size): the value a case runs it with; causality and
-# KV cache == recompute run it on Block AttnRes (a mask the one-token step misses fails there)
+# a model setting outside the routing (not a size): the value a case runs it with; causality, KV
+# cache == recompute and fast == reference run it on Block AttnRes (a mask the one-token step
+# misses fails there, and so does a setting the fast kernel ignores)
 MODEL_CASES = dict(dropout=0.1, bias=True)
-CACHE_MODES = {**ALL_MODES, **{f"block_{name}": dict(nanoroute.variant("block"), **{name: value})
-                               for name, value in MODEL_CASES.items()}}
+ON_BLOCK = {f"block_{name}": dict(nanoroute.variant("block"), **{name: value})
+            for name, value in MODEL_CASES.items()}
+CACHE_MODES = {**ALL_MODES, **ON_BLOCK}
 ATTNRES_MODES = {m: kw for m, kw in ALL_MODES.items() if kw.get("residual") == "attnres"}
 CLASSIC_MODES = [m for m, kw in ALL_MODES.items() if kw.get("residual") != "attnres"]
 
@@ -769,8 +771,8 @@ def fast_and_reference(mode, device, precision, model_class=GPT):
     results = []
     for fast in (True, False):
         torch.manual_seed(0)
-        cfg = GPTConfig(**{**TINY, **(ATTNRES_MODES[mode] if isinstance(mode, str) else mode)},
-                        fast_routing=fast)
+        kw = {**ATTNRES_MODES, **ON_BLOCK}[mode] if isinstance(mode, str) else mode
+        cfg = GPTConfig(**{**TINY, **kw}, fast_routing=fast)
         model = randomise_routing(model_class(cfg)).to(device)
         with precision_context(device, precision):
             logits, loss, routes = model(tokens().to(device), tokens(seed=4).to(device),
@@ -809,7 +811,7 @@ def assert_fast_equals_reference(mode, device, precision, model_class=GPT):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("mode", ATTNRES_MODES)
+@pytest.mark.parametrize("mode", {**ATTNRES_MODES, **ON_BLOCK})
 def test_fast_path_equals_reference_path_forward_and_gradients(mode, precision, device):
     # wav_wide (m = 6) reads all four pieces of a partial block (see the kernel's BlockReads)
     assert assert_fast_equals_reference(mode, device, precision)  # routing ones compared
