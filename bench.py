@@ -9,11 +9,13 @@ baseline's round i, which ran next to it) do not move with a drifting machine. S
     python bench.py --shape gpu12 --device cuda --compile         # bf16 autocast, MFU
     python bench.py --preset rd_m --variants block,rd --iters 1 --gen_tokens 0   # its peak memory
     python bench.py --shape s12 --variants block --gen_tokens 0 --profile block
+    python bench.py --shape s12 --variants block,wav -- --route_entropy_coef 0.01  # train.py's
     git show main:nanoroute.py > /tmp/main_nanoroute.py          # the model before your change
     python bench.py --shape s12 --variants block,rd --gen_tokens 0 --against /tmp/main_nanoroute.py
 """
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import platform
@@ -48,10 +50,46 @@ VARIANTS = {**nanoroute.VARIANTS, "full": dict(nanoroute.VARIANTS["block"], attn
             "naive": dict(nanoroute.VARIANTS["block"], fast_routing=False),
             "wav_learned": dict(nanoroute.VARIANTS["wav"], wav_learned_bases=True)}
 DEFAULT_VARIANTS = "prenorm,block,full,wav,rd"
-TRAIN_DEFAULTS = train.TrainSettings()  # step_loss, make_optimizer, update at train.py's defaults
+TRAIN_DEFAULTS = train.TrainSettings()
+
+class StepSettings:
+    """train.py's settings of the timed step (step_loss, update, make_optimizer read them): its
+    defaults, or its training flags given after `--`, checked as train.py checks them against each
+    variant's model. Each read is noted: a flag the step never reads (a batch, a schedule) is
+    refused after the first steps, not ignored. A setting added to the step needs no edit here."""
+
+    def __init__(self, flags, shape, variants):
+        given, unknown = train.build_parser().parse_known_args(flags)
+        if unknown:
+            raise UsageError(f"{' '.join(unknown)} after --: not train.py's (bench.py's own flags "
+                             "go before --)")
+        self.given = {k: v for k, v in vars(given).items() if v is not None}
+        model = [k for k in self.given if k in nanoroute.CONFIG_FIELDS]
+        if model:
+            raise UsageError(f"--{model[0]} after --: a model field; bench.py builds the rows of "
+                             "--variants at --shape (a field of its own: a row of its VARIANTS)")
+        self.settings, self.read = dataclasses.replace(TRAIN_DEFAULTS, **self.given), set()
+        defaults = {name: field.default for name, field in nanoroute.CONFIG_FIELDS.items()}
+        for v in variants:  # as train.py checks a run of each variant
+            try:
+                train.check_settings(self.settings, 1, {**defaults, **model_fields(shape),
+                                                        **VARIANTS[v]})
+            except UsageError as e:
+                raise UsageError(f"{e}; here: leave {v} out of --variants") from None
+
+    def __getattr__(self, name):  # what the step reads of the settings
+        self.read.add(name)
+        return getattr(self.settings, name)
+
+    def check_read(self):
+        unread = [f"--{name}" for name in self.given if name not in self.read]
+        if unread:
+            raise UsageError(f"{', '.join(unread)} after --: the timed step does not read it "
+                             "(bench.py's batch is its --shape's, its length --iters)")
 
 def build_parser():
-    p = common.ArgumentParser(description=__doc__.strip().split("\n")[0])
+    p = common.ArgumentParser(description=__doc__.strip().split("\n")[0],
+                              epilog="After --: train.py's training flags for the timed step.")
     p.add_argument("--shape", choices=SHAPES, help="model and batch (default s12)")
     p.add_argument("--preset", choices=train.PRESETS, help="a train.py preset's shape instead: "
                    "its model (each variant's fields from --variants), B = its --micro_batch (or "
@@ -87,12 +125,13 @@ Model = namedtuple("Model", "model step_model opt counts", defaults=[None])
 class Bench:
     """The flags, checked, and what every measurement reads; out: the numbers so far (--json)."""
 
-    def __init__(self, args, argv):
+    def __init__(self, args, argv, flags=()):
         self.args, self.against = args, load_against(args.against) if args.against else None
         self.variants = names(args.variants, "--variants")
         self.gen_variants = names(args.gen_variants or args.variants, "--gen_variants")
         # every variant's config checked before a model is built: a shape one refuses fails now
         self.shape = check_flags(args, self.variants + self.gen_variants)
+        self.train = StepSettings(flags, self.shape, self.variants)
         self.device = train.pick_device(args.device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -126,7 +165,8 @@ class Bench:
                        compiled=args.compile_backend if args.compile else None,
                        command=shlex.join(["python", "bench.py", *argv]))
         self.out = dict(machine=machine, args=vars(args), shape=self.shape, iters=self.iters,
-                        complete=False, first_steps={}, rounds_ms={}, variants={}, generation={})
+                        train_flags=self.train.given, complete=False, first_steps={},
+                        rounds_ms={}, variants={}, generation={})
         print(f"bench: {machine['device_name']}, torch {torch.__version__}, {machine['threads']} "
               f"threads, {machine['dtype']}, {machine['compiled'] or 'eager'} | "
               f"{machine['command']}\n{args.preset or args.shape}: "
@@ -151,12 +191,12 @@ class Bench:
         return time.perf_counter() - t0, result
 
     def step(self, m):
-        """One training step, as train.py's at its default settings: its loss (train.step_loss:
-        a term added there is timed here), backward, the update (train.update: the clip, AdamW)."""
+        """One training step, as train.py's at its settings (StepSettings): its loss (step_loss: a
+        term added there is timed here), backward, the update (train.update: the clip, AdamW)."""
         with self.amp:
-            loss = train.step_loss(m.step_model, self.x, self.y, TRAIN_DEFAULTS)[0]
+            loss = train.step_loss(m.step_model, self.x, self.y, self.train)[0]
         loss.backward()
-        train.update(m.model, m.opt, TRAIN_DEFAULTS)
+        train.update(m.model, m.opt, self.train)
 
 def routing_blocks(shape, variants):
     """{variant: its automatic routing block} of the AttnRes variants (full's is 1, its own);
@@ -255,7 +295,9 @@ def cpu_name():
 
 @common.cli
 def main(argv=None):
-    b = Bench(build_parser().parse_args(argv), argv)
+    argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
+    cut = argv.index("--") if "--" in argv else len(argv)  # then train.py's flags
+    b = Bench(build_parser().parse_args(argv[:cut]), argv, argv[cut + 1:])
     # torch._dynamo compiles at most recompile_limit versions of a function (8), counted over all
     # models, and runs the others eager: raised for the run, so that every model compiles
     limit = max(torch._dynamo.config.recompile_limit, 2 * len(b.names))
@@ -276,6 +318,8 @@ def main(argv=None):
                     print(f"{name}: first step {dt:.2f} s"
                           + (f", {graphs} graph(s) compiled" if m.counts else ""), flush=True)
                     b.save()
+            if r == 0:
+                b.train.check_read()  # a flag after -- that no first step read is refused
             if r > b.args.warmup:
                 # saved each round: a bench stopped midway keeps every round so far
                 b.out["rounds_ms"] = {name: [1e3 * t for t in ts] for name, ts in times.items()}
@@ -308,7 +352,7 @@ def build(b, name):
                          "leave out the variant or flag that sets the field") from None
     model.to(b.device)
     # train.py's optimizer at its defaults: its step is timed and its state is part of the memory
-    opt = train.make_optimizer(model, TRAIN_DEFAULTS, b.device.type)
+    opt = train.make_optimizer(model, b.train, b.device.type)
     if not b.args.compile:
         return Model(model, model, opt)
     # a backend of its own (--compile_backend's, wrapped): shares no graphs; 0 calls: eager fallback
@@ -360,17 +404,18 @@ def step_memory(b, m, params):
     # parameters and buffers are counted above or not at all, never as saved tensors
     exclude = params | {t.untyped_storage().data_ptr() for t in m.model.buffers()}
     # the eager model: saved-tensor hooks do not see inside compiled graphs
-    return dict(grads=grads, saved=saved_bytes(m.model, b.x, b.y, b.amp, exclude))
+    return dict(grads=grads, saved=saved_bytes(m.model, b, exclude))
 
-def saved_bytes(model, x, y, amp, exclude):
-    """Bytes a forward saves for backward (unique storages, held at its end), but `exclude`'s."""
+def saved_bytes(model, b, exclude):
+    """Bytes the step's forward (step_loss) saves for backward (unique storages, held at its end),
+    but `exclude`'s."""
     saved = []
 
     def pack(t):
         saved.append(weakref.ref(t))  # weak: a freed storage's reused address counts once
         return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
-        _, loss = model(x, y)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), b.amp:
+        loss = train.step_loss(model, b.x, b.y, b.train)[0]
     # alive at the forward's end: what the graph holds for backward, not the temporaries
     alive = [t.untyped_storage() for t in (r() for r in saved) if t is not None]
     del loss  # frees the graph

@@ -22,7 +22,7 @@ TINY = ["--shape", "tiny", "--device", "cpu", "--warmup", "1", "--gen_tokens", "
 def bench_json(tmp_path, *argv):
     path = tmp_path / "bench.json"
     flags = TINY[2:] if "--preset" in argv else TINY  # a preset is a shape: not both
-    bench.main([*flags, *map(str, argv), "--json", str(path)])
+    bench.main([*flags, "--json", str(path), *map(str, argv)])  # argv may end in -- FLAGS
     return json.loads(path.read_text())
 
 
@@ -169,6 +169,14 @@ def test_preset_shape_mfu_and_profile(tmp_path, monkeypatch, capsys):
     # a nanoGPT name hints at the flag it means only where that flag exists: bench has no max_iters
     (["--max_steps", "3"], "^error: unrecognized arguments: --max_steps 3; see --help\n$"),
     (["--iter", "3"], r"--iter 3 \(did you mean --iters\?\)"),
+    # after --: train.py's training flags that its step reads, as train.py checks them
+    (["--variants", "block", "--", "--max_iters", "3"], "--max_iters after --: the timed step "
+     "does not read it"),  # a step reads no schedule: refused, not ignored
+    (["--", "--n_layer", "3"], "--n_layer after --: a model field; bench.py builds the rows"),
+    (["--", "--iters", "3"], "--iters 3 after --: not train.py's"),
+    (["--", "--grad_clip", "-1"], "--grad_clip -1.0: must be at least 0"),
+    (["--variants", "prenorm,block", "--", "--route_entropy_coef", "0.1"],
+     "applies only to residual=attnres.*; here: leave prenorm out of --variants"),
 ])
 def test_bad_input_is_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -236,7 +244,7 @@ def test_models_start_paired_memory_counts_no_buffer_and_a_fallback_is_said(tmp_
     assert torch.equal(prenorm.model.lm_head.weight, block.model.lm_head.weight)
     stored = {t.untyped_storage().data_ptr() for t in (*prenorm.model.parameters(),
                                                        *prenorm.model.buffers())}
-    saved = bench.saved_bytes(prenorm.model, b.x, b.y, b.amp, stored)  # not a weight nor a buffer
+    saved = bench.saved_bytes(prenorm.model, b, stored)  # not a weight nor a buffer
     assert bench.memory_parts(b, prenorm)["saved"] == saved
     b.out["first_steps"]["prenorm"] = dict(first_step_s=1.0)  # 1 first + 1 warm-up + 2 timed steps
     fell_back = bench.Model(prenorm.model, prenorm.model, prenorm.opt, dict(graphs=1, calls=3))
@@ -319,8 +327,9 @@ def test_train_pys_loss_optimizer_and_update_are_those_of_every_timed_step(tmp_p
     monkeypatch.setattr(train, "make_optimizer", optimizer)
     monkeypatch.setattr(train, "update", update)
     bench_json(tmp_path, "--variants", "prenorm,block", "--iters", 2)
-    assert steps == ["prenorm", "attnres"] * (1 + 1 + 2)  # first steps, warm-up, 2 rounds
-    assert len(clipped) == len(steps) and {clip for _, clip in clipped} == {1.0}
+    # first steps, warm-up, 2 rounds, then the memory count's forward of each
+    assert steps == ["prenorm", "attnres"] * (1 + 1 + 2 + 1)
+    assert len(clipped) == 2 * 4 and {clip for _, clip in clipped} == {1.0}
     assert all(norm > 0 for norm, _ in clipped)  # after the backward, before zero_grad
     # at train.py's settings, and stepped: its state (AdamW's moments) exists
     assert len(built) == 2 and all(o.defaults["lr"] == train.TrainSettings().lr for o in built)
@@ -333,6 +342,34 @@ def test_train_pys_loss_optimizer_and_update_are_those_of_every_timed_step(tmp_p
     routing_time.main(["--shape", "tiny", "--variants", "prenorm,block", "--steps", "1"])
     assert steps == ["prenorm", "attnres"] * (2 + 1)  # alternating, as bench.py's: 2 warm up
     assert len(built) == 2 and all(o.state for o in built) and len(clipped) == len(steps)
+
+
+def test_train_pys_flags_after_a_double_dash_reach_every_timed_step(tmp_path, monkeypatch):
+    seen, plain = [], train.update
+
+    def update(model, optimizer, a):  # the settings of the step that ran before it
+        seen.append((a.grad_clip, a.route_entropy_coef, optimizer.defaults["lr"]))
+        plain(model, optimizer, a)
+    monkeypatch.setattr(train, "update", update)
+    default = bench_json(tmp_path, "--variants", "block", "--iters", 1)
+    assert set(seen) == {(1.0, 0.0, train.TrainSettings().lr)} and default["train_flags"] == {}
+    seen.clear()
+    given = bench_json(tmp_path, "--variants", "block", "--iters", 1, "--", "--grad_clip", 0,
+                       "--route_entropy_coef", 0.5, "--lr", 0.01)
+    assert len(seen) == 3 and set(seen) == {(0.0, 0.5, 0.01)}  # first, warm-up and timed steps
+    assert given["train_flags"] == dict(grad_clip=0.0, route_entropy_coef=0.5, lr=0.01)
+    # the memory count runs the step's loss too: an entropy on the routes keeps their graph
+    saved = [run["variants"]["block"]["memory"]["saved"] for run in (default, given)]
+    assert saved[1] > saved[0]
+    sys.path.insert(0, str(ROOT / "tools"))
+    import routing_time
+    seen.clear()
+    routing_time.main(["--shape", "tiny", "--variants", "block", "--steps", "1", "--",
+                       "--grad_clip", "0.5"])
+    assert {clip for clip, *_ in seen} == {0.5} and len(seen) == 3
+    with pytest.raises(bench.UsageError, match="--batch_size after --: the timed step does not"):
+        routing_time.main(["--shape", "tiny", "--variants", "block", "--steps", "1", "--",
+                           "--batch_size", "3"])
 
 
 def test_routing_time_times_the_kernels_parts_in_a_step_and_leaves_the_kernel_as_it_was(capsys):

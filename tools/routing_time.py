@@ -4,6 +4,7 @@ times faster: its tensors stay in the cache and its memory is reused.
 
     python tools/routing_time.py                                  # s12: prenorm and block
     python tools/routing_time.py --variants prenorm,block,wav,rd --steps 12
+    python tools/routing_time.py --variants block -- --grad_clip 0     # train.py's flags, as bench
 
 Per variant, the median over the timed steps of each part's time in a step, in ms. A part inside
 another is in both (phase 1's forward is part of setting up a block's reads); the timers add a
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import nanoroute  # noqa: E402
 import train  # noqa: E402
-from bench import SHAPES, TRAIN_DEFAULTS, VARIANTS, model_fields  # noqa: E402
+from bench import SHAPES, VARIANTS, StepSettings, model_fields  # noqa: E402
 
 # (owner, its function, the part's name)
 PARTS = [(nanoroute.DepthRouting, "block_reads", "a block's reads set up"),
@@ -62,16 +63,16 @@ def timers(seconds):
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
 
-def step(model, opt, x, y, seconds):
+def step(model, opt, x, y, settings, seconds):
     """One training step, as bench.py's: its forward (and loss), backward and update (the clip,
     AdamW) timed."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # pages mapped afresh
     t0 = time.perf_counter()
-    loss = train.step_loss(model, x, y, TRAIN_DEFAULTS)[0]
+    loss = train.step_loss(model, x, y, settings)[0]
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
-    train.update(model, opt, TRAIN_DEFAULTS)
+    train.update(model, opt, settings)
     seconds.update(forward=t1 - t0, backward=t2 - t1, update=time.perf_counter() - t2)
     seconds["page faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
@@ -81,14 +82,17 @@ def main(argv=None):
     p.add_argument("--variants", default="prenorm,block", help="bench.py's (full: Full AttnRes)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant (2 more first)")
     p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)  # then train.py's flags, as bench.py's
+    args = p.parse_args(argv[:cut])
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"--variants: {', '.join(unknown)}: not one of {', '.join(VARIANTS)}")
+    shape = SHAPES[args.shape]
+    settings = StepSettings(argv[cut + 1:], shape, names)
     torch.set_num_threads(args.threads)
     common.keep_freed_memory()  # as train.py's steps
-    shape = SHAPES[args.shape]
     x = torch.randint(0, shape["vocab_size"], (shape["batch_size"], shape["sequence_len"]))
     y = torch.roll(x, -1, 1)
     models = {}
@@ -96,15 +100,16 @@ def main(argv=None):
         torch.manual_seed(0)
         config = nanoroute.GPTConfig(**model_fields(shape), **VARIANTS[name])
         model = nanoroute.GPT(config)
-        models[name] = model, train.make_optimizer(model, TRAIN_DEFAULTS, "cpu")
+        models[name] = model, train.make_optimizer(model, settings, "cpu")
     seconds, steps = {}, {name: [] for name in names}
     with timers(seconds):
         for i in range(args.steps + 2):
             for name, (model, opt) in models.items():
                 seconds.clear()
-                step(model, opt, x, y, seconds)
+                step(model, opt, x, y, settings, seconds)
                 if i >= 2:
                     steps[name].append(dict(seconds))
+            settings.check_read()  # a flag after -- that no step read is refused
     parts = ["forward", "backward", "update"] + [name for *_, name in PARTS]
     print(f"ms a step, median of {args.steps} ({args.shape}, {args.threads} threads)")
     print("| part | " + " | ".join(names) + " |")
@@ -116,4 +121,4 @@ def main(argv=None):
     print("| page faults (a count) | " + " | ".join(f"{f:.0f}" for f in faults) + " |")
 
 if __name__ == "__main__":
-    main()
+    common.cli(main)()
