@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 
 import pytest
 import torch
@@ -118,6 +119,28 @@ def test_a_gpus_own_random_state_is_saved_and_put_back(monkeypatch):
         assert torch.equal(held[kind], other)
         checkpoint.set_rng_state(checkpoint.rng_state(torch.device("cpu")), gpu)  # and back
         assert torch.equal(held[kind], other)
+
+
+def saved_on_a_gpu(path, to):
+    """The checkpoint at path as a GPU run saves it: each tensor's storage says cuda:0."""
+    with zipfile.ZipFile(path) as z, zipfile.ZipFile(to, "w") as out:
+        for info in z.infolist():
+            data = z.read(info)
+            if info.filename.endswith("/data.pkl"):  # pickled strings: X, a 4-byte length, text
+                assert b"X\x03\x00\x00\x00cpu" in data
+                data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+            out.writestr(info.filename, data)
+
+
+def test_a_checkpoint_saved_on_a_gpu_loads_on_a_machine_without_one(routed, tmp_path):
+    saved_on_a_gpu(routed / "best.pt", tmp_path / "best.pt")
+    if not torch.cuda.is_available():  # torch.load puts a tensor back where it was saved
+        with pytest.raises(RuntimeError, match="CUDA device"):
+            torch.load(tmp_path / "best.pt", weights_only=True)
+    moved = checkpoint.load(tmp_path / "best.pt", "none")["model"]
+    original = checkpoint.load(routed / "best.pt", "none")["model"]
+    assert all(moved[k].device.type == "cpu" and torch.equal(moved[k], v)
+               for k, v in original.items())
 
 
 def test_a_folder_a_live_run_writes_is_refused_until_it_ends(demo, tmp_path, capsys):
