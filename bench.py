@@ -15,7 +15,6 @@ baseline's round i, which ran next to it) do not move with a drifting machine. S
 """
 
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import platform
@@ -50,8 +49,6 @@ VARIANTS = {**nanoroute.VARIANTS, "full": dict(nanoroute.VARIANTS["block"], attn
             "naive": dict(nanoroute.VARIANTS["block"], fast_routing=False),
             "wav_learned": dict(nanoroute.VARIANTS["wav"], wav_learned_bases=True)}
 DEFAULT_VARIANTS = "prenorm,block,full,wav,rd"
-TRAIN_DEFAULTS = train.TrainSettings()
-
 class StepSettings:
     """train.py's settings of the timed step (step_loss, update, make_optimizer read them): its
     defaults, or its training flags given after `--`, checked as train.py checks them against each
@@ -68,7 +65,7 @@ class StepSettings:
         if model:
             raise UsageError(f"--{model[0]} after --: a model field; bench.py builds the rows of "
                              "--variants at --shape (a field of its own: a row of its VARIANTS)")
-        self.settings, self.read = dataclasses.replace(TRAIN_DEFAULTS, **self.given), set()
+        self.settings, self.read = train.TrainSettings(**self.given), set()
         defaults = {name: field.default for name, field in nanoroute.CONFIG_FIELDS.items()}
         for v in variants:  # as train.py checks a run of each variant
             try:
@@ -351,7 +348,7 @@ def build(b, name):
                          f"{' '.join(str(e).split())[:200]}: time it without --against, or "
                          "leave out the variant or flag that sets the field") from None
     model.to(b.device)
-    # train.py's optimizer at its defaults: its step is timed and its state is part of the memory
+    # train.py's optimizer, at the step's settings: its step is timed, its state part of the memory
     opt = train.make_optimizer(model, b.train, b.device.type)
     if not b.args.compile:
         return Model(model, model, opt)
