@@ -159,6 +159,24 @@ def test_same_seed_runs_start_paired_across_variants_and_batches_ignore_processe
     assert train.eval_offsets(10_000, 32, 8, 300, 1).shape == (2, 8)  # up to whole batches
 
 
+def test_the_clip_scales_every_parameters_gradient_by_one_norm():
+    model = nanoroute.GPT(nanoroute.GPTConfig(n_layer=2, n_embd=32, n_head=2, sequence_len=8,
+                                              vocab_size=16, residual="attnres"))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)  # the routing's too, in the optimizer's second group
+    grads = [p.grad.clone() for p in model.parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
+    norm = torch.cat([g.flatten() for g in grads]).norm()
+    # plain SGD at lr 1 moves each parameter by its (clipped) gradient
+    groups = [dict(params=list(g.values())) for g in (
+        {n: p for n, p in model.named_parameters() if n not in model.no_decay_parameters()},
+        model.no_decay_parameters())]
+    a = train.TrainSettings(grad_clip=1.0)
+    train.update(model, torch.optim.SGD(groups, lr=1.0), a)
+    for p, b, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(b - p.detach(), g / norm, atol=1e-6, rtol=1e-4)
+
+
 def test_schedule_token_budget_and_micro_batches(demo, tmp_path):
     a, _ = train.resolve_settings({"max_iters": 10, "warmup_iters": 2, "lr": 1.0})
     lrs = [train.get_lr(step, a) for step in range(10)]
