@@ -5,6 +5,7 @@ The model tests check every routing mechanism against a small reference written 
 loops over sources (no batching, no online softmax, no custom autograd), from SPEC.md's equations.
 """
 
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -1002,6 +1003,20 @@ def docs_code(path):
         if block.startswith(("import ", "from ")):
             exec(compile(block, path, "exec"), namespace)
     return namespace
+
+
+def test_pip_install_e_installs_what_the_docs_python_imports():
+    # the README: `pip install -e .` makes its Python work from any folder; what it installs is
+    # pyproject.toml's py-modules
+    root = Path(__file__).parent
+    installed = ast.literal_eval(re.search(r"py-modules = (\[.*?\])",
+                                           (root / "pyproject.toml").read_text())[1])
+    imported = set()
+    for doc in [root / "README.md", *(root / "docs").glob("*.md")]:
+        for block in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S):
+            for name in re.findall(r"^\s*(?:from|import) (\w+)", block, re.M):
+                imported |= {name} if (root / f"{name}.py").exists() else set()
+    assert imported and imported <= set(installed), imported - set(installed)
 
 
 def docs_class(name):
