@@ -401,18 +401,18 @@ def step_memory(b, m, params):
     # parameters and buffers are counted above or not at all, never as saved tensors
     exclude = params | {t.untyped_storage().data_ptr() for t in m.model.buffers()}
     # the eager model: saved-tensor hooks do not see inside compiled graphs
-    return dict(grads=grads, saved=saved_bytes(m.model, b, exclude))
+    return dict(grads=grads, saved=saved_bytes(m.model, b.x, b.y, b.amp, exclude, b.train))
 
-def saved_bytes(model, b, exclude):
-    """Bytes the step's forward (step_loss) saves for backward (unique storages, held at its end),
-    but `exclude`'s."""
+def saved_bytes(model, x, y, amp, exclude, settings=train.TrainSettings()):
+    """Bytes the step's forward and loss (step_loss of `settings`) save for backward (unique
+    storages, held at its end), but `exclude`'s."""
     saved = []
 
     def pack(t):
         saved.append(weakref.ref(t))  # weak: a freed storage's reused address counts once
         return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), b.amp:
-        loss = train.step_loss(model, b.x, b.y, b.train)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+        loss = train.step_loss(model, x, y, settings)[0]
     # alive at the forward's end: what the graph holds for backward, not the temporaries
     alive = [t.untyped_storage() for t in (r() for r in saved) if t is not None]
     del loss  # frees the graph

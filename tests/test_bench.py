@@ -244,7 +244,7 @@ def test_models_start_paired_memory_counts_no_buffer_and_a_fallback_is_said(tmp_
     assert torch.equal(prenorm.model.lm_head.weight, block.model.lm_head.weight)
     stored = {t.untyped_storage().data_ptr() for t in (*prenorm.model.parameters(),
                                                        *prenorm.model.buffers())}
-    saved = bench.saved_bytes(prenorm.model, b, stored)  # not a weight nor a buffer
+    saved = bench.saved_bytes(prenorm.model, b.x, b.y, b.amp, stored, b.train)  # no weight, buffer
     assert bench.memory_parts(b, prenorm)["saved"] == saved
     b.out["first_steps"]["prenorm"] = dict(first_step_s=1.0)  # 1 first + 1 warm-up + 2 timed steps
     fell_back = bench.Model(prenorm.model, prenorm.model, prenorm.opt, dict(graphs=1, calls=3))
