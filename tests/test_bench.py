@@ -172,6 +172,7 @@ def test_preset_shape_mfu_and_profile(tmp_path, monkeypatch, capsys):
     # after --: train.py's training flags that its step reads, as train.py checks them
     (["--variants", "block", "--", "--max_iters", "3"], "--max_iters after --: the timed step "
      "does not read it"),  # a step reads no schedule: refused, not ignored
+    (["--", "--batch_size", "16"], "--batch_size after --: the timed step does not read it"),
     (["--", "--n_layer", "3"], "--n_layer after --: a model field; bench.py builds the rows"),
     (["--", "--iters", "3"], "--iters 3 after --: not train.py's"),
     (["--", "--grad_clip", "-1"], "--grad_clip -1.0: must be at least 0"),
@@ -370,6 +371,26 @@ def test_train_pys_flags_after_a_double_dash_reach_every_timed_step(tmp_path, mo
     with pytest.raises(bench.UsageError, match="--batch_size after --: the timed step does not"):
         routing_time.main(["--shape", "tiny", "--variants", "block", "--steps", "1", "--",
                            "--batch_size", "3"])
+
+
+def test_routing_time_splits_a_step_into_its_forward_backward_and_update(monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import routing_time
+    clock, plain = [0.0], train.update
+
+    def update(model, optimizer, a):  # takes 10 s on the clock and maps 64 MB afresh
+        plain(model, optimizer, a)
+        clock[0] += 10.0
+        torch.ones(16 << 20)  # above glibc's largest mmap threshold: new pages, each a fault
+    monkeypatch.setattr(train, "update", update)
+    monkeypatch.setattr(routing_time.time, "perf_counter", lambda: clock[0])
+    model = nanoroute.GPT(nanoroute.GPTConfig(**bench.model_fields(bench.SHAPES["tiny"])))
+    x = torch.randint(0, 256, (2, 32))
+    seconds = {}
+    routing_time.step(model, train.make_optimizer(model, train.TrainSettings(), "cpu"), x, x,
+                      train.TrainSettings(), seconds)
+    assert (seconds["forward"], seconds["backward"], seconds["update"]) == (0.0, 0.0, 10.0)
+    assert seconds["page faults"] >= 16 << 8  # 64 MB of 4 KB pages
 
 
 def test_routing_time_times_the_kernels_parts_in_a_step_and_leaves_the_kernel_as_it_was(capsys):
