@@ -373,6 +373,18 @@ def test_train_pys_flags_after_a_double_dash_reach_every_timed_step(tmp_path, mo
                            "--batch_size", "3"])
 
 
+def test_generation_is_timed_round_robin_as_the_steps_are(tmp_path, monkeypatch):
+    order, plain = [], bench.generate_recompute
+
+    def recompute(model, idx, n):
+        order.append(model.config.residual)
+        return plain(model, idx, n)
+    monkeypatch.setattr(bench, "generate_recompute", recompute)
+    bench_json(tmp_path, "--variants", "prenorm,block", "--iters", 1, "--gen_tokens", 2,
+               "--gen_repeats", 2)
+    assert order == ["prenorm", "attnres"] * (1 + 2)  # the warm-up, then each repeat's round
+
+
 def test_routing_time_splits_a_step_into_its_forward_backward_and_update(monkeypatch):
     sys.path.insert(0, str(ROOT / "tools"))
     import routing_time
