@@ -818,6 +818,18 @@ def test_fast_path_equals_reference_path_forward_and_gradients(mode, precision, 
     assert assert_fast_equals_reference(mode, device, precision)  # routing ones compared
 
 
+def test_evaluation_reads_through_the_kernel_and_generation_through_the_reference(monkeypatch):
+    calls, plain = [], nanoroute.completed_reads
+    monkeypatch.setattr(nanoroute, "completed_reads", lambda *a: calls.append(1) or plain(*a))
+    model = make_model(**ATTNRES_MODES["block"]).eval()
+    with torch.no_grad():
+        model(tokens())  # an evaluation: phase 1 batched (SPEC: Two-phase computation)
+    assert calls
+    calls.clear()
+    model.generate(tokens(T=2), 3)  # a KV cache: one token at a time, the reference read
+    assert not calls
+
+
 @pytest.mark.parametrize("mode", ["block_h4", "rd_wav"])
 def test_fast_path_equals_reference_on_sharp_routes(mode):
     # logits in the hundreds, as a long run may sharpen its routes: exp() alone overflows at 88

@@ -193,7 +193,7 @@ def check_settings(a, world, model):
     for f in dataclasses.fields(TrainSettings):
         value, low, high = getattr(a, f.name), f.metadata["low"], f.metadata["high"]
         if low is not None and value is not None and not low <= value < high:  # nan fails too
-            span = f"in [{low}, {high:g})" if high < math.inf else f"at least {low}"
+            span = f"in [{low}, {high:g})" if high < math.inf else f"at least {low} and finite"
             raise UsageError(f"--{f.name} {value}: must be {span}")
         # a setting off its default where the model has no use for it fails, not silently idles
         missing = missing_need(f.metadata["needs"], model)

@@ -178,6 +178,19 @@ def test_the_clip_scales_every_parameters_gradient_by_one_norm():
         assert p.grad is None  # freed until the next backward (a GPU's peak counts them there)
 
 
+def test_the_route_entropy_term_trains_the_routing():
+    model = nanoroute.GPT(nanoroute.GPTConfig(n_layer=2, n_embd=32, n_head=2, sequence_len=8,
+                                              vocab_size=16, residual="attnres"))
+    queries = [p for n, p in model.no_decay_parameters().items() if n.startswith("query")]
+    with torch.no_grad():
+        for q in queries:  # off uniform weights, where the entropy's gradient is zero
+            q.normal_()
+    x = torch.randint(0, 16, (2, 8))
+    total, cross_entropy = train.step_loss(model, x, x, train.TrainSettings(route_entropy_coef=1))
+    grads = torch.autograd.grad(total - cross_entropy, queries, allow_unused=True)
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
 def test_schedule_token_budget_and_micro_batches(demo, tmp_path):
     a, _ = train.resolve_settings({"max_iters": 10, "warmup_iters": 2, "lr": 1.0})
     lrs = [train.get_lr(step, a) for step in range(10)]
@@ -646,7 +659,8 @@ def test_bool_flags_take_true_false_1_0_in_any_case():
     (["--wav", "maybe"], "--wav: invalid true_or_false value"),
     (["--vocab_size", "9"], "unrecognized arguments: --vocab_size"),  # the data's
     (["--lr", "-1"], "--lr -1.0: must be at least 0"),
-    (["--lr", "nan"], "--lr nan: must be at least 0"),
+    (["--lr", "nan"], "--lr nan: must be at least 0 and finite"),
+    (["--lr", "inf"], "--lr inf: must be at least 0 and finite"),
     (["--beta2", "1"], "--beta2 1.0: must be in [0, 1)"),
     (["--max_iters", "0"], "--max_iters 0: must be at least 1"),
     (["--max_tokens", "2X"], "--max_tokens: invalid count value"),

@@ -111,7 +111,9 @@ def main(argv=None):
                     steps[name].append(dict(seconds))
             settings.check_read()  # a flag after -- that no step read is refused
     parts = ["forward", "backward", "update"] + [name for *_, name in PARTS]
-    print(f"ms a step, median of {args.steps} ({args.shape}, {args.threads} threads)")
+    flags = " ".join(argv[cut + 1:])
+    print(f"ms a step, median of {args.steps} ({args.shape}, {args.threads} threads"
+          + (f"; train.py's {flags})" if flags else ")"))
     print("| part | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for part in parts:
