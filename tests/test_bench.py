@@ -228,6 +228,13 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("mine")
     proc = check(tmp_path / "mine")
     assert (proc.returncode, proc.stderr.count("\n")) == (2, 1) and "error: " in proc.stderr
+    failing = tmp_path / "failing_python"  # every part fails: status.txt says how, part by part
+    failing.write_text("#!/bin/sh\nexit 3\n")
+    failing.chmod(0o755)
+    subprocess.run(["bash", ROOT / "tools" / "gpu_check.sh", "cpu", tmp_path / "failed"],
+                   capture_output=True, env=dict(os.environ, PYTHON=str(failing)))
+    rows = (tmp_path / "failed" / "status.txt").read_text().splitlines()
+    assert [row.split()[:2] for row in rows] == [[part, "3"] for part in ("tests", *runs)]
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
