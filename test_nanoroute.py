@@ -830,7 +830,7 @@ def test_evaluation_reads_through_the_kernel_and_generation_through_the_referenc
     assert not calls
 
 
-@pytest.mark.parametrize("mode", ["block_h4", "rd_wav"])
+@pytest.mark.parametrize("mode", ATTNRES_MODES)
 def test_fast_path_equals_reference_on_sharp_routes(mode):
     # logits in the hundreds, as a long run may sharpen its routes: exp() alone overflows at 88
     results = []
