@@ -874,16 +874,18 @@ def test_block_coefficients_overrides_fast_equal_reference_and_the_harness_sees_
         assert_fast_equals_reference("wav_learned", device, "float32", NoGradCoefficients)
 
 
-@pytest.mark.parametrize("mode", ["rd_tied", "heads_wav_rd"])
+@pytest.mark.parametrize("mode", ATTNRES_MODES)
 def test_docs_route_entropy_loss_trains_the_routing_on_both_paths(mode, device):
-    # the routes' weights carry a gradient: a routing loss alone moves every pseudo-query
+    # the routes' weights carry a gradient: a routing loss alone moves every pseudo-query, or
+    # route_static's logits
     route_entropy = docs_code("docs/routing.md")["route_entropy"]  # as docs/routing.md writes it
     grads = []
     for fast in (True, False):
         model = randomise_routing(make_model(**ATTNRES_MODES[mode], fast_routing=fast))
         route_entropy(model.to(device)(tokens().to(device), return_routes=True)[2]).backward()
-        grads.append({name: p.grad for name, p in model.query.items()})
-        assert all(g is not None and g.abs().sum() > 0 for g in grads[-1].values())
+        routing = {**model.query, **model.static_logits}
+        grads.append({name: p.grad for name, p in routing.items()})
+        assert grads[-1] and all(g is not None and g.abs().sum() > 0 for g in grads[-1].values())
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], atol=1e-5, rtol=1e-4)
 
@@ -1442,12 +1444,13 @@ def test_gains_and_controls_at_init_static_logits_and_multi_head_reads():
 
 
 class MaskedModel(GPT):
-    """Sources masked by name in every read (C0, and every detail of P), and by age in one read;
+    """Sources masked by name in every read (C0, and P's first detail), and by age in one read;
     layer0.mlp keeps only its partial block (its one completed source, emb, is masked)."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.masked = {read: {"C0", "P.phase"} for read in self.reads if read.layer > 1}
+        detail = [s.name for s in self.block_source_names("P") if s.basis][:1]  # WAV's first
+        self.masked = {read: {"C0", *detail} for read in self.reads if read.layer > 1}
         self.masked[nanoroute.Read(1, "mlp")] = {"emb"}
         self.masked[nanoroute.Read(0, "mlp")] = {"emb"}
 
@@ -1480,9 +1483,21 @@ def test_masked_sources_get_no_weight_the_rest_renormalise_and_fast_equals_refer
         model(tokens())
     model.masked = {nanoroute.Read(0, "mlp"): {"C0"}}  # C0: a source of later reads only
     assert torch.equal(model(tokens())[0], plain)
-    # a mask is a −inf logit bias, a kernel input: forward and every gradient follow it
-    for mode in ("rd_wav", "heads_wav_rd"):
-        assert_fast_equals_reference(mode, device, "float32", MaskedModel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ATTNRES_MODES)
+def test_masks_fast_equals_reference(mode, device):
+    # a mask is a −inf logit bias, a kernel input: forward and every gradient follow it (a read
+    # that a mask leaves one source gives its query a zero gradient, on both paths)
+    (fast_logits, fast_grads), (ref_logits, ref_grads), _ = fast_and_reference(
+        mode, device, "float32", MaskedModel)
+    tol = float32_tolerance(device)
+    torch.testing.assert_close(fast_logits, ref_logits, **tol)
+    assert set(fast_grads) == set(ref_grads)
+    for name, grad in ref_grads.items():
+        assert grad is not None and fast_grads[name] is not None, name
+        torch.testing.assert_close(fast_grads[name], grad, **tol, msg=name)
 
 
 @pytest.mark.parametrize("fast", [True, False])
