@@ -41,6 +41,13 @@ def source_legend(sources):
     return ", ".join(f"{label}: {SOURCE_KINDS.get(kind, 'named by the model')}"
                      for label, kind in kinds.items())
 
+# The run-level numbers of routing_stats, each a column of experiments.py's report, whose heading
+# defines it from here; "over reads": a mean over the reads named in "entropy_reads" (the report
+# warns where rows' reads differ). routing_stats refuses a number that is not here
+ROUTE_NUMBERS = {"entropy_norm_mean": dict(over_reads=True, about="the route entropy normalised"),
+                 "js_mean": dict(over_reads=False, about="RD's route feeding the queries vs the "
+                                 "values' (which, in brackets), nats")}
+
 def js_divergence(p, q):
     """Jensen-Shannon divergence (nats, ≤ ln 2) of two routes (S, ...), mean over the rest."""
     p, q = p.double(), q.double()
@@ -82,7 +89,13 @@ def routing_stats(routes):
     # a read that feeds keys or values alone is RD's extra route: the other variants lack it
     norms = {name: s["entropy_norm"] for name, s in reads.items()
              if s["entropy_norm"] is not None and ("Q" in s["feeds"] or not s["feeds"])}
-    return dict(reads=reads, sources=sources, js=js, js_pair=pair,
-                js_mean=sum(js.values()) / len(js) if js else None,
-                entropy_norm_mean=sum(norms.values()) / len(norms) if norms else None,
-                entropy_reads=sorted(norms))  # the reads of that mean: a report compares like ones
+    stats = dict(reads=reads, sources=sources, js=js, js_pair=pair,
+                 js_mean=sum(js.values()) / len(js) if js else None,
+                 entropy_norm_mean=sum(norms.values()) / len(norms) if norms else None,
+                 entropy_reads=sorted(norms))  # the reads of that mean: a report compares like ones
+    # a new number would be a report column that its heading never defines
+    undefined = [k for k, v in stats.items() if isinstance(v, float) and k not in ROUTE_NUMBERS]
+    if undefined:
+        raise ValueError(f"routing_stats: {', '.join(undefined)}: define each in "
+                         "diagnostics.ROUTE_NUMBERS (the report's heading says what it is)")
+    return stats

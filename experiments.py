@@ -34,7 +34,7 @@ import common
 import prepare_data
 import train
 from common import UsageError, write_atomic, write_json
-from diagnostics import source_block
+from diagnostics import ROUTE_NUMBERS, source_block
 from nanoroute import CONFIG_FIELDS, VARIANTS, GPTConfig, missing_need, variant
 
 # an absolute path: a sweep runs from any working folder
@@ -771,8 +771,8 @@ def routing_notes(g):
         base = g["base"] and f" (Δ against {g['base']['label']} at block {g['base']['block']})"
         lines += [f"**Routing blocks differ**: a difference is also one of block size{base or ''}."
                   "\n"]
-    # entropy_norm_mean is a mean over reads (routing_stats: entropy_reads): a row whose model has
-    # other reads (a variant without the MLP's, say) would compare a mean of other things
+    # some route numbers are means over reads (routing_stats: entropy_reads): a row whose model
+    # has other reads (a variant without the MLP's, say) would compare a mean of other things
     reads = {}
     for row in g["rows"]:
         names = row["runs"][0]["routes"].get("entropy_reads")
@@ -781,8 +781,9 @@ def routing_notes(g):
     if len(reads) > 1:
         kinds = "; ".join(f"{', '.join(labels)}: {len(names)} reads"
                           for names, labels in reads.items())
-        lines += [f"**WARNING: entropy_norm_mean is a mean over other reads in some rows** "
-                  f"({kinds}): compare it only between rows of the same reads.", ""]
+        means = ", ".join(k for k, number in ROUTE_NUMBERS.items() if number["over_reads"])
+        lines += [f"**WARNING: {means}: means over other reads in some rows** ({kinds}): compare "
+                  "them only between rows of the same reads.", ""]
     return lines
 
 def milestone_table(rows, marks):  # per variant: val loss at each milestone, its Δ and wins
@@ -804,9 +805,9 @@ def markdown(folders, runs, groups, baseline, notes):
              f"over seeds. Δ: paired difference to **{baseline}** (same seed), or (Δ vs) to the "
              "same variant at the baseline of its --set values (the default, else the first "
              "given), over the seeds both have; wins: of those n seeds, where lower. lr: of the "
-             "lowest mean. Then the routes' numbers (routing_stats): entropy_norm_mean, the route "
-             "entropy normalised; js_mean, RD's route feeding the queries vs the values' (which, "
-             "in brackets), nats.", ""]
+             "lowest mean. Then the routes' numbers (routing_stats): "
+             + "; ".join(f"{k}, {number['about']}" for k, number in ROUTE_NUMBERS.items()) + ".",
+             ""]
     lines += [f"Left out: {note}" for note in notes] + [""] * bool(notes)
     for g, title in zip(groups, titles(groups)):
         unit, marks = prepare_data.LEVELS[g["level"]][0], g["milestones"]

@@ -524,7 +524,7 @@ def test_rd_frozen_v_keeps_the_value_route_at_its_init():
             assert not torch.allclose(r["weights"], start["weights"])
 
 
-def test_js_divergence_and_routing_stats_entropy_means_and_sources_of_any_name():
+def test_js_divergence_and_routing_stats_entropy_means_and_sources_of_any_name(monkeypatch):
     p, q = torch.softmax(torch.randn(5, 2, 7), 0), torch.softmax(torch.randn(5, 2, 7), 0)
     assert js_divergence(p, p) == pytest.approx(0.0, abs=1e-12)
     m = 0.5 * (p + q)
@@ -552,6 +552,10 @@ def test_js_divergence_and_routing_stats_entropy_means_and_sources_of_any_name()
     assert stats["entropy_reads"] == sorted(norms) and "layer0.attn" not in norms  # e alone
     assert stats["entropy_norm_mean"] == pytest.approx(sum(norms.values()) / len(norms))
     assert stats["sources"] == ["emb", "C0", "C0.phase", "C0.split", "P", "P.phase", "P.split"]
+    # a run-level number the report's heading would not define is refused where it is made
+    with monkeypatch.context() as m, pytest.raises(ValueError, match="entropy_norm_mean: define"):
+        m.setattr(diagnostics, "ROUTE_NUMBERS", dict(js_mean=diagnostics.ROUTE_NUMBERS["js_mean"]))
+        routing_stats(routes)
     # pool order, by block number not text: C2 before C10 (48 layers: ≤ 8 blocks, extensions
     # more); a new variant may record routes over sources named its own way ("stream", "A0"): the
     # diagnostics sort them after the blocks and say so, instead of failing on the name

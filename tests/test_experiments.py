@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import checkpoint
+import diagnostics
 import experiments
 import nanoroute
 import prepare_data
@@ -154,15 +155,22 @@ def test_the_baseline_is_its_row_naming_the_fewest_settings(tmp_path):
     assert rows["rd"]["delta"]["mean"] == pytest.approx(0.5)
 
 
-def test_an_entropy_mean_over_other_reads_is_said_to_be_one(tmp_path, capsys):
-    # a variant whose MLPs read no route of their own (parallel layers, say) averages other reads
+def test_a_mean_over_other_reads_is_said_to_be_one_and_each_number_defined(tmp_path, capsys,
+                                                                           monkeypatch):
+    # a variant whose MLPs read no route of their own (parallel layers, say) averages other reads;
+    # a number a user adds to ROUTE_NUMBERS is defined in the heading and named in the warning
+    monkeypatch.setitem(diagnostics.ROUTE_NUMBERS, "user_mean",
+                        dict(over_reads=True, about="a user's mean over reads"))
     for seed in (0, 1):
         hand_run(tmp_path, f"block_s{seed}", "block", seed, 2.0)
         hand_run(tmp_path, f"wav_s{seed}", "wav", seed, 1.9)
         hand_run(tmp_path, f"rd_s{seed}", "rd", seed, 1.8, reads=["layer1.attn", "readout"])
     text = run(experiments.main, ["report", tmp_path], capsys)[1]
-    assert "**WARNING: entropy_norm_mean is a mean over other reads in some rows** (block, wav: " \
-        "8 reads; rd: 2 reads): compare it only between rows of the same reads." in text
+    assert "**WARNING: entropy_norm_mean, user_mean: means over other reads in some rows** " \
+        "(block, wav: 8 reads; rd: 2 reads): compare them only between rows of the same " \
+        "reads." in text
+    assert "entropy_norm_mean, the route entropy normalised; js_mean, RD's route" in text
+    assert "; user_mean, a user's mean over reads." in text
     shutil.rmtree(tmp_path / "rd_s0")
     shutil.rmtree(tmp_path / "rd_s1")
     assert "other reads" not in run(experiments.main, ["report", tmp_path], capsys)[1]
