@@ -8,9 +8,8 @@ nanoroute: a minimal GPT whose residual stream is a choice of depth routing.
 
 Read top-down: config, Transformer pieces, the routing (pool, read, write, RD's routes, readout),
 the GPT, generation; below the banner, a generic fast kernel for the reads. What the routes say
-(routing_stats) is in diagnostics.py.
-"# SPEC: <section>" points to SPEC.md, "# choice:" to its list of choices the papers leave open;
-docs/routing.md says how to change the routing.
+(routing_stats) is in diagnostics.py. "# SPEC: <section>" points to SPEC.md, "# choice:" to its list
+of choices the papers leave open; docs/routing.md says how to change the routing.
 
 References:
 1) nanoGPT model.py, A. Karpathy: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -275,8 +274,9 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        # with a cache: prefill (empty cache) is causal; a single new token sees every cached key
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1,
+        # with a cache: prefill (empty cache) is causal; a single new token sees every cached key.
+        # Without one, a plain True: T > 1 is symbolic when torch.compile traces any length
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=cache is None or T > 1,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))

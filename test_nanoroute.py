@@ -1382,6 +1382,18 @@ def test_torch_compile_traces_every_routing_path_without_graph_breaks():
         torch.testing.assert_close(compiled(tokens())[0], masked, atol=1e-5, rtol=1e-5)
 
 
+def test_torch_compile_of_any_length_is_one_graph():
+    # crops of another length (a sequence-length warmup, say) compile the model again with the
+    # length dynamic, as dynamic=True does at once: attention's is_causal=T > 1, a symbolic bool
+    # there, broke the graph, then the trace
+    model, ref = make_model(**ATTNRES_MODES["block"]), make_model(**ATTNRES_MODES["block"])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    x = tokens()[:, :SEQ - 1]
+    with torch.no_grad():  # the eval path: the attention of training's, a shorter trace
+        torch.testing.assert_close(compiled(x)[0], ref(x)[0], atol=1e-5, rtol=1e-5)
+
+
 # --- Controls (SPEC: Controls): static routing, DenseFormer, multi-head depth reads, masks ---
 
 def parent(name):
