@@ -67,12 +67,16 @@ class StepSettings:
                              "--variants at --shape (a field of its own: a row of its VARIANTS)")
         self.settings, self.read = train.TrainSettings(**self.given), set()
         defaults = {name: field.default for name, field in nanoroute.CONFIG_FIELDS.items()}
+        refused = {}
         for v in variants:  # as train.py checks a run of each variant
             try:
                 train.check_settings(self.settings, 1, {**defaults, **model_fields(shape),
                                                         **VARIANTS[v]})
             except UsageError as e:
-                raise UsageError(f"{e}; here: leave {v} out of --variants") from None
+                refused[v] = str(e)
+        if refused:  # the variants to leave out, unless every one refuses it (a setting's error)
+            leave = f"; here: leave {', '.join(refused)} out of --variants"
+            raise UsageError(next(iter(refused.values())) + leave * (refused.keys() < {*variants}))
 
     def __getattr__(self, name):  # what the step reads of the settings
         self.read.add(name)
@@ -82,7 +86,9 @@ class StepSettings:
         unread = [f"--{name}" for name in self.given if name not in self.read]
         if unread:
             raise UsageError(f"{', '.join(unread)} after --: the timed step does not read it "
-                             "(bench.py's batch is its --shape's, its length --iters)")
+                             "(bench.py's batch is its --shape's, its length --iters; a value "
+                             "train_step sets on the model: set it where the models are built, "
+                             "bench.build and routing_time's main)")
 
 def build_parser():
     p = common.ArgumentParser(description=__doc__.strip().split("\n")[0],

@@ -322,7 +322,7 @@ class Run:
 
     def __post_init__(self):
         a, T = self.settings, self.config.sequence_len
-        self.tokens_per_step = a.batch_size * a.grad_accum * T
+        self.tokens_per_step = tokens_per_step(a, T)
         self.master, self.t_start = self.rank == 0, time.time()
         self.ctx = autocast(self.dtype, self.device)
         self.peak = peak_flops(self.device, self.dtype)  # for MFU, None if unknown: checked once
@@ -384,7 +384,12 @@ def budget_steps(a, T, progress):
     """--max_tokens as steps: those done, then enough of this batch's to reach the budget (rounded
     up: the run sees at least it), whatever the batch of the steps it resumes from."""
     left = max(0, a.max_tokens - progress["tokens"])
-    return progress["step"] + math.ceil(left / (a.batch_size * a.grad_accum * T))
+    return progress["step"] + math.ceil(left / tokens_per_step(a, T))
+
+def tokens_per_step(a, T):
+    """A step's tokens, which every token count reads (docs/training.md): --max_tokens' steps, the
+    milestones, tok/s, MFU, the training: line."""
+    return a.batch_size * a.grad_accum * T
 
 def setup(argv, stop):
     """Everything before the first step: settings, processes, data, model, --resume. None: a

@@ -180,6 +180,8 @@ def test_preset_shape_mfu_and_profile(tmp_path, monkeypatch, capsys):
     (["--", "--grad_clip", "-1"], "--grad_clip -1.0: must be at least 0"),
     (["--variants", "prenorm,block", "--", "--route_entropy_coef", "0.1"],
      "applies only to residual=attnres.*; here: leave prenorm out of --variants"),
+    # a value no variant can take is the setting's error: no variant is blamed
+    (["--variants", "prenorm,block", "--", "--lr", "nan"], "--lr nan: must be .*finite$"),
 ])
 def test_bad_input_is_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
