@@ -1346,15 +1346,21 @@ def test_no_tensor_is_built_from_python_data_per_read_and_constants_once_a_devic
         assert not nanoroute._constant(((2.0, -3.0),), torch.device("cpu")).is_inference()
 
 
-def test_embedding_dropout_is_on_in_training_only():
+def test_dropout_of_the_embedding_and_each_sublayers_output_is_on_in_training_only():
+    # docs/model.md: dropout on embeddings, attention and sublayer outputs (half of them zero here)
     model, seen = make_model(dropout=0.5), []
     model.drop.register_forward_hook(lambda mod, args, out: seen.append((args[0], out)))
     model(tokens())
     (e, dropped), = seen
     assert torch.equal(e, model.wte(tokens())) and (dropped == 0).float().mean() > 0.3  # embedding
+    x, rope = torch.randn(4, SEQ, 16), (model.rope_cos, model.rope_sin)
+    layer = model.layers[0]
+    for name, sublayer in (("attn", lambda: layer.attn(x, rope)), ("mlp", lambda: layer.mlp(x))):
+        assert 0.4 < (sublayer() == 0).float().mean() < 0.6, name
     model.eval()
     model(tokens())
     assert torch.equal(seen[-1][0], seen[-1][1])
+    assert (layer.attn(x, rope) == 0).sum() == 0 and (layer.mlp(x) == 0).sum() == 0
 
 
 def test_torch_compile_traces_every_routing_path_without_graph_breaks():
