@@ -238,6 +238,16 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     rows = (tmp_path / "failed" / "status.txt").read_text().splitlines()
     assert [row.split()[:2] for row in rows] == [[part, "3"] for part in ("tests", *runs)]
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    # on a GPU (its commands recorded here, none run): the GPU tests, gpu12, compiled by inductor
+    recorder, calls = tmp_path / "recording_python", tmp_path / "calls.txt"
+    recorder.write_text(f'#!/bin/sh\necho "$NANOROUTE_TEST_DEVICE $*" >> {calls}\n')
+    recorder.chmod(0o755)
+    subprocess.run(["bash", ROOT / "tools" / "gpu_check.sh", tmp_path / "gpu"],
+                   capture_output=True, env=dict(os.environ, PYTHON=str(recorder)))
+    tests, eager, compiled = calls.read_text().splitlines()[:3]
+    assert tests.startswith("cuda -m pytest") and tests.endswith("-m gpu")
+    assert "--device cuda --gen_tokens 0 --shape gpu12" in eager
+    assert "--shape gpu12" in compiled and "--compile --compile_backend inductor " in compiled
 
 
 def test_models_start_paired_memory_counts_no_buffer_and_a_fallback_is_said(tmp_path, capsys,

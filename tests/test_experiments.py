@@ -764,6 +764,14 @@ def test_ablate_matches_direct_evaluations_its_control_and_one_read(demo, block_
     assert all_row["delta"] == pytest.approx(evaluate(model, val, offsets, every) - base, abs=1e-6)
     assert len(all_row["random"]) == 4 and all_row["random_mean_std"][0] == pytest.approx(
         statistics.fmean(all_row["random"]))
+    # the controls are random_mask's of seeds 0..draws-1 (docs/experiments.md), scored directly
+    model.masked = {}
+    x = train.get_batch(val, offsets[0][:1], model.config.sequence_len, torch.device("cpu"))[0][0]
+    with torch.no_grad():
+        pools = {r["read"]: r["sources"] for r in model(x, return_routes=True)[2]}
+    for seed, delta in enumerate(all_row["random"]):
+        control = evaluate(model, val, offsets, experiments.random_mask(every, pools, seed))
+        assert delta == pytest.approx(control - base, abs=1e-6), seed
     assert (block_run / "ablate_best_mask-emb.png").exists() == HAS_MPL
     moved = tmp_path / "moved"  # a run whose data folder moved: found with --data
     moved.mkdir()
